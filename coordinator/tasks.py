@@ -1,0 +1,91 @@
+"""Prompt sources and task verifiers: where prompts come from and how rewards are computed.
+
+Rewards are always computed here, on the coordinator, from the completion text; a node never
+supplies a reward that counts (DESIGN.md §7, check 6).
+
+- :class:`ReverseTask`: the embedded default, a procedural task ("reverse ``abc``" → ``cba``) that
+  a tiny model learns from scratch with GRPO. Dense reward = fraction of positions right, EOS
+  included (pure 0/1 gives no signal from a random init: DESIGN.md §10).
+- :class:`JsonlMathTask` (in :mod:`coordinator.datasets`): GSM8K-style JSONL with ``math-verify``.
+
+A task is deterministic from ``(seed, index)``, so the prompt a lease carries is the coordinator's
+choice and can be re-derived on restart.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with what the verifier needs to score it."""
+
+    #: Stable id (unique within a task + seed), e.g. ``"reverse3:000123"``.
+    prompt_id: str
+    #: Text the tokenizer turns into prompt tokens.
+    prompt: str
+    #: Reference answer (never sent to nodes).
+    answer: str
+
+
+class Task(Protocol):
+    """A prompt source plus its verifier."""
+
+    name: str
+
+    def problem(self, index: int) -> Problem:
+        """The ``index``-th prompt of this task (deterministic)."""
+        ...
+
+    def reward(self, problem: Problem, completion: str, finished: bool) -> float:
+        """Reward in [0, 1] for ``completion``; ``finished`` means the model emitted EOS."""
+        ...
+
+    def exact(self, problem: Problem, completion: str, finished: bool) -> bool:
+        """True when the answer is fully right (reported as the success rate)."""
+        ...
+
+
+class ReverseTask:
+    """Reverse a random string of ``length`` characters over ``alphabet``."""
+
+    def __init__(self, length: int = 3, alphabet: str = "abcd", seed: int = 0) -> None:
+        if length < 1:
+            raise ValueError("reverse task: length must be at least 1")
+        if len(set(alphabet)) != len(alphabet) or not alphabet.isalpha():
+            raise ValueError(f"reverse task: alphabet {alphabet!r} must be distinct letters")
+        self.length = length
+        self.alphabet = alphabet
+        self.seed = seed
+        self.name = f"reverse{length}"
+
+    def problem(self, index: int) -> Problem:
+        rng = random.Random(f"{self.name}:{self.alphabet}:{self.seed}:{index}")
+        text = "".join(rng.choice(self.alphabet) for _ in range(self.length))
+        return Problem(prompt_id=f"{self.name}:{index:08d}", prompt=text, answer=text[::-1])
+
+    def reward(self, problem: Problem, completion: str, finished: bool) -> float:
+        target = problem.answer
+        right = sum(1 for a, b in zip(completion, target, strict=False) if a == b)
+        eos_right = finished and len(completion) == len(target)
+        return (right + int(eos_right)) / (len(target) + 1)
+
+    def exact(self, problem: Problem, completion: str, finished: bool) -> bool:
+        return finished and completion == problem.answer
+
+
+def make_task(name: str, seed: int = 0) -> Task:
+    """Task by name: ``reverse3`` / ``reverseN`` (embedded) or ``jsonl:PATH`` (math-verify)."""
+    if name.startswith("reverse"):
+        suffix = name.removeprefix("reverse") or "3"
+        if not suffix.isdigit():
+            raise ValueError(f"unknown task {name!r}: use reverse3, reverse4, ... or jsonl:PATH")
+        return ReverseTask(length=int(suffix), seed=seed)
+    if name.startswith("jsonl:"):
+        from coordinator.datasets import JsonlMathTask
+
+        return JsonlMathTask(name.removeprefix("jsonl:"), seed=seed)
+    raise ValueError(f"unknown task {name!r}: use reverse3, reverse4, ... or jsonl:PATH")

@@ -1,0 +1,77 @@
+"""torch state_dict <-> safetensors file bytes (the payload of a checkpoint manifest).
+
+The protocol layer only knows bytes; this module is the torch side. Tensors that share storage
+(tied weights such as ``lm_head.weight`` / ``model.embed_tokens.weight``) make
+``safetensors.torch.save`` fail, so every tensor after the first one on a given storage is cloned:
+both names are written, and ``load_state_dict`` restores the tie on a model that declares it.
+Never ``torch.load`` bytes from a peer: safetensors holds raw data, dtype and shape only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+__all__ = ["files_to_state_dict", "state_dict_to_files"]
+
+DEFAULT_FILE = "model.safetensors"
+
+
+def _untie(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors with no two sharing storage (shared ones cloned)."""
+    seen: set[tuple[int, str]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"state_dict[{name!r}] is a {type(tensor).__name__}, not a tensor")
+        t = tensor.detach().to("cpu")
+        storage = (t.untyped_storage().data_ptr(), str(t.device))
+        if storage in seen or not t.is_contiguous():
+            t = t.clone(memory_format=torch.contiguous_format)
+        seen.add(storage)
+        out[name] = t
+    return out
+
+
+def state_dict_to_files(
+    state_dict: Mapping[str, torch.Tensor], *, shard_bytes: int | None = None
+) -> dict[str, bytes]:
+    """Serialise a state_dict as safetensors bytes: ``{"model.safetensors": ...}``.
+
+    With ``shard_bytes``, tensors are packed in name order into files of about that size named
+    ``model-00001-of-0000N.safetensors`` (a tensor larger than ``shard_bytes`` gets its own file).
+    Output is deterministic for a given state_dict.
+    """
+    tensors = _untie(state_dict)
+    if shard_bytes is None:
+        return {DEFAULT_FILE: st_save(tensors, metadata={"format": "pt"})}
+    if shard_bytes <= 0:
+        raise ValueError("shard_bytes must be positive")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    n = len(shards)
+    return {
+        f"model-{i + 1:05d}-of-{n:05d}.safetensors": st_save(shard, metadata={"format": "pt"})
+        for i, shard in enumerate(shards)
+    }
+
+
+def files_to_state_dict(files: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
+    """Load safetensors bytes (one or more files) into one state_dict; duplicate names fail."""
+    out: dict[str, torch.Tensor] = {}
+    for file_name in sorted(files):
+        for name, tensor in st_load(files[file_name]).items():
+            if name in out:
+                raise ValueError(f"tensor {name!r} appears in more than one file ({file_name})")
+            out[name] = tensor
+    return out

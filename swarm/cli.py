@@ -1,0 +1,249 @@
+"""The ``swarm`` command line: one entry point for every role.
+
+``swarm --help`` must answer instantly, so this module imports only typer; each command imports its
+implementation (torch, hivemind, transformers, ...) inside its body, after the flags are parsed.
+
+Commands::
+
+    swarm demo                      local swarm on 127.0.0.1 (the main job)
+    swarm coordinator launch        start the control plane (DHT, RPC, seed, /status, /metrics)
+    swarm coordinator plan          print the capacity rule's numbers for a config and a node pool
+    swarm node run                  turn this machine into a contributor node
+    swarm trainer run               start the GRPO learner
+    swarm inspect                   show the swarm: nodes, versions, intake, capacity
+    swarm keygen PATH               create (or show) an Ed25519 key file and print its fingerprint
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    name="swarm",
+    help="rollout-swarm: a peer-to-peer rollout swarm for RL post-training of language models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+coordinator_app = typer.Typer(
+    help="Run or plan the coordinator (control plane).", no_args_is_help=True
+)
+node_app = typer.Typer(help="Run a contributor node.", no_args_is_help=True)
+trainer_app = typer.Typer(help="Run the GRPO learner.", no_args_is_help=True)
+app.add_typer(coordinator_app, name="coordinator")
+app.add_typer(node_app, name="node")
+app.add_typer(trainer_app, name="trainer")
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def demo(
+    nodes: Annotated[int, typer.Option(help="Number of honest contributor nodes.")] = 3,
+    staleness: Annotated[int, typer.Option("--staleness", "-S", help="Staleness bound S.")] = 2,
+    group_size: Annotated[int, typer.Option(help="Samples per prompt (G).")] = 8,
+    batch_prompts: Annotated[int, typer.Option(help="Prompts (groups) per learner step.")] = 32,
+    task: Annotated[
+        str, typer.Option(help="Task: reverse3, reverse4, ... or jsonl:PATH.")
+    ] = "reverse3",
+    model_dir: Annotated[
+        Path | None, typer.Option(help="Local HF model directory instead of the embedded model.")
+    ] = None,
+    byzantine: Annotated[
+        int, typer.Option(help="Add K misbehaving nodes (forged log-probs, wrong versions, ...).")
+    ] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the model init and the prompt stream.")] = 0,
+    target: Annotated[
+        float, typer.Option(help="Stop once the exact-match rate reaches this value.")
+    ] = 0.9,
+    time_limit: Annotated[float, typer.Option(help="Stop after this many seconds.")] = 300.0,
+    max_steps: Annotated[
+        int | None, typer.Option(help="Stop after this many learner steps.")
+    ] = None,
+    run_dir: Annotated[
+        Path | None,
+        typer.Option(help="Where logs, metrics and the plot go (default runs/demo-TIME)."),
+    ] = None,
+    live: Annotated[bool, typer.Option(help="Show the live view (off: plain log lines).")] = True,
+) -> None:
+    """Start a real local swarm (separate processes on 127.0.0.1) and train the embedded default."""
+    from swarm.demo import DemoOptions, run_demo
+
+    try:
+        opts = DemoOptions(
+            nodes=nodes,
+            staleness=staleness,
+            group_size=group_size,
+            batch_prompts=batch_prompts,
+            task=task,
+            model_dir=model_dir,
+            byzantine=byzantine,
+            seed=seed,
+            target=target,
+            time_limit=time_limit,
+            max_steps=max_steps,
+            run_dir=run_dir,
+            live=live,
+        )
+    except ValueError as exc:
+        _fail(str(exc))
+    raise typer.Exit(run_demo(opts))
+
+
+@coordinator_app.command("launch")
+def coordinator_launch(
+    config: Annotated[Path | None, typer.Option(help="coordinator TOML config.")] = None,
+    host: Annotated[
+        str | None, typer.Option(help="Listen host for libp2p (overrides config).")
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="Listen TCP port for libp2p (0 = any).")] = None,
+    http_port: Annotated[int | None, typer.Option(help="Port of /status and /metrics.")] = None,
+    state_dir: Annotated[
+        Path | None, typer.Option(help="Directory for keys, SQLite, checkpoints.")
+    ] = None,
+) -> None:
+    """Start the control plane and print the multiaddr and key fingerprint nodes need."""
+    from coordinator.service import launch_from_cli
+
+    raise typer.Exit(
+        launch_from_cli(
+            config=config, host=host, port=port, http_port=http_port, state_dir=state_dir
+        )
+    )
+
+
+@coordinator_app.command("plan")
+def coordinator_plan(
+    config: Annotated[Path | None, typer.Option(help="coordinator TOML config.")] = None,
+    pool: Annotated[
+        Path | None,
+        typer.Option(help="JSON list of nodes: {id, rollouts_per_s, price_per_hour, reliability}."),
+    ] = None,
+    t_train: Annotated[float | None, typer.Option(help="Seconds per learner step.")] = None,
+    t_bcast: Annotated[float | None, typer.Option(help="Checkpoint dissemination seconds.")] = None,
+) -> None:
+    """Print the capacity rule (DESIGN §9) and the cheapest sufficient active set for a pool."""
+    from coordinator.planning_cli import plan_from_cli
+
+    raise typer.Exit(plan_from_cli(config=config, pool=pool, t_train=t_train, t_bcast=t_bcast))
+
+
+@node_app.command("run")
+def node_run(
+    coordinator: Annotated[
+        str | None, typer.Option(help="Coordinator multiaddr (/ip4/.../tcp/.../p2p/...).")
+    ] = None,
+    coordinator_key: Annotated[
+        str | None, typer.Option(help="Pinned coordinator key fingerprint (ed25519:...).")
+    ] = None,
+    backend: Annotated[str | None, typer.Option(help="auto, hf, vllm (fake: tests only).")] = None,
+    price_per_hour: Annotated[
+        float | None, typer.Option(help="Asking price, USD per hour.")
+    ] = None,
+    config: Annotated[Path | None, typer.Option(help="node TOML config.")] = None,
+    state_dir: Annotated[
+        Path | None, typer.Option(help="Directory for key, cache, checkpoints.")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option(help="Print what this node would advertise and exit.")
+    ] = False,
+) -> None:
+    """Join the swarm, advertise this machine, pull leases and generate rollouts."""
+    from node.main import run_from_cli
+
+    raise typer.Exit(
+        run_from_cli(
+            coordinator=coordinator,
+            coordinator_key=coordinator_key,
+            backend=backend,
+            price_per_hour=price_per_hour,
+            config=config,
+            state_dir=state_dir,
+            dry_run=dry_run,
+        )
+    )
+
+
+@trainer_app.command("run")
+def trainer_run(
+    config: Annotated[Path | None, typer.Option(help="trainer TOML config.")] = None,
+    coordinator: Annotated[str | None, typer.Option(help="Coordinator multiaddr.")] = None,
+    coordinator_key: Annotated[
+        str | None, typer.Option(help="Pinned coordinator key fingerprint.")
+    ] = None,
+    state_dir: Annotated[
+        Path | None, typer.Option(help="Directory for checkpoints and metrics.")
+    ] = None,
+) -> None:
+    """Consume verified rollouts, train with GRPO, publish checkpoints every kappa steps."""
+    from trainer.main import run_from_cli
+
+    raise typer.Exit(
+        run_from_cli(
+            config=config,
+            coordinator=coordinator,
+            coordinator_key=coordinator_key,
+            state_dir=state_dir,
+        )
+    )
+
+
+@app.command()
+def inspect(
+    peer: Annotated[
+        str | None, typer.Option(help="Multiaddr of any peer of the swarm (e.g. the coordinator).")
+    ] = None,
+    run_dir: Annotated[
+        Path | None, typer.Option(help="A `swarm demo` run folder: read the peer address from it.")
+    ] = None,
+    watch: Annotated[bool, typer.Option(help="Refresh until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option(help="Refresh period for --watch, seconds.")] = 2.0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+    timeout: Annotated[
+        float, typer.Option(help="Give up on the swarm after this many seconds.")
+    ] = 20.0,
+) -> None:
+    """Join the DHT as a client and show nodes, versions, intake and capacity."""
+    from swarm.inspect import run_inspect
+
+    raise typer.Exit(
+        run_inspect(
+            peer=peer,
+            run_dir=run_dir,
+            watch=watch,
+            interval=interval,
+            json_out=json_out,
+            timeout=timeout,
+        )
+    )
+
+
+@app.command()
+def keygen(path: Annotated[Path, typer.Argument(help="Key file to create or read.")]) -> None:
+    """Create an Ed25519 key file (mode 0600) if missing, and print its fingerprint."""
+    from protocol.identity import Identity
+
+    try:
+        ident = Identity.load_or_create(path)
+    except (OSError, ValueError) as exc:
+        _fail(str(exc))
+    typer.echo(ident.fingerprint)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

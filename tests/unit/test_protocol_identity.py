@@ -1,0 +1,74 @@
+"""Ed25519 identities: key files, fingerprints, signatures."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from protocol.errors import KeyFileError
+from protocol.identity import (
+    Identity,
+    fingerprint_of,
+    parse_fingerprint,
+    short_fingerprint,
+    verify_signature,
+)
+
+
+def test_key_file_is_created_0600_and_reloads_to_the_same_identity(tmp_path: Path) -> None:
+    path = tmp_path / "keys" / "node.key"
+    first = Identity.load_or_create(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) & 0o077 == 0
+    again = Identity.load_or_create(path)
+    assert again.fingerprint == first.fingerprint
+    assert Identity.load(path).public_key == first.public_key
+    assert [p.name for p in path.parent.iterdir()] == ["node.key"]  # no temp files left
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660])
+def test_permissive_key_file_is_refused_with_a_fix(tmp_path: Path, mode: int) -> None:
+    path = tmp_path / "node.key"
+    Identity.load_or_create(path)
+    os.chmod(path, mode)
+    with pytest.raises(KeyFileError, match="chmod 600"):
+        Identity.load_or_create(path)
+
+
+def test_garbage_and_missing_key_files(tmp_path: Path) -> None:
+    with pytest.raises(KeyFileError, match="does not exist"):
+        Identity.load(tmp_path / "missing.key")
+    bad = tmp_path / "bad.key"
+    bad.write_bytes(b"not a key")
+    os.chmod(bad, 0o600)
+    with pytest.raises(KeyFileError, match="not an unencrypted PEM"):
+        Identity.load(bad)
+
+
+def test_fingerprint_format_and_parsing() -> None:
+    ident = Identity.from_private_bytes(bytes(32))
+    fp = ident.fingerprint
+    assert fp == fingerprint_of(ident.public_key)
+    assert fp.startswith("ed25519:") and len(fp) == 8 + 52
+    assert fp[8:].isalnum() and fp == fp.lower()
+    assert short_fingerprint(fp) == fp[:20] == ident.short_fingerprint
+    assert parse_fingerprint(f"  {fp.upper()} ") == fp
+    assert parse_fingerprint(fp[8:]) == fp
+    for bad in ["", "ed25519:abc", fp + "a", fp[:-1] + "1", "rsa:" + fp[8:]]:
+        with pytest.raises(ValueError, match="not a node fingerprint"):
+            parse_fingerprint(bad)
+    assert Identity.generate().fingerprint != fp
+
+
+def test_sign_and_verify() -> None:
+    ident = Identity.generate()
+    sig = ident.sign(b"hello")
+    assert len(sig) == 64 and len(ident.public_key) == 32
+    assert verify_signature(ident.public_key, sig, b"hello")
+    assert not verify_signature(ident.public_key, sig, b"hellO")
+    assert not verify_signature(Identity.generate().public_key, sig, b"hello")
+    assert not verify_signature(ident.public_key[:31], sig, b"hello")
+    assert not verify_signature(ident.public_key, sig[:63], b"hello")
