@@ -184,7 +184,10 @@ def load_config(spec: ModelSpec) -> PretrainedConfig:
         return tiny_config()
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(_model_dir(spec)), local_files_only=True)
+    config: PretrainedConfig = AutoConfig.from_pretrained(
+        str(_model_dir(spec)), local_files_only=True
+    )
+    return config
 
 
 def build_model(spec: ModelSpec, *, seed: int = 0) -> PreTrainedModel:
@@ -196,12 +199,14 @@ def build_model(spec: ModelSpec, *, seed: int = 0) -> PreTrainedModel:
     dtype = getattr(torch, spec.dtype)
     if spec.path is None:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(tiny_config(), dtype=dtype)
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            tiny_config(), dtype=dtype
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(
             str(_model_dir(spec)), local_files_only=True, dtype=dtype
         )
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]
     return model
 
 

@@ -369,6 +369,9 @@ class FetchRollouts(MessageBase):
     max_rollouts: Annotated[int, Meta(ge=1, le=L.MAX_BATCH_ROLLOUTS)]  # batch size cap
     min_policy_version: U64 | None  # skip older rollouts; None = no filter
     wait_s: Finite  # long-poll up to this many seconds when none are ready, in [0, 3600]
+    # learner figures the coordinator re-exports on /status (step, idle fraction, staleness
+    # histogram, ...); same bounded shape as StatusResponse.status; empty = nothing to report
+    trainer_stats: Annotated[dict[Name, StatusValue], Meta(max_length=L.MAX_STATUS_KEYS)] = {}
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -108,13 +108,21 @@ def coordinator_launch(
     state_dir: Annotated[
         Path | None, typer.Option(help="Directory for keys, SQLite, checkpoints.")
     ] = None,
+    trainer_key: Annotated[
+        str | None, typer.Option(help="Fingerprint of the trainer allowed to publish/fetch.")
+    ] = None,
 ) -> None:
     """Start the control plane and print the multiaddr and key fingerprint nodes need."""
     from coordinator.service import launch_from_cli
 
     raise typer.Exit(
         launch_from_cli(
-            config=config, host=host, port=port, http_port=http_port, state_dir=state_dir
+            config=config,
+            host=host,
+            port=port,
+            http_port=http_port,
+            state_dir=state_dir,
+            trainer_key=trainer_key,
         )
     )
 

@@ -1,0 +1,20 @@
+"""The lightweight coordinator: prompts, leases, verification, durable state, capacity planning.
+
+Modules (transport-independent core; the network service is built on :class:`core.Coordinator`):
+
+- :mod:`coordinator.core`       ``Coordinator``: register / heartbeat / request_lease / submit /
+                                release / fetch_rollouts / publish_version / status / tick
+- :mod:`coordinator.config`     ``CoordinatorConfig`` (pydantic, TOML via ``load_config``)
+- :mod:`coordinator.errors`     ``Rejection`` / ``IntakeRejection`` (wire reason codes),
+                                ``ConfigError``, ``StoreError``
+- :mod:`coordinator.tasks`      prompt sources and reward verifiers (``ReverseTask``, ``make_task``)
+- :mod:`coordinator.datasets`   ``JsonlMathTask``: GSM8K-style JSONL + math-verify, hard timeout
+- :mod:`coordinator.store`      SQLite (WAL, synchronous=FULL): nodes, leases, prompts, rollouts,
+                                verdicts, strikes, bans, versions, meta
+- :mod:`coordinator.records`    row dataclasses of the store (``LeaseRecord``, ``RolloutRow``, ...)
+- :mod:`coordinator.leases`     ``LeaseManager``: the lease state machine (injected clock)
+- :mod:`coordinator.intake`     verification checks 3–7 of DESIGN.md §7 (``Intake``)
+- :mod:`coordinator.logprobs`   ``LogprobVerifier`` protocol, ``InProcessLogprobVerifier``
+- :mod:`coordinator.reputation` strikes and bans with growing back-off
+- :mod:`coordinator.capacity`   overlap rule, staleness feasibility, cost-aware activation (pure)
+"""

@@ -1,0 +1,249 @@
+"""Typed coordinator configuration, loaded from TOML (``load_config``).
+
+Every field has a description (it becomes ``--help`` text); unknown keys are rejected
+(``extra="forbid"``) and cross-field rules fail at load with the field named. The checked-in
+``coordinator/coordinator.example.toml`` documents every option and is loaded by a test.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from coordinator.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Tolerance(_Section):
+    """How closely a node's behaviour log-probs must match the coordinator's fp32 re-score."""
+
+    metric: Literal["max_abs", "median_rel"] = Field(
+        description="max_abs: largest |Δ logprob|; median_rel: median exp(|Δ|)−1 (GRAIL)"
+    )
+    threshold: float = Field(gt=0, description="Reject when the metric exceeds this value")
+
+
+def _default_tolerances() -> dict[str, Tolerance]:
+    return {
+        "*/float32": Tolerance(metric="max_abs", threshold=1e-3),
+        "*/bfloat16": Tolerance(metric="median_rel", threshold=0.10),
+        "*/float16": Tolerance(metric="median_rel", threshold=0.10),
+    }
+
+
+class SamplingSection(_Section):
+    """Sampling parameters every lease carries (the whole swarm samples alike)."""
+
+    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass (1 = off)")
+    top_k: int = Field(default=0, ge=0, description="Top-k cut-off (0 = off)")
+    max_new_tokens: int = Field(default=8, ge=1, description="Completion length cap in tokens")
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="Token ids that end a sample besides EOS"
+    )
+
+
+class LeaseSection(_Section):
+    """Lease sizing and deadlines (DESIGN.md §6)."""
+
+    min_deadline_s: float = Field(
+        default=30.0, gt=0, description="Shortest lease deadline in seconds"
+    )
+    deadline_slack: float = Field(
+        default=3.0,
+        ge=1,
+        description="k in deadline = now + max(min_s, k · expected tokens / tokens_per_s)",
+    )
+    target_lease_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Lease size aims at this much generation time on the node (seconds)",
+    )
+    max_prompts_per_lease: int = Field(
+        default=64, ge=1, description="Upper bound on prompts in one lease"
+    )
+    default_tokens_per_s: float = Field(
+        default=50.0, gt=0, description="Assumed throughput (tokens/s) of a node not yet measured"
+    )
+    throughput_ewma: float = Field(
+        default=0.3,
+        gt=0,
+        le=1,
+        description="Weight of a new throughput measurement in the running mean",
+    )
+
+
+class IntakeSection(_Section):
+    """Verification of submitted rollouts (DESIGN.md §7)."""
+
+    spot_check_fraction: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="Fraction of leases whose log-probs are re-scored (0 = off)",
+    )
+    spot_check_max_samples: int = Field(
+        default=8, ge=1, description="Samples re-scored per spot-checked lease"
+    )
+    tolerances: dict[str, Tolerance] = Field(
+        default_factory=_default_tolerances,
+        description='Per "backend/dtype" tolerance ("*" matches any backend)',
+    )
+
+
+class ReputationSection(_Section):
+    """Strikes and bans (DESIGN.md §7)."""
+
+    strikes_to_ban: int = Field(default=3, ge=1, description="Strikes that trigger a ban")
+    strike_window_s: float = Field(
+        default=3600.0, gt=0, description="Strikes older than this (seconds) no longer count"
+    )
+    ban_base_s: float = Field(default=60.0, gt=0, description="First ban length in seconds")
+    ban_max_s: float = Field(
+        default=86400.0, gt=0, description="Longest ban in seconds (back-off cap)"
+    )
+
+
+class CapacitySection(_Section):
+    """Capacity model and cost-aware activation (DESIGN.md §9)."""
+
+    batch_rollouts: int = Field(
+        default=256, ge=1, description="B: rollouts consumed per learner step"
+    )
+    t_train_s: float = Field(default=1.0, gt=0, description="T_train: seconds per learner step")
+    t_bcast_s: float = Field(
+        default=0.0, ge=0, description="T_bcast: checkpoint dissemination time estimate (seconds)"
+    )
+    headroom: float = Field(
+        default=0.2, ge=0, description="Extra capacity above the rule (0.2 = +20%)"
+    )
+    activation: bool = Field(
+        default=True, description="Put nodes beyond the cheapest sufficient set on standby"
+    )
+
+
+class NetworkSection(_Section):
+    """Where the coordinator listens and whom it trusts (used by ``coordinator.service``)."""
+
+    host: str = Field(default="127.0.0.1", description="libp2p listen host (0.0.0.0 = public)")
+    port: int = Field(default=0, ge=0, le=65535, description="libp2p listen TCP port (0 = any)")
+    announce_maddrs: list[str] = Field(
+        default_factory=list, description="Public multiaddrs to announce (port forwarding, NAT)"
+    )
+    http_host: str = Field(default="127.0.0.1", description="Host of /status and /metrics")
+    http_port: int = Field(
+        default=0, ge=0, le=65535, description="Port of /status and /metrics (0 = any free port)"
+    )
+    trainer_key: str | None = Field(
+        default=None,
+        description="Fingerprint (ed25519:...) of the trainer allowed to publish and fetch",
+    )
+    upload_rate_mb_s: float | None = Field(
+        default=None, gt=0, description="Cap on this peer's checkpoint upload rate (MB/s)"
+    )
+    request_timeout_s: float = Field(
+        default=30.0, gt=0, description="Deadline of one incoming RPC (read + handle + write)"
+    )
+
+
+class CoordinatorConfig(_Section):
+    """Everything the coordinator core needs; the network service adds its own section later."""
+
+    db_path: Path = Field(
+        default=Path("coordinator-data/state.sqlite"), description="SQLite state file (WAL mode)"
+    )
+    task: str = Field(
+        default="reverse3", description='Task: "reverse3", "reverseN" or "jsonl:PATH"'
+    )
+    task_seed: int = Field(default=0, ge=0, description="Seed of the prompt order")
+    model_path: str | None = Field(
+        default=None, description="Local HF model directory; unset = embedded tiny default"
+    )
+    group_size: int = Field(default=8, ge=1, description="G: samples per prompt (one GRPO group)")
+    staleness_bound: int = Field(
+        default=4, ge=1, description="S: oldest usable version is current − S"
+    )
+    publish_every: int | None = Field(
+        default=None,
+        ge=1,
+        description="κ: learner steps between published versions (default S − 1)",
+    )
+    heartbeat_interval_s: float = Field(
+        default=10.0, gt=0, description="Nodes send a heartbeat this often (seconds)"
+    )
+    heartbeat_misses: int = Field(
+        default=3, ge=1, description="A node missing this many heartbeats counts as gone"
+    )
+    sampling: SamplingSection = Field(
+        default_factory=lambda: SamplingSection(), description="Sampling"
+    )
+    leases: LeaseSection = Field(default_factory=lambda: LeaseSection(), description="Leases")
+    intake: IntakeSection = Field(
+        default_factory=lambda: IntakeSection(), description="Verification"
+    )
+    reputation: ReputationSection = Field(
+        default_factory=lambda: ReputationSection(), description="Strikes and bans"
+    )
+    capacity: CapacitySection = Field(
+        default_factory=lambda: CapacitySection(), description="Capacity model"
+    )
+    network: NetworkSection = Field(
+        default_factory=lambda: NetworkSection(), description="Network and trust"
+    )
+
+    @property
+    def kappa(self) -> int:
+        """κ, with its default S − 1 (at least 1)."""
+        if self.publish_every is not None:
+            return self.publish_every
+        return max(1, self.staleness_bound - 1)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> CoordinatorConfig:
+        s = self.staleness_bound
+        if self.publish_every is not None and self.publish_every > max(1, s - 1):
+            raise ValueError(
+                f"publish_every={self.publish_every} must be <= staleness_bound − 1 = {s - 1}: "
+                "results generated on a version must still be usable when the next one lands"
+            )
+        if self.reputation.ban_max_s < self.reputation.ban_base_s:
+            raise ValueError("reputation.ban_max_s must be >= reputation.ban_base_s")
+        if self.leases.min_deadline_s < self.heartbeat_interval_s:
+            raise ValueError(
+                f"leases.min_deadline_s={self.leases.min_deadline_s} must be >= "
+                f"heartbeat_interval_s={self.heartbeat_interval_s}"
+            )
+        for key in self.intake.tolerances:
+            if key.count("/") != 1:
+                raise ValueError(f'intake.tolerances key {key!r} must look like "backend/dtype"')
+        return self
+
+
+def load_config(path: str | Path) -> CoordinatorConfig:
+    """Read and validate a coordinator TOML file; raises :class:`ConfigError` naming the field."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{p}: no such config file; copy coordinator.example.toml") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
+    return parse_config(data, source=str(p))
+
+
+def parse_config(data: dict[str, object], *, source: str = "<config>") -> CoordinatorConfig:
+    """Validate a mapping (e.g. parsed TOML merged with CLI overrides)."""
+    try:
+        return CoordinatorConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "(top level)"
+        msg = first["msg"].removeprefix("Value error, ")
+        more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise ConfigError(f"{source}: {where}: {msg}{more}") from exc

@@ -1,0 +1,478 @@
+"""The transport-independent coordinator: one object the network service calls into.
+
+:class:`Coordinator` ties together the store, lease state machine, intake pipeline, reputation and
+capacity planner. Its methods take decoded protocol messages plus the signer's public key (from the
+envelope) and return protocol messages. Refusals raise :class:`~coordinator.errors.Rejection`
+(the service answers ``Reject(code, detail)``), except :meth:`submit`, which returns the verdict
+(``Ack`` or ``Reject``) because verdicts are stored and replayed to an identical re-send.
+
+Every state change is committed to SQLite before the method returns. Time comes from the injected
+``clock`` (Unix seconds), so tests drive leases and bans without sleeping. Call :meth:`tick`
+periodically (expiry, re-planning).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from coordinator.capacity import NodeCapacity, Plan, plan_activation
+from coordinator.config import CoordinatorConfig
+from coordinator.errors import IntakeRejection, Rejection
+from coordinator.intake import Intake, IntakeContext, IntakeMetrics, PromptSlot
+from coordinator.leases import LeaseManager
+from coordinator.logprobs import LogprobVerifier
+from coordinator.reputation import Reputation
+from coordinator.store import ACK, LeaseRecord, NodeRecord, RolloutRow, Store, Verdict
+from coordinator.tasks import Task
+from node.model import Tokenizer
+from protocol.codec import encode
+from protocol.envelope import ReplayGuard, open_envelope
+from protocol.errors import ReasonCode
+from protocol.identity import fingerprint_of
+from protocol.manifest import verify_manifest
+from protocol.messages import (
+    AcceptedRollout,
+    Ack,
+    CapabilityAdvert,
+    Heartbeat,
+    HeartbeatAck,
+    Lease,
+    LeaseRequest,
+    Manifest,
+    PromptItem,
+    Register,
+    RegisterAck,
+    Reject,
+    RolloutBatch,
+    RolloutSubmission,
+    SamplingParams,
+    SignedEnvelope,
+    Standby,
+    pack_logprobs,
+    pack_tokens,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Coordinator:
+    """Core state machine of the control plane (no sockets)."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        *,
+        store: Store,
+        task: Task,
+        tokenizer: Tokenizer,
+        clock: Callable[[], float] = time.time,
+        verifier: LogprobVerifier | None = None,
+        publisher_key: bytes | None = None,
+        registry: CollectorRegistry | None = None,
+        replay: ReplayGuard | None = None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.task = task
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self.publisher_key = publisher_key
+        self.replay = replay if replay is not None else ReplayGuard()
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.leases = LeaseManager(
+            store,
+            config.leases,
+            clock=clock,
+            group_size=config.group_size,
+            max_new_tokens=config.sampling.max_new_tokens,
+        )
+        self.reputation = Reputation(store, config.reputation)
+        self.metrics = IntakeMetrics(self.registry)
+        self.intake = Intake(
+            task,
+            tokenizer,
+            verifier=verifier,
+            secret=store.secret(),
+            spot_check_fraction=config.intake.spot_check_fraction,
+            spot_check_max_samples=config.intake.spot_check_max_samples,
+            metrics=self.metrics,
+        )
+        self._g_active = Gauge(
+            "swarm_nodes_active", "Nodes in the active set", registry=self.registry
+        )
+        self._g_version = Gauge(
+            "swarm_policy_version", "Latest published version", registry=self.registry
+        )
+        self.t_bcast_s = config.capacity.t_bcast_s
+        self.plan: Plan | None = None
+        self.leases.expire_due()
+        outstanding = self.leases.outstanding()
+        if outstanding:
+            log.info(
+                "resuming with %d outstanding leases (honoured until their deadline)",
+                len(outstanding),
+            )
+        self.replan()
+
+    # --- identity and admission ------------------------------------------------------------------
+    def open(self, env: SignedEnvelope, type_: type[T]) -> tuple[bytes, T]:
+        """Check 2: signature, replay window, and (except for Register) a known, unbanned node."""
+        msg = open_envelope(env, type_, now=self.clock(), replay=self.replay)
+        if not isinstance(msg, Register):
+            self._admit(env.signer)
+        return env.signer, msg
+
+    def _admit(self, node_key: bytes) -> NodeRecord:
+        node = self.store.get_node(node_key)
+        if node is None:
+            raise Rejection(
+                ReasonCode.UNKNOWN_NODE, f"{fingerprint_of(node_key)} must register first"
+            )
+        ban = self.reputation.banned(node_key, self.clock())
+        if ban is not None:
+            raise Rejection(
+                ReasonCode.BANNED,
+                f"banned for {ban.until - self.clock():.0f}s more (ban #{ban.count}: {ban.reason})",
+            )
+        return node
+
+    def register(self, node_key: bytes, advert: CapabilityAdvert) -> RegisterAck:
+        now = self.clock()
+        if advert.node_key != node_key:
+            raise Rejection(ReasonCode.SCHEMA, "advert.node_key differs from the envelope signer")
+        if self.reputation.banned(node_key, now) is not None:
+            self._admit(node_key)  # raises banned
+        old = self.store.get_node(node_key)
+        self.store.upsert_node(
+            NodeRecord(
+                node_key=node_key,
+                fingerprint=fingerprint_of(node_key),
+                advert=encode(advert),
+                registered_at=old.registered_at if old else now,
+                last_seen=now,
+                tokens_per_s=old.tokens_per_s
+                if old and old.tokens_per_s
+                else advert.tokens_per_s or None,
+                rollouts_per_s=old.rollouts_per_s if old and old.rollouts_per_s else None,
+                price_per_hour=advert.price_per_hour,
+                backend=advert.backend,
+                dtype=advert.dtype,
+                leases_completed=old.leases_completed if old else 0,
+                leases_expired=old.leases_expired if old else 0,
+            )
+        )
+        self.replan()
+        return RegisterAck(
+            node_fingerprint=fingerprint_of(node_key),
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            current_policy_version=self.store.latest_version(),
+            server_time=now,
+        )
+
+    def heartbeat(self, node_key: bytes, hb: Heartbeat) -> HeartbeatAck:
+        self._admit(node_key)
+        now = self.clock()
+        self.store.update_node(node_key, last_seen=now)
+        return HeartbeatAck(
+            server_time=now,
+            current_policy_version=self.store.latest_version(),
+            active=self.is_active(node_key),
+        )
+
+    # --- leases ----------------------------------------------------------------------------------
+    def request_lease(self, node_key: bytes, req: LeaseRequest) -> Lease | Standby:
+        node = self._admit(node_key)
+        self.store.update_node(node_key, last_seen=self.clock())
+        self.leases.expire_due()
+        version = self.store.latest_version()
+        if version is None:
+            return Standby(retry_after_s=5.0, reason="no policy version published yet")
+        if not self.is_active(node_key):
+            return Standby(
+                retry_after_s=self.config.heartbeat_interval_s,
+                reason="standby: the active set covers the learner's demand",
+            )
+        lease = self.leases.issue(
+            node_key, version=version, tokens_per_s=node.tokens_per_s, max_prompts=req.max_prompts
+        )
+        s = self.config.sampling
+        return Lease(
+            lease_id=lease.lease_id,
+            epoch=lease.epoch,
+            policy_version=version,
+            prompts=[
+                PromptItem(prompt_id=slot.problem.prompt_id, token_ids=pack_tokens(slot.token_ids))
+                for slot in self._slots(lease).values()
+            ],
+            group_size=lease.group_size,
+            sampling=SamplingParams(
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                max_new_tokens=lease.max_new_tokens,
+                stop_token_ids=list(s.stop_token_ids),
+                seed=lease.epoch,
+            ),
+            issued_at=lease.issued_at,
+            deadline=lease.deadline,
+        )
+
+    def release(self, node_key: bytes, lease_id: str, epoch: int) -> list[int]:
+        """A draining node gives a lease back; its prompts are reassignable at once."""
+        self._admit(node_key)
+        return self.leases.release(node_key, lease_id, epoch)
+
+    def _slots(self, lease: LeaseRecord) -> dict[str, PromptSlot]:
+        slots = {}
+        for index in lease.prompts:
+            problem = self.task.problem(index)
+            ids = tuple(self.tokenizer.encode_prompt(problem.prompt))
+            slots[problem.prompt_id] = PromptSlot(index, problem, ids)
+        return slots
+
+    # --- rollouts --------------------------------------------------------------------------------
+    async def submit(self, node_key: bytes, sub: RolloutSubmission) -> Ack | Reject:
+        """Verify and store a submission; durable before returning. Same bytes → same verdict."""
+        digest = hashlib.sha256(encode(sub)).digest()
+        try:
+            self._admit(node_key)
+            self.leases.expire_due()
+            lease = self.leases.check_holder(node_key, sub.lease_id, sub.epoch)
+        except Rejection as exc:
+            return self._refuse(node_key, sub.lease_id, exc)
+        stored = self.store.get_verdict(lease.lease_id, digest)
+        if stored is not None:
+            return _message(lease.lease_id, stored)
+        open_prompts = self.leases.open_prompts(lease)
+        if not open_prompts:
+            return self._closed(node_key, lease, digest)
+        ctx = self._context(node_key, lease, frozenset(open_prompts))
+        try:
+            accepted = await self.intake.verify(sub, ctx)
+        except IntakeRejection as exc:
+            return self._refuse(node_key, lease.lease_id, exc, digest)
+        now = self.clock()
+        with self.store.transaction():
+            stored = self.store.get_verdict(lease.lease_id, digest)
+            if stored is not None:  # an identical submission won the race
+                return _message(lease.lease_id, stored)
+            still_open = self.leases.open_prompts(lease)
+            rows = [a for a in accepted if a.prompt_index in still_open]
+            if not rows:
+                return self._closed(node_key, lease, digest)
+            self.store.insert_rollouts(
+                [
+                    RolloutRow(
+                        lease.lease_id,
+                        a.prompt_index,
+                        a.sample_index,
+                        node_key,
+                        sub.policy_version,
+                        a.prompt_id,
+                        pack_tokens(a.prompt_tokens),
+                        pack_tokens(a.completion_tokens),
+                        pack_logprobs(a.logprobs),
+                        a.finish_reason,
+                        a.reward,
+                        a.exact,
+                        now,
+                        lease.group_size,
+                    )
+                    for a in rows
+                ]
+            )
+            prompts = sorted({a.prompt_index for a in rows})
+            tokens = sum(len(a.completion_tokens) for a in rows)
+            self.leases.record_result(lease, prompts, tokens=tokens, samples=len(rows))
+            skipped = len(sub.groups) - len(prompts)
+            verdict = Verdict(
+                ACK, f"{len(rows)} samples of {len(prompts)} prompts accepted; {skipped} groups "
+                "were already completed elsewhere", len(rows), skipped,
+            )  # fmt: skip
+            self.store.put_verdict(lease.lease_id, digest, verdict, now)
+        self.metrics.accepted.inc(len(rows))
+        return _message(lease.lease_id, verdict)
+
+    def _context(
+        self, node_key: bytes, lease: LeaseRecord, open_prompts: frozenset[int]
+    ) -> IntakeContext:
+        current = self.store.latest_version()
+        s = self.config.staleness_bound
+        known = frozenset(self.store.versions())
+        return IntakeContext(
+            node_key=node_key,
+            lease=lease,
+            slots=self._slots(lease),
+            open_prompts=open_prompts,
+            known_versions=known,
+            current_version=current,
+            staleness_bound=s,
+            vocab_size=self.tokenizer.vocab_size,
+            eos_token_id=self.tokenizer.eos_token_id,
+            stop_token_ids=frozenset(self.config.sampling.stop_token_ids),
+        )
+
+    def _closed(self, node_key: bytes, lease: LeaseRecord, digest: bytes) -> Reject:
+        """Every prompt of the lease is already done: duplicate (or late, for an expired lease)."""
+        if lease.state == "expired":
+            exc = Rejection(
+                ReasonCode.LEASE_EXPIRED,
+                f"lease {lease.lease_id} expired and its prompts were completed by other leases",
+            )
+        else:
+            exc = Rejection(ReasonCode.DUPLICATE, f"lease {lease.lease_id} is already complete")
+        result = self._refuse(node_key, lease.lease_id, exc, digest)
+        assert isinstance(result, Reject)
+        return result
+
+    def _refuse(
+        self, node_key: bytes, ref: str, exc: Rejection, digest: bytes | None = None
+    ) -> Reject:
+        now = self.clock()
+        self.metrics.rejected.labels(reason=exc.code.value).inc()
+        with self.store.transaction():
+            if digest is not None:  # lease-bound: remember the verdict for re-sends
+                self.store.put_verdict(ref, digest, Verdict(exc.code.value, exc.detail), now)
+            if exc.strike and self.store.get_node(node_key) is not None:
+                self.reputation.strike(node_key, exc.code.value, exc.detail, now)
+        log.info("rejected %s from %s: %s", ref, fingerprint_of(node_key), exc)
+        return Reject(ref=ref, code=exc.code, detail=exc.detail)
+
+    def fetch_rollouts(
+        self, after_seq: int, max_rollouts: int, min_policy_version: int | None = None
+    ) -> RolloutBatch:
+        """Accepted rollouts with ``seq > after_seq`` in arrival order (the trainer's feed)."""
+        rows = self.store.rollouts_after(after_seq, max_rollouts)
+        last = rows[-1].seq if rows else after_seq
+        if min_policy_version is not None:
+            rows = [r for r in rows if r.version >= min_policy_version]
+        return RolloutBatch(
+            rollouts=[
+                AcceptedRollout(
+                    seq=r.seq,
+                    lease_id=r.lease_id,
+                    prompt_id=r.prompt_id,
+                    sample_index=r.sample_index,
+                    group_size=r.group_size,
+                    prompt_token_ids=r.prompt_tokens,
+                    completion_token_ids=r.completion_tokens,
+                    behaviour_logprobs=r.logprobs,
+                    finish_reason=r.finish_reason,  # type: ignore[arg-type]
+                    policy_version=r.version,
+                    reward=r.reward,
+                    node_fingerprint=fingerprint_of(r.node_key),
+                )
+                for r in rows
+            ],
+            last_seq=last,
+        )
+
+    # --- versions --------------------------------------------------------------------------------
+    def publish_version(self, manifest_env: SignedEnvelope) -> Manifest:
+        """Record a signed manifest (verified against ``publisher_key``) as the newest version."""
+        if self.publisher_key is None:
+            raise Rejection(ReasonCode.INTERNAL, "coordinator has no publisher key configured")
+        manifest = verify_manifest(manifest_env, self.publisher_key, self.clock())
+        with self.store.transaction():
+            latest = self.store.latest_version()
+            if latest is not None and manifest.version <= latest:
+                raise Rejection(
+                    ReasonCode.VERSION_NOT_NEWER,
+                    f"version {manifest.version} is not newer than {latest}",
+                )
+            self.store.put_version(manifest.version, encode(manifest_env), self.clock())
+        self._g_version.set(manifest.version)
+        log.info("published policy version %d", manifest.version)
+        return manifest
+
+    # --- capacity --------------------------------------------------------------------------------
+    def alive_nodes(self) -> list[NodeRecord]:
+        horizon = self.clock() - self.config.heartbeat_interval_s * self.config.heartbeat_misses
+        now = self.clock()
+        return [
+            n for n in self.store.nodes()
+            if n.last_seen >= horizon and self.reputation.banned(n.node_key, now) is None
+        ]  # fmt: skip
+
+    def replan(self) -> Plan:
+        """Recompute the active set (call when nodes join/leave or their μ changes)."""
+        cap = self.config.capacity
+        nodes = self.alive_nodes()
+        measured = [n for n in nodes if n.rollouts_per_s]
+        t_gen = max(
+            (self.config.group_size * self.config.sampling.max_new_tokens / n.tokens_per_s
+             for n in nodes if n.tokens_per_s), default=0.0,
+        )  # fmt: skip
+        plan = plan_activation(
+            [
+                NodeCapacity(
+                    n.node_key.hex(), n.rollouts_per_s or 0.0, n.price_per_hour, n.reliability
+                )
+                for n in measured
+            ],
+            batch=cap.batch_rollouts,
+            t_train=cap.t_train_s,
+            kappa=self.config.kappa,
+            t_bcast=self.t_bcast_s,
+            headroom=cap.headroom,
+            staleness_bound=self.config.staleness_bound,
+            t_gen=t_gen,
+        )
+        self.plan = plan
+        self._g_active.set(len(plan.active) + len(nodes) - len(measured))
+        return plan
+
+    def is_active(self, node_key: bytes) -> bool:
+        """Unmeasured nodes are always active (they must run a lease to be measured)."""
+        if not self.config.capacity.activation or self.plan is None:
+            return True
+        return node_key.hex() not in self.plan.standby
+
+    def tick(self) -> None:
+        """Periodic upkeep: expire overdue leases, re-plan the active set."""
+        self.leases.expire_due()
+        self.replan()
+
+    def close(self) -> None:
+        """Release the database and any task worker process."""
+        closer = getattr(self.task, "close", None)
+        if callable(closer):
+            closer()
+        self.store.close()
+
+    def status(self) -> dict[str, Any]:
+        """Snapshot for ``/status`` (scalars, lists and flat maps only)."""
+        leases = self.store.leases()
+        by_state: dict[str, int] = {}
+        for lease in leases:
+            by_state[lease.state] = by_state.get(lease.state, 0) + 1
+        nodes = self.store.nodes()
+        now = self.clock()
+        banned = [n.fingerprint for n in nodes if self.reputation.banned(n.node_key, now)]
+        return {
+            "policy_version": self.store.latest_version(),
+            "versions": self.store.versions()[-(self.config.staleness_bound + 1) :],
+            "nodes_registered": len(nodes),
+            "nodes_alive": len(self.alive_nodes()),
+            "nodes_banned": banned,
+            "leases": by_state,
+            "rollouts_accepted": self.store.rollout_count(),
+            "plan": self.plan.explanation if self.plan else None,
+            "plan_required_rollouts_per_s": self.plan.required if self.plan else None,
+            "plan_standby": [
+                fingerprint_of(bytes.fromhex(k)) for k in (self.plan.standby if self.plan else ())
+            ],
+        }
+
+
+def _message(ref: str, verdict: Verdict) -> Ack | Reject:
+    if verdict.code == ACK:
+        return Ack(ref=ref, detail=verdict.detail)
+    return Reject(ref=ref, code=ReasonCode(verdict.code), detail=verdict.detail)

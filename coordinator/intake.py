@@ -1,0 +1,290 @@
+"""Verification of rollout submissions (DESIGN.md §7), cheapest check first.
+
+Checks 1–2 (frame size, schema, envelope signature, replay window, known and unbanned node) happen
+before a submission reaches this module (codec, :func:`protocol.envelope.open_envelope`,
+:meth:`coordinator.core.Coordinator.open`). This module runs checks 3–7 as small functions, each
+raising :class:`~coordinator.errors.IntakeRejection` with a protocol reason code:
+
+3. :func:`check_groups`      group belongs to the lease, is complete (G samples), no duplicates
+4. :func:`check_version`     claimed policy version published and within S of the current one
+5. :func:`check_sample`      token ids in vocabulary, length within limits, log-probs <= 0,
+                             termination legitimate (EOS / stop token last iff "eos"/"stop",
+                             length == max_new_tokens iff "length")
+6. :func:`score_rewards`     reward recomputed by the task verifier from the decoded completion
+                             (the wire has no reward field at all: a node cannot even claim one)
+7. :meth:`Intake.spot_check` behaviour log-probs of a sampled fraction re-scored at the claimed
+                             version (:class:`LogprobVerifier`), tolerance per (backend, dtype)
+
+A lease is spot-checked when ``HMAC(secret, lease_id) < fraction``: deterministic (a re-sent
+submission gets the same verdict) yet unpredictable for a node, which does not know the secret.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter
+
+from coordinator.errors import IntakeRejection
+from coordinator.logprobs import LogprobVerifier
+from coordinator.store import LeaseRecord
+from coordinator.tasks import Problem, Task
+from node.model import Tokenizer
+from protocol.errors import ReasonCode
+from protocol.messages import RolloutSubmission, Sample, unpack_logprobs, unpack_tokens
+
+#: A behaviour log-prob may exceed 0 by float32 rounding only.
+LOGPROB_EPS = 1e-4
+
+
+@dataclass(frozen=True)
+class PromptSlot:
+    """One prompt of the lease as the coordinator issued it."""
+
+    index: int
+    problem: Problem
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class IntakeContext:
+    """What the checks need to know besides the submission itself."""
+
+    node_key: bytes
+    lease: LeaseRecord
+    #: prompt_id -> slot, for every prompt of the lease.
+    slots: dict[str, PromptSlot]
+    #: Prompt indices of the lease nobody has completed yet (results still accepted).
+    open_prompts: frozenset[int]
+    known_versions: frozenset[int]
+    current_version: int | None
+    staleness_bound: int
+    vocab_size: int
+    eos_token_id: int
+    stop_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class AcceptedSample:
+    """A sample that passed every check, with the coordinator's reward."""
+
+    prompt_index: int
+    prompt_id: str
+    sample_index: int
+    prompt_tokens: tuple[int, ...]
+    completion_tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    reward: float
+    exact: bool
+
+
+def _reject(code: ReasonCode, detail: str) -> IntakeRejection:
+    return IntakeRejection(code, detail)
+
+
+# --- check 3 ----------------------------------------------------------------------------------
+def check_groups(sub: RolloutSubmission, ctx: IntakeContext) -> None:
+    seen: set[str] = set()
+    for group in sub.groups:
+        if group.prompt_id not in ctx.slots:
+            raise _reject(
+                ReasonCode.INCOMPLETE_GROUP,
+                f"prompt {group.prompt_id!r} is not part of lease {ctx.lease.lease_id}",
+            )
+        if group.prompt_id in seen:
+            raise _reject(ReasonCode.INCOMPLETE_GROUP, f"prompt {group.prompt_id!r} appears twice")
+        seen.add(group.prompt_id)
+        if len(group.samples) != ctx.lease.group_size:
+            raise _reject(
+                ReasonCode.INCOMPLETE_GROUP,
+                f"prompt {group.prompt_id!r}: {len(group.samples)} samples, the lease asks for "
+                f"{ctx.lease.group_size} (send whole groups only)",
+            )
+
+
+# --- check 4 ----------------------------------------------------------------------------------
+def check_version(sub: RolloutSubmission, ctx: IntakeContext) -> None:
+    v = sub.policy_version
+    if v not in ctx.known_versions or ctx.current_version is None:
+        raise _reject(ReasonCode.UNKNOWN_VERSION, f"policy version {v} was never published")
+    lag = ctx.current_version - v
+    if lag > ctx.staleness_bound:
+        raise _reject(
+            ReasonCode.TOO_STALE,
+            f"policy version {v} is {lag} behind {ctx.current_version} (limit S="
+            f"{ctx.staleness_bound}); load the latest checkpoint",
+        )
+
+
+# --- check 5 ----------------------------------------------------------------------------------
+def check_sample(sample: Sample, ctx: IntakeContext, where: str) -> tuple[list[int], list[float]]:
+    """Returns the unpacked ``(token_ids, logprobs)`` of a sample that passes."""
+    tokens = unpack_tokens(sample.token_ids)
+    logprobs = unpack_logprobs(sample.logprobs)
+    if len(tokens) != len(logprobs):
+        raise _reject(ReasonCode.SCHEMA, f"{where}: {len(tokens)} tokens, {len(logprobs)} logprobs")
+    bad = next((t for t in tokens if t >= ctx.vocab_size), None)
+    if bad is not None:
+        raise _reject(
+            ReasonCode.TOKEN_OUT_OF_VOCAB, f"{where}: token id {bad} >= vocab {ctx.vocab_size}"
+        )
+    limit = ctx.lease.max_new_tokens
+    if len(tokens) > limit:
+        raise _reject(ReasonCode.LENGTH_EXCEEDED, f"{where}: {len(tokens)} tokens > {limit}")
+    if any(not math.isfinite(x) for x in logprobs):
+        raise _reject(ReasonCode.NOT_FINITE, f"{where}: log-prob is NaN or infinite")
+    if any(x > LOGPROB_EPS for x in logprobs):
+        raise _reject(ReasonCode.LOGPROB_MISMATCH, f"{where}: positive log-prob")
+    check_termination(tokens, sample.finish_reason, ctx, limit, where)
+    return tokens, logprobs
+
+
+def check_termination(
+    tokens: Sequence[int], finish: str, ctx: IntakeContext, limit: int, where: str
+) -> None:
+    """EOS (or a stop token) last iff finish is "eos"/"stop"; length == limit iff "length"."""
+    stops = ctx.stop_token_ids | {ctx.eos_token_id}
+    body = tokens[:-1] if finish in ("eos", "stop") else tokens
+    if any(t in stops for t in body):
+        raise _reject(ReasonCode.BAD_TERMINATION, f"{where}: tokens continue after EOS/stop")
+    if finish == "eos" and (not tokens or tokens[-1] != ctx.eos_token_id):
+        raise _reject(ReasonCode.BAD_TERMINATION, f"{where}: finish 'eos' but EOS is not last")
+    if finish == "stop" and (not tokens or tokens[-1] not in stops):
+        raise _reject(ReasonCode.BAD_TERMINATION, f"{where}: finish 'stop' without a stop token")
+    if finish == "length" and len(tokens) != limit:
+        raise _reject(
+            ReasonCode.BAD_TERMINATION, f"{where}: finish 'length' at {len(tokens)} of {limit}"
+        )
+
+
+# --- check 6 ----------------------------------------------------------------------------------
+def score_rewards(
+    task: Task, tokenizer: Tokenizer, slot: PromptSlot, samples: Sequence[tuple[list[int], str]]
+) -> list[tuple[float, bool]]:
+    """``(reward, exact)`` per sample, from the decoded completion text (blocking: math-verify)."""
+    out = []
+    for tokens, finish in samples:
+        text = tokenizer.decode(list(tokens))
+        finished = finish in ("eos", "stop")
+        reward = float(task.reward(slot.problem, text, finished))
+        exact = bool(task.exact(slot.problem, text, finished)) if reward > 0 else False
+        out.append((reward, exact))
+    return out
+
+
+# --- the pipeline -----------------------------------------------------------------------------
+class IntakeMetrics:
+    """Prometheus counters of the intake (registry injectable for tests)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        reg = registry if registry is not None else CollectorRegistry()
+        self.registry = reg
+        self.rejected = Counter(
+            "swarm_intake_rejected", "Rejected submissions by reason", ["reason"], registry=reg
+        )
+        self.accepted = Counter("swarm_intake_accepted_samples", "Accepted samples", registry=reg)
+        self.spot_checks = Counter(
+            "swarm_intake_spot_checks", "Log-prob spot checks by result", ["result"], registry=reg
+        )
+
+
+class Intake:
+    """Runs checks 3–7 on one submission; returns the accepted samples of the still-open prompts."""
+
+    def __init__(
+        self,
+        task: Task,
+        tokenizer: Tokenizer,
+        *,
+        verifier: LogprobVerifier | None,
+        secret: bytes,
+        spot_check_fraction: float,
+        spot_check_max_samples: int,
+        metrics: IntakeMetrics | None = None,
+    ) -> None:
+        self.task = task
+        self.tokenizer = tokenizer
+        self.verifier = verifier
+        self.secret = secret
+        self.fraction = spot_check_fraction
+        self.max_samples = spot_check_max_samples
+        self.metrics = metrics or IntakeMetrics()
+
+    def _u(self, label: str) -> float:
+        mac = hmac.new(self.secret, label.encode(), hashlib.sha256).digest()
+        return int.from_bytes(mac[:8], "big") / 2.0**64
+
+    def spot_checked(self, lease_id: str) -> bool:
+        """Is this lease's submission re-scored? Keyed by a secret the node does not know."""
+        return self.verifier is not None and self._u(f"spot:{lease_id}") < self.fraction
+
+    async def verify(self, sub: RolloutSubmission, ctx: IntakeContext) -> list[AcceptedSample]:
+        check_groups(sub, ctx)
+        check_version(sub, ctx)
+        Row = tuple[list[int], list[float], str]
+        unpacked: list[list[Row]] = []
+        for group in sub.groups:
+            rows: list[Row] = []
+            for j, sample in enumerate(group.samples):
+                where = f"prompt {group.prompt_id!r} sample {j}"
+                tokens, logprobs = check_sample(sample, ctx, where)
+                rows.append((tokens, logprobs, sample.finish_reason))
+            unpacked.append(rows)
+        todo = [
+            (ctx.slots[g.prompt_id], rows)
+            for g, rows in zip(sub.groups, unpacked, strict=True)
+            if ctx.slots[g.prompt_id].index in ctx.open_prompts
+        ]
+        accepted: list[AcceptedSample] = []
+        for slot, group_rows in todo:
+            scores = await asyncio.to_thread(
+                score_rewards, self.task, self.tokenizer, slot, [(t, f) for t, _, f in group_rows]
+            )
+            for j, ((tokens, logprobs, finish), (reward, exact)) in enumerate(
+                zip(group_rows, scores, strict=True)
+            ):
+                accepted.append(
+                    AcceptedSample(
+                        slot.index,
+                        slot.problem.prompt_id,
+                        j,
+                        slot.token_ids,
+                        tokens,
+                        logprobs,
+                        finish,
+                        reward,
+                        exact,
+                    )
+                )
+        if accepted and self.spot_checked(ctx.lease.lease_id):
+            await self.spot_check(sub, ctx.lease.lease_id, accepted)
+        return accepted
+
+    async def spot_check(
+        self, sub: RolloutSubmission, lease_id: str, samples: Sequence[AcceptedSample]
+    ) -> None:
+        """Check 7: re-score a deterministic, secret-keyed subset of ``samples``."""
+        assert self.verifier is not None
+        ranked = sorted(
+            samples, key=lambda s: self._u(f"pick:{lease_id}:{s.prompt_index}:{s.sample_index}")
+        )
+        picked = [s for s in ranked[: self.max_samples] if s.completion_tokens]
+        if not picked:
+            return
+        verdict = await self.verifier.check(
+            sub.policy_version,
+            [list(s.prompt_tokens) for s in picked],
+            [s.completion_tokens for s in picked],
+            [s.logprobs for s in picked],
+            backend=sub.backend,
+            dtype=sub.dtype,
+        )
+        self.metrics.spot_checks.labels(result="pass" if verdict.ok else "fail").inc()
+        if not verdict.ok:
+            raise _reject(ReasonCode.LOGPROB_MISMATCH, verdict.detail)

@@ -1,0 +1,224 @@
+"""The lease state machine (DESIGN.md §6), persisted in the store, with an injected clock.
+
+A lease hands one node a batch of prompt indices, each to be sampled ``G`` times at one policy
+version, with a deadline and a fencing epoch (a counter that only grows; each lease gets a new one).
+
+States::
+
+    active ──all its prompts done──► completed
+      │  └────deadline passed──────► expired   (prompts not yet done are re-queued)
+      └──────node drains────────────► released (prompts re-queued at once)
+
+Prompt choice is the coordinator's: re-queued prompts first (lowest index first), then fresh indices
+from a persistent, monotonically increasing cursor. A prompt index yields **at most one accepted
+group**, whichever valid result arrives first from a lease that was issued that prompt:
+
+* a late result of an *expired* lease is accepted for the prompts nobody has completed yet (once:
+  the prompts are then marked done); prompts already completed elsewhere answer ``duplicate``;
+* a *released* lease's results are refused (``lease_expired``): the node gave the work back;
+* an identical re-sent submission gets the stored verdict (see :mod:`coordinator.core`).
+
+Lease size follows the node's measured throughput: ``n = target_lease_s · tokens_per_s / (G · L)``
+prompts (L = max_new_tokens), clamped to [1, max_prompts_per_lease], and the deadline is
+``now + max(min_deadline_s, deadline_slack · n · G · L / tokens_per_s)``. Everything lives in
+SQLite, so a coordinator killed with SIGKILL resumes: outstanding leases are honoured until their
+deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from collections.abc import Callable, Sequence
+
+from coordinator.config import LeaseSection
+from coordinator.errors import Rejection
+from coordinator.store import LeaseRecord, Store
+from protocol.errors import ReasonCode
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+CURSOR = "prompt_cursor"
+EPOCH = "fencing_epoch"
+
+
+class LeaseManager:
+    """Issues, expires, releases and closes leases; all state in ``store``."""
+
+    def __init__(
+        self,
+        store: Store,
+        config: LeaseSection,
+        *,
+        clock: Clock,
+        group_size: int,
+        max_new_tokens: int,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.clock = clock
+        self.group_size = group_size
+        self.max_new_tokens = max_new_tokens
+
+    # --- sizing ----------------------------------------------------------------------------------
+    def lease_size(self, tokens_per_s: float | None, max_prompts: int | None = None) -> int:
+        tps = (
+            tokens_per_s if tokens_per_s and tokens_per_s > 0 else self.config.default_tokens_per_s
+        )
+        per_prompt = self.group_size * self.max_new_tokens
+        n = math.floor(self.config.target_lease_s * tps / per_prompt)
+        cap = self.config.max_prompts_per_lease
+        if max_prompts is not None:
+            cap = min(cap, max_prompts)
+        return max(1, min(n, cap))
+
+    def deadline_s(self, n_prompts: int, tokens_per_s: float | None) -> float:
+        tps = (
+            tokens_per_s if tokens_per_s and tokens_per_s > 0 else self.config.default_tokens_per_s
+        )
+        expected = n_prompts * self.group_size * self.max_new_tokens
+        return max(self.config.min_deadline_s, self.config.deadline_slack * expected / tps)
+
+    # --- transitions -----------------------------------------------------------------------------
+    def issue(
+        self,
+        node_key: bytes,
+        *,
+        version: int,
+        tokens_per_s: float | None,
+        max_prompts: int | None = None,
+    ) -> LeaseRecord:
+        """A new lease for ``node_key`` (re-queued prompts first, then fresh ones)."""
+        now = self.clock()
+        with self.store.transaction():
+            self.expire_due()
+            n = self.lease_size(tokens_per_s, max_prompts)
+            prompts = self.store.pending_prompts(n)
+            if len(prompts) < n:
+                cursor = int(self.store.get_meta(CURSOR) or 0)
+                fresh = n - len(prompts)
+                prompts += range(cursor, cursor + fresh)
+                self.store.set_meta(CURSOR, str(cursor + fresh))
+            epoch = self.store.next_counter(EPOCH)
+            lease = LeaseRecord(
+                lease_id=f"L{epoch:08d}-{secrets.token_hex(6)}",
+                node_key=node_key,
+                epoch=epoch,
+                version=version,
+                prompts=tuple(prompts),
+                group_size=self.group_size,
+                max_new_tokens=self.max_new_tokens,
+                issued_at=now,
+                deadline=now + self.deadline_s(len(prompts), tokens_per_s),
+                state="active",
+            )
+            self.store.insert_lease(lease)
+        log.info(
+            "lease %s (epoch %d) to %s: %d prompts × %d, version %d, deadline in %.1fs",
+            lease.lease_id, epoch, node_key.hex()[:16], len(prompts), self.group_size, version,
+            lease.deadline - now,
+        )  # fmt: skip
+        return lease
+
+    def expire_due(self) -> list[LeaseRecord]:
+        """Expire active leases past their deadline; their unfinished prompts are re-queued."""
+        now = self.clock()
+        with self.store.transaction():
+            due = self.store.due_leases(now)
+            for lease in due:
+                self.store.close_lease(lease.lease_id, "expired", now)
+                self.store.requeue_prompts(self._held(lease))
+                self.store.bump_node(lease.node_key, "leases_expired")
+        for lease in due:
+            log.info("lease %s expired; prompts re-queued", lease.lease_id)
+        return due
+
+    def release(self, node_key: bytes, lease_id: str, epoch: int) -> list[int]:
+        """A draining node gives a lease back; returns the prompts made reassignable."""
+        with self.store.transaction():
+            lease = self.check_holder(node_key, lease_id, epoch)
+            if lease.state != "active":
+                return []
+            self.store.close_lease(lease_id, "released", self.clock())
+            held = self._held(lease)
+            self.store.requeue_prompts(held)
+        log.info("lease %s released by its node; %d prompts re-queued", lease_id, len(held))
+        return held
+
+    def check_holder(self, node_key: bytes, lease_id: str, epoch: int) -> LeaseRecord:
+        """The lease, if ``node_key`` holds it at ``epoch``; else a :class:`Rejection`."""
+        lease = self.store.get_lease(lease_id)
+        if lease is None:
+            raise Rejection(ReasonCode.UNKNOWN_LEASE, f"no lease {lease_id!r}; request a new one")
+        if lease.node_key != node_key:
+            raise Rejection(ReasonCode.WRONG_NODE, f"lease {lease_id} belongs to another node")
+        if lease.epoch != epoch:
+            raise Rejection(
+                ReasonCode.STALE_EPOCH,
+                f"lease {lease_id} has epoch {lease.epoch}, the request carries {epoch}",
+            )
+        if lease.state == "released":
+            raise Rejection(ReasonCode.LEASE_EXPIRED, f"lease {lease_id} was released by its node")
+        return lease
+
+    def open_prompts(self, lease: LeaseRecord) -> set[int]:
+        """Prompts of ``lease`` for which a result is still accepted (nobody completed them yet)."""
+        if lease.state == "released":
+            return set()
+        states = self.store.prompt_states(lease.prompts)
+        return {p for p in lease.prompts if states.get(p, ("done", ""))[0] != "done"}
+
+    def record_result(
+        self, lease: LeaseRecord, prompts: Sequence[int], *, tokens: int, samples: int
+    ) -> None:
+        """Mark ``prompts`` done by ``lease``; complete every active lease left with nothing to do.
+
+        Call inside the transaction that stores the rollouts."""
+        now = self.clock()
+        with self.store.transaction():
+            holders = {h for _, h in self.store.prompt_states(prompts).values()}
+            self.store.mark_prompts_done(prompts, lease.lease_id)
+            self.store.add_lease_progress(lease.lease_id, tokens, samples)
+            for lease_id in sorted(holders | {lease.lease_id}):
+                other = self.store.get_lease(lease_id)
+                if other is None or other.state != "active" or self.open_prompts(other):
+                    continue
+                self.store.close_lease(lease_id, "completed", now)
+                if lease_id == lease.lease_id:
+                    self.store.bump_node(lease.node_key, "leases_completed")
+                    self._measure(other, now)
+
+    def outstanding(self) -> list[LeaseRecord]:
+        """Active leases (after a restart: the ones still honoured until their deadline)."""
+        return self.store.leases("active")
+
+    # --- helpers ---------------------------------------------------------------------------------
+    def _held(self, lease: LeaseRecord) -> list[int]:
+        """Prompts whose current holder is ``lease`` and that are not done."""
+        states = self.store.prompt_states(lease.prompts)
+        return [
+            p
+            for p, (st, holder) in sorted(states.items())
+            if holder == lease.lease_id and st != "done"
+        ]
+
+    def _measure(self, lease: LeaseRecord, now: float) -> None:
+        """Fold the lease's observed throughput into the node's running means."""
+        done = self.store.get_lease(lease.lease_id)
+        node = self.store.get_node(lease.node_key)
+        elapsed = now - lease.issued_at
+        if done is None or node is None or elapsed <= 0 or done.tokens <= 0:
+            return
+        a = self.config.throughput_ewma
+        tps, rps = done.tokens / elapsed, done.samples / elapsed
+        self.store.update_node(
+            lease.node_key,
+            tokens_per_s=tps
+            if node.tokens_per_s is None
+            else (1 - a) * node.tokens_per_s + a * tps,
+            rollouts_per_s=rps
+            if node.rollouts_per_s is None
+            else (1 - a) * node.rollouts_per_s + a * rps,
+        )

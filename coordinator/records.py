@@ -1,0 +1,121 @@
+"""Row types of the coordinator's SQLite store (plain frozen dataclasses) and their decoders."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+#: ``verdicts.code`` of an acknowledged submission (anything else is a ReasonCode).
+ACK = "ack"
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """One lease as persisted; ``prompts`` are prompt indices in the task."""
+
+    lease_id: str
+    node_key: bytes
+    epoch: int
+    version: int
+    prompts: tuple[int, ...]
+    group_size: int
+    max_new_tokens: int
+    issued_at: float
+    deadline: float
+    state: str  # active | completed | expired | released
+    closed_at: float | None = None
+    tokens: int = 0
+    samples: int = 0
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    node_key: bytes
+    fingerprint: str
+    advert: bytes | None
+    registered_at: float
+    last_seen: float
+    tokens_per_s: float | None = None
+    rollouts_per_s: float | None = None
+    price_per_hour: float | None = None
+    backend: str = ""
+    dtype: str = ""
+    leases_completed: int = 0
+    leases_expired: int = 0
+    draining: bool = False
+
+    @property
+    def reliability(self) -> float:
+        """Laplace-smoothed fraction of closed leases completed in time."""
+        return (self.leases_completed + 1) / (self.leases_completed + self.leases_expired + 2)
+
+
+@dataclass(frozen=True)
+class RolloutRow:
+    """One accepted sample; ``seq`` is its arrival order (0 before insertion)."""
+
+    lease_id: str
+    prompt_index: int
+    sample_index: int
+    node_key: bytes
+    version: int
+    prompt_id: str
+    prompt_tokens: bytes  # packed little-endian uint32
+    completion_tokens: bytes  # packed little-endian uint32
+    logprobs: bytes  # packed little-endian float32
+    finish_reason: str
+    reward: float
+    exact: bool
+    accepted_at: float
+    group_size: int
+    seq: int = 0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The answer given to one submission (replayed verbatim for an identical re-send)."""
+
+    code: str  # ACK or a ReasonCode value
+    detail: str
+    accepted: int = 0
+    duplicates: int = 0
+
+
+NODE_COLS = (
+    "node_key, fingerprint, advert, registered_at, last_seen, tokens_per_s, rollouts_per_s,"
+    " price_per_hour, backend, dtype, leases_completed, leases_expired, draining"
+)
+NODE_MUTABLE = frozenset(
+    {"fingerprint", "advert", "last_seen", "tokens_per_s", "rollouts_per_s", "price_per_hour",
+     "backend", "dtype", "draining"}
+)  # fmt: skip
+LEASE_COLS = (
+    "lease_id, node_key, epoch, version, prompts, group_size, max_new_tokens, issued_at, deadline,"
+    " state, closed_at, tokens, samples"
+)
+ROLLOUT_COLS = (
+    "lease_id, prompt_index, sample_index, node_key, version, prompt_id, prompt_tokens,"
+    " completion_tokens, logprobs, finish_reason, reward, exact, accepted_at, group_size, seq"
+)
+
+
+def node_from_row(r: tuple[Any, ...]) -> NodeRecord:
+    return NodeRecord(
+        bytes(r[0]), r[1], None if r[2] is None else bytes(r[2]), r[3], r[4], r[5], r[6], r[7],
+        r[8], r[9], int(r[10]), int(r[11]), bool(r[12]),
+    )  # fmt: skip
+
+
+def lease_from_row(r: tuple[Any, ...]) -> LeaseRecord:
+    return LeaseRecord(
+        r[0], bytes(r[1]), int(r[2]), int(r[3]), tuple(json.loads(r[4])), int(r[5]), int(r[6]),
+        float(r[7]), float(r[8]), r[9], r[10], int(r[11]), int(r[12]),
+    )  # fmt: skip
+
+
+def rollout_from_row(r: tuple[Any, ...]) -> RolloutRow:
+    return RolloutRow(
+        r[0], int(r[1]), int(r[2]), bytes(r[3]), int(r[4]), r[5], bytes(r[6]), bytes(r[7]),
+        bytes(r[8]), r[9], float(r[10]), bool(r[11]), float(r[12]), int(r[13]), int(r[14]),
+    )  # fmt: skip

@@ -1,0 +1,72 @@
+"""Strikes and bans with growing back-off (DESIGN.md §7), persisted in the store.
+
+A failed check that is the node's fault (see :data:`coordinator.errors.NO_STRIKE` for the ones that
+are not) adds a strike. ``strikes_to_ban`` live strikes (newer than ``strike_window_s``, not
+consumed by an earlier ban) ban the identity for ``ban_s = base · 2^(bans − 1)``, capped at
+``ban_max_s``; the strikes are consumed, so the next ban needs fresh ones and lasts twice as long.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+from coordinator.config import ReputationSection
+from coordinator.store import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Ban:
+    """A ban in force: ``count`` is how many bans the identity has had (this one included)."""
+
+    until: float
+    count: int
+    reason: str
+
+
+def ban_duration(count: int, base_s: float, max_s: float) -> float:
+    """``base · 2^(count − 1)`` seconds, capped at ``max_s`` (count ≥ 1)."""
+    if count < 1:
+        raise ValueError("ban_duration: count must be >= 1")
+    return min(max_s, base_s * 2.0 ** min(count - 1, 62))
+
+
+class Reputation:
+    """Records strikes and decides bans; every change is committed before returning."""
+
+    def __init__(self, store: Store, config: ReputationSection) -> None:
+        self.store = store
+        self.config = config
+
+    def strike(self, node_key: bytes, reason: str, detail: str, now: float) -> Ban | None:
+        """Add a strike; returns the ban it triggered, if any."""
+        with self.store.transaction():
+            self.store.add_strike(node_key, reason, detail, now)
+            live = self.store.live_strikes(node_key, now - self.config.strike_window_s)
+            if len(live) < self.config.strikes_to_ban:
+                return None
+            previous = self.store.get_ban(node_key)
+            count = (previous[0] if previous else 0) + 1
+            until = now + ban_duration(count, self.config.ban_base_s, self.config.ban_max_s)
+            top = Counter(live).most_common(1)[0][0]
+            why = f"{len(live)} strikes, mostly {top}"
+            self.store.put_ban(node_key, count, until, why)
+            self.store.consume_strikes(node_key)
+        log.warning(
+            "node %s banned until %.0f (ban #%d: %s)", node_key.hex()[:16], until, count, why
+        )
+        return Ban(until=until, count=count, reason=why)
+
+    def banned(self, node_key: bytes, now: float) -> Ban | None:
+        """The ban in force at ``now``, or None."""
+        row = self.store.get_ban(node_key)
+        if row is None or row[1] <= now:
+            return None
+        return Ban(until=row[1], count=row[0], reason=row[2])
+
+    def strikes(self, node_key: bytes) -> dict[str, int]:
+        """All strikes ever recorded for the node, per reason code."""
+        return self.store.strike_counts(node_key)

@@ -1,0 +1,517 @@
+"""The coordinator process: the :class:`~coordinator.core.Coordinator` on the network.
+
+:class:`CoordinatorService` owns
+
+* a swarm peer (DHT bootstrap peer + libp2p handle) and the RPC handlers of :mod:`protocol.rpc`;
+* a :class:`~swarm.broadcast.BroadcastNode` that downloads every published version (it signs the
+  manifests the trainer proposes, the trainer seeds the chunks) so it can re-score log-probs and
+  serve as a manifest source for nodes;
+* a read-only HTTP endpoint (:mod:`coordinator.http`): ``/status`` JSON and ``/metrics``;
+* an upkeep task: lease expiry, re-planning, DHT records, the status snapshot.
+
+Every RPC answer is a protocol message; refusals are ``Reject(code, detail)``, never a dropped
+stream, so a node always learns why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from coordinator.config import CoordinatorConfig
+from coordinator.core import Coordinator
+from coordinator.errors import Rejection
+from coordinator.http import StatusHttpServer
+from coordinator.logprobs import InProcessLogprobVerifier
+from coordinator.store import Store
+from coordinator.tasks import make_task
+from protocol import rpc
+from protocol.codec import decode, encode
+from protocol.envelope import open_envelope
+from protocol.errors import ProtocolError, ReasonCode
+from protocol.identity import Identity, fingerprint_of, parse_fingerprint
+from protocol.manifest import check_manifest, sign_manifest
+from protocol.messages import (
+    FetchRollouts,
+    Heartbeat,
+    LeaseRequest,
+    Manifest,
+    ManifestResponse,
+    PublishVersion,
+    Register,
+    Reject,
+    ReleaseLease,
+    RolloutSubmission,
+    SignedEnvelope,
+    StatusRequest,
+    StatusResponse,
+)
+from swarm.adverts import swarm_validators
+from swarm.broadcast import BroadcastNode
+from swarm.chunks import ChunkStore
+from swarm.dht import PeerConfig, SwarmPeer
+from swarm.holders import DhtHolderDirectory
+from swarm.ratelimit import TokenBucket
+from swarm.records import publish_coordinator_address, publish_policy_version
+from swarm.transport import P2PTransport
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=msgspec.Struct)
+
+TICK_S = 1.0
+RECORD_TTL_S = 60.0
+FETCH_WAIT_CAP_S = 30.0
+VERSION_FETCH_TIMEOUT_S = 60.0
+
+
+class CoordinatorService:
+    """Coordinator core + libp2p RPC + checkpoint holder + HTTP status."""
+
+    def __init__(self, config: CoordinatorConfig, state_dir: Path) -> None:
+        self.config = config
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.identity = Identity.load_or_create(self.state_dir / "coordinator.key")
+        net = config.network
+        self.trainer_fingerprint = (
+            parse_fingerprint(net.trainer_key) if net.trainer_key is not None else None
+        )
+        self.peer = SwarmPeer(
+            PeerConfig(
+                host_maddrs=(f"/ip4/{net.host}/tcp/{net.port}",),
+                announce_maddrs=tuple(net.announce_maddrs),
+                identity_path=str(self.state_dir / "p2p.key"),
+            ),
+            record_validators=swarm_validators(),
+        )
+        self.core: Coordinator | None = None
+        self.transport: P2PTransport | None = None
+        self.broadcast: BroadcastNode | None = None
+        self.http: StatusHttpServer | None = None
+        self.multiaddrs: list[str] = []
+        self.trainer_stats: dict[str, Any] = {}
+        self._new_rollouts = asyncio.Event()
+        self._version_tasks: dict[int, asyncio.Task[None]] = {}
+        self._seeders: dict[int, str] = {}
+        self._upkeep: asyncio.Task[None] | None = None
+        self._started_at = time.time()
+
+    # --- life cycle ------------------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        return self.identity.fingerprint
+
+    @property
+    def public_key(self) -> bytes:
+        return self.identity.public_key
+
+    @property
+    def peer_id(self) -> str:
+        return self.peer.peer_id
+
+    @property
+    def http_url(self) -> str:
+        return self.http.url if self.http is not None else ""
+
+    async def start(self) -> None:
+        cfg = self.config
+        db_path = cfg.db_path if cfg.db_path.is_absolute() else self.state_dir / cfg.db_path.name
+        spec = _model_spec(cfg)
+        from node.model import load_tokenizer
+
+        tokenizer = load_tokenizer(spec)
+        store = Store(db_path)
+        verifier = InProcessLogprobVerifier(
+            self._load_model,
+            cfg.intake.tolerances,
+            cache_size=cfg.staleness_bound + 1,
+            temperature=cfg.sampling.temperature,
+            top_p=cfg.sampling.top_p,
+            top_k=cfg.sampling.top_k,
+            pad_id=tokenizer.pad_token_id,
+        )
+        self.core = Coordinator(
+            cfg,
+            store=store,
+            task=make_task(cfg.task, seed=cfg.task_seed),
+            tokenizer=tokenizer,
+            verifier=verifier,
+            publisher_key=self.identity.public_key,
+        )
+        await self.peer.start()
+        rate = cfg.network.upload_rate_mb_s
+        limiter = TokenBucket(rate * 1e6) if rate else None
+        self.transport = P2PTransport(self.peer.p2p, upload_limiter=limiter)
+        self.broadcast = BroadcastNode(
+            self.transport,
+            ChunkStore(self.state_dir / "checkpoints", keep_versions=cfg.staleness_bound + 1),
+            DhtHolderDirectory(self.peer),
+            self.identity.public_key,
+        )
+        await self.broadcast.start()
+        handlers: dict[str, Callable[[str, bytes], Awaitable[bytes]]] = {
+            rpc.REGISTER: self._on_register,
+            rpc.HEARTBEAT: self._on_heartbeat,
+            rpc.LEASE: self._on_lease,
+            rpc.SUBMIT: self._on_submit,
+            rpc.RELEASE: self._on_release,
+            rpc.PUBLISH: self._on_publish,
+            rpc.FETCH: self._on_fetch,
+            rpc.STATUS: self._on_status,
+        }
+        for name, handler in handlers.items():
+            await self.transport.register(name, _answering(handler), max_request_bytes=16 << 20)
+        self.multiaddrs = await self.peer.visible_maddrs()
+        self.http = StatusHttpServer(
+            cfg.network.http_host, cfg.network.http_port, core_registry=self.core.registry
+        )
+        self.http.start()
+        self._refresh_snapshot()
+        self._upkeep = asyncio.create_task(self._upkeep_loop(), name="coordinator-upkeep")
+        (self.state_dir / "coordinator.json").write_text(json.dumps(self.address_info(), indent=2))
+        log.info("coordinator up: %s key %s", self.multiaddrs[0], self.fingerprint)
+
+    def address_info(self) -> dict[str, Any]:
+        """What nodes, trainers and ``swarm inspect`` need to reach this coordinator."""
+        return {
+            "multiaddrs": self.multiaddrs,
+            "peer_id": self.peer_id,
+            "fingerprint": self.fingerprint,
+            "http_url": self.http_url,
+        }
+
+    async def stop(self) -> None:
+        if self._upkeep is not None:
+            self._upkeep.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._upkeep
+        for task in self._version_tasks.values():
+            task.cancel()
+        if self.broadcast is not None:
+            with contextlib.suppress(Exception):
+                await self.broadcast.stop()
+        if self.http is not None:
+            self.http.stop()
+        with contextlib.suppress(Exception):
+            await self.peer.stop()
+        if self.core is not None:
+            self.core.close()
+
+    # --- upkeep ----------------------------------------------------------------------------------
+    async def _upkeep_loop(self) -> None:
+        last_records = 0.0
+        while True:
+            try:
+                assert self.core is not None
+                self.core.tick()
+                self._refresh_snapshot()
+                if time.time() - last_records > RECORD_TTL_S / 3:
+                    last_records = time.time()
+                    await self._publish_records()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # upkeep must survive a bad tick; the error is logged in full
+                log.exception("coordinator upkeep failed; retrying next tick")
+            await asyncio.sleep(TICK_S)
+
+    async def _publish_records(self) -> None:
+        assert self.core is not None
+        await publish_coordinator_address(self.peer, self.identity, ttl=RECORD_TTL_S)
+        latest = self.core.store.latest_version()
+        if latest is not None:
+            seeds = [self.peer_id] + ([self._seeders[latest]] if latest in self._seeders else [])
+            await publish_policy_version(self.peer, self.identity, latest, seeds, ttl=RECORD_TTL_S)
+
+    def _refresh_snapshot(self) -> None:
+        if self.http is not None:
+            self.http.set_status(self.status())
+
+    def status(self) -> dict[str, Any]:
+        """The ``/status`` document (also served over ``rswarm/status``)."""
+        assert self.core is not None
+        snap = self.core.status()
+        now = time.time()
+        nodes = self.core.store.nodes()
+        states: dict[str, str] = {}
+        last_seen: dict[str, float] = {}
+        for n in nodes:
+            if self.core.reputation.banned(n.node_key, now) is not None:
+                states[n.fingerprint] = "banned"
+            elif n not in self.core.alive_nodes():
+                states[n.fingerprint] = "gone"
+            else:
+                states[n.fingerprint] = "active" if self.core.is_active(n.node_key) else "standby"
+            last_seen[n.fingerprint] = round(now - n.last_seen, 1)
+        rejected = _counter_by_label(self.core.metrics.rejected, "reason")
+        plan = self.core.plan
+        snap.update(
+            {
+                "coordinator_fingerprint": self.fingerprint,
+                "peer_id": self.peer_id,
+                "uptime_s": round(now - self._started_at, 1),
+                "node_states": states,
+                "node_last_seen_s": last_seen,
+                "rejected_by_reason": rejected,
+                "queue_depth": self.core.store.rollout_count()
+                - int(self.trainer_stats.get("rollout_cursor", 0) or 0),
+                "plan_available_rollouts_per_s": plan.available if plan else None,
+                "plan_meets_rule": plan.meets_rule if plan else None,
+                "versions_held": self.broadcast.store.versions() if self.broadcast else [],
+            }
+        )
+        for key, value in self.trainer_stats.items():
+            snap[f"trainer_{key}"] = value
+        return snap
+
+    # --- handlers --------------------------------------------------------------------------------
+    def _open(self, request: bytes, type_: type[M]) -> tuple[bytes, M]:
+        assert self.core is not None
+        env = decode(request, SignedEnvelope)
+        return self.core.open(env, type_)
+
+    def _open_trainer(self, request: bytes, type_: type[M]) -> M:
+        env = decode(request, SignedEnvelope)
+        assert self.core is not None
+        msg = open_envelope(env, type_, now=time.time(), replay=self.core.replay)
+        if self.trainer_fingerprint is None:
+            raise Rejection(
+                ReasonCode.UNKNOWN_NODE,
+                "no trainer key configured: set network.trainer_key (or --trainer-key)",
+            )
+        if fingerprint_of(env.signer) != self.trainer_fingerprint:
+            raise Rejection(ReasonCode.UNKNOWN_NODE, "signer is not the configured trainer key")
+        return msg
+
+    async def _on_register(self, caller: str, request: bytes) -> bytes:
+        assert self.core is not None
+        node_key, msg = self._open(request, Register)
+        if msg.advert.peer_id != caller:
+            raise Rejection(ReasonCode.SCHEMA, "advert.peer_id is not the calling libp2p peer")
+        return encode(self.core.register(node_key, msg.advert))
+
+    async def _on_heartbeat(self, caller: str, request: bytes) -> bytes:
+        assert self.core is not None
+        node_key, msg = self._open(request, Heartbeat)
+        return encode(self.core.heartbeat(node_key, msg))
+
+    async def _on_lease(self, caller: str, request: bytes) -> bytes:
+        assert self.core is not None
+        node_key, msg = self._open(request, LeaseRequest)
+        return encode(self.core.request_lease(node_key, msg))
+
+    async def _on_submit(self, caller: str, request: bytes) -> bytes:
+        assert self.core is not None
+        node_key, msg = self._open(request, RolloutSubmission)
+        pending = self._version_tasks.get(msg.policy_version)
+        if pending is not None and not pending.done():  # spot checks need the weights here
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(pending), VERSION_FETCH_TIMEOUT_S)
+        verdict = await self.core.submit(node_key, msg)
+        if not isinstance(verdict, Reject):
+            self._new_rollouts.set()
+        return encode(verdict)
+
+    async def _on_release(self, caller: str, request: bytes) -> bytes:
+        assert self.core is not None
+        node_key, msg = self._open(request, ReleaseLease)
+        prompts = self.core.release(node_key, msg.lease_id, msg.epoch)
+        from protocol.messages import Ack
+
+        return encode(Ack(ref=msg.lease_id, detail=f"{len(prompts)} prompts released"))
+
+    async def _on_publish(self, caller: str, request: bytes) -> bytes:
+        """Sign the trainer's manifest, record it, and fetch the chunks from the trainer."""
+        assert self.core is not None and self.broadcast is not None
+        msg = self._open_trainer(request, PublishVersion)
+        manifest = decode(msg.manifest, Manifest)
+        check_manifest(manifest, now=time.time())
+        env = sign_manifest(manifest, self.identity, time.time())
+        self.core.publish_version(env)
+        self._seeders[manifest.version] = caller
+        self._version_tasks[manifest.version] = asyncio.create_task(
+            self._hold_version(manifest.version, caller), name=f"hold-v{manifest.version}"
+        )
+        with contextlib.suppress(Exception):
+            await self._publish_records()
+        return encode(ManifestResponse(manifest=env))
+
+    async def _hold_version(self, version: int, seeder: str) -> None:
+        """Download a published version (retrying while the trainer starts seeding it)."""
+        assert self.broadcast is not None and self.core is not None
+        t0 = time.monotonic()
+        deadline = t0 + VERSION_FETCH_TIMEOUT_S
+        delay = 0.05
+        while True:
+            try:
+                await self.broadcast.download(version, [seeder])
+                break
+            except Exception as exc:  # the seed may not serve it yet; retried until the deadline
+                if time.monotonic() > deadline:
+                    log.error("could not fetch v%d from the trainer: %s", version, exc)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        elapsed = time.monotonic() - t0
+        # T_bcast estimate for the capacity rule: a running mean of what a fetch takes here.
+        self.core.t_bcast_s = 0.7 * self.core.t_bcast_s + 0.3 * elapsed
+        log.info("holding policy v%d (fetched in %.2fs)", version, elapsed)
+        for old in [v for v in self._version_tasks if v < version - self.config.staleness_bound]:
+            self._version_tasks.pop(old, None)
+            self._seeders.pop(old, None)
+
+    def _load_model(self, version: int) -> Any:
+        """Model loader of the log-prob verifier: weights of ``version`` from the local store."""
+        assert self.broadcast is not None
+        from node.model import build_model, load_weights
+        from swarm.checkpoint_io import files_to_state_dict
+
+        if not self.broadcast.store.is_complete(version):
+            raise ProtocolError(ReasonCode.UNKNOWN_VERSION, f"v{version} is not held here yet")
+        model = build_model(_model_spec(self.config))
+        load_weights(model, files_to_state_dict(self.broadcast.store.load_files(version)))
+        return model
+
+    async def _on_fetch(self, caller: str, request: bytes) -> bytes:
+        assert self.core is not None
+        msg = self._open_trainer(request, FetchRollouts)
+        if msg.trainer_stats:
+            self.trainer_stats = dict(msg.trainer_stats)
+        deadline = time.monotonic() + min(msg.wait_s, FETCH_WAIT_CAP_S)
+        while True:
+            self._new_rollouts.clear()
+            batch = self.core.fetch_rollouts(
+                msg.after_seq, msg.max_rollouts, msg.min_policy_version
+            )
+            left = deadline - time.monotonic()
+            if batch.rollouts or left <= 0:
+                return encode(batch)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._new_rollouts.wait(), left)
+
+    async def _on_status(self, caller: str, request: bytes) -> bytes:
+        decode(request, StatusRequest)
+        return encode(StatusResponse(status=_wire_status(self.status())))
+
+
+def _answering(
+    handler: Callable[[str, bytes], Awaitable[bytes]],
+) -> Callable[[str, bytes], Awaitable[bytes]]:
+    """Turn refusals into ``Reject`` answers (the caller learns the reason code)."""
+
+    async def wrapped(caller: str, request: bytes) -> bytes:
+        try:
+            return await handler(caller, request)
+        except ProtocolError as exc:  # includes Rejection
+            return encode(Reject(ref="-", code=ReasonCode(exc.code), detail=exc.detail[:200]))
+
+    return wrapped
+
+
+def _model_spec(cfg: CoordinatorConfig) -> Any:
+    from node.model import ModelSpec
+
+    return ModelSpec(path=cfg.model_path)
+
+
+def _counter_by_label(counter: Any, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for metric in counter.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total") and label in sample.labels:
+                out[sample.labels[label]] = sample.value
+    return out
+
+
+def _wire_status(status: dict[str, Any]) -> dict[str, Any]:
+    """Fit the status document into StatusResponse's bounded shape (depth <= 2, scalars)."""
+    out: dict[str, Any] = {}
+    for key, value in status.items():
+        if isinstance(value, dict):
+            out[key] = {str(k): _scalar(v) for k, v in list(value.items())[:256]}
+        elif isinstance(value, list | tuple):
+            out[key] = [_scalar(v) for v in list(value)[:256]]
+        else:
+            out[key] = _scalar(value)
+    return out
+
+
+def _scalar(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | float | str):
+        if isinstance(value, float) and value != value:  # NaN is not allowed on the wire
+            return None
+        return value[:1000] if isinstance(value, str) else value
+    return str(value)[:1000]
+
+
+def launch_from_cli(
+    *,
+    config: Path | None,
+    host: str | None,
+    port: int | None,
+    http_port: int | None,
+    state_dir: Path | None,
+    trainer_key: str | None = None,
+) -> int:
+    """``swarm coordinator launch``: run until SIGINT/SIGTERM. Exit 0 clean, 2 bad input."""
+    import signal
+
+    from coordinator.config import load_config, parse_config
+    from coordinator.errors import ConfigError
+    from swarm.errors import SwarmError
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        cfg = load_config(config) if config is not None else parse_config({})
+        net = cfg.network.model_copy(
+            update={
+                k: v
+                for k, v in {
+                    "host": host,
+                    "port": port,
+                    "http_port": http_port,
+                    "trainer_key": trainer_key,
+                }.items()
+                if v is not None
+            }
+        )
+        cfg = cfg.model_copy(update={"network": net})
+        if cfg.network.trainer_key is not None:
+            parse_fingerprint(cfg.network.trainer_key)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}")
+        return 2
+    import torch
+
+    torch.set_num_threads(1)
+    service = CoordinatorService(cfg, state_dir or Path("coordinator-data"))
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await service.start()
+        except SwarmError as exc:
+            print(f"error: {exc}")
+            await service.stop()
+            return 1
+        print(f"multiaddr: {service.multiaddrs[0]}", flush=True)
+        print(f"coordinator key: {service.fingerprint}", flush=True)
+        print(f"status: {service.http_url}/status  metrics: {service.http_url}/metrics", flush=True)
+        await stop.wait()
+        log.info("shutting down")
+        await service.stop()
+        return 0
+
+    return asyncio.run(main())

@@ -1,0 +1,410 @@
+"""Durable coordinator state in SQLite (WAL journal, ``synchronous=FULL``).
+
+One file holds everything a restarted coordinator needs: nodes, leases, prompt states, accepted
+rollouts, verdicts (so a re-sent submission gets the same answer), strikes, bans, published versions
+and a key/value ``meta`` table (prompt cursor, fencing epoch counter, spot-check secret).
+
+All writes of one operation run in one ``BEGIN IMMEDIATE`` transaction (:meth:`Store.transaction`,
+re-entrant) and are committed before the caller acknowledges anything. ``sqlite3`` errors are
+translated to :class:`~coordinator.errors.StoreError` in :meth:`Store._guard`, the one boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from coordinator.errors import StoreError
+from coordinator.records import (
+    ACK,
+    LEASE_COLS,
+    NODE_COLS,
+    NODE_MUTABLE,
+    ROLLOUT_COLS,
+    LeaseRecord,
+    NodeRecord,
+    RolloutRow,
+    Verdict,
+    lease_from_row,
+    node_from_row,
+    rollout_from_row,
+)
+
+__all__ = ["ACK", "LeaseRecord", "NodeRecord", "RolloutRow", "Store", "Verdict"]
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS nodes (
+    node_key BLOB PRIMARY KEY, fingerprint TEXT NOT NULL, advert BLOB, registered_at REAL NOT NULL,
+    last_seen REAL NOT NULL, tokens_per_s REAL, rollouts_per_s REAL, price_per_hour REAL,
+    backend TEXT NOT NULL DEFAULT '', dtype TEXT NOT NULL DEFAULT '',
+    leases_completed INTEGER NOT NULL DEFAULT 0, leases_expired INTEGER NOT NULL DEFAULT 0,
+    draining INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS leases (
+    lease_id TEXT PRIMARY KEY, node_key BLOB NOT NULL, epoch INTEGER NOT NULL UNIQUE,
+    version INTEGER NOT NULL, prompts TEXT NOT NULL, group_size INTEGER NOT NULL,
+    max_new_tokens INTEGER NOT NULL, issued_at REAL NOT NULL, deadline REAL NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('active', 'completed', 'expired', 'released')),
+    closed_at REAL, tokens INTEGER NOT NULL DEFAULT 0, samples INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS leases_by_state ON leases (state, deadline);
+CREATE TABLE IF NOT EXISTS prompts (
+    prompt_index INTEGER PRIMARY KEY,
+    state TEXT NOT NULL CHECK (state IN ('leased', 'pending', 'done')),
+    lease_id TEXT NOT NULL, done_by TEXT);
+CREATE INDEX IF NOT EXISTS prompts_by_state ON prompts (state, prompt_index);
+CREATE TABLE IF NOT EXISTS rollouts (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, lease_id TEXT NOT NULL, prompt_index INTEGER NOT NULL,
+    sample_index INTEGER NOT NULL, node_key BLOB NOT NULL, version INTEGER NOT NULL,
+    prompt_id TEXT NOT NULL, prompt_tokens BLOB NOT NULL, completion_tokens BLOB NOT NULL,
+    logprobs BLOB NOT NULL, finish_reason TEXT NOT NULL, reward REAL NOT NULL,
+    exact INTEGER NOT NULL, accepted_at REAL NOT NULL, group_size INTEGER NOT NULL,
+    UNIQUE (lease_id, prompt_index, sample_index));
+CREATE TABLE IF NOT EXISTS verdicts (
+    lease_id TEXT NOT NULL, digest BLOB NOT NULL, code TEXT NOT NULL, detail TEXT NOT NULL,
+    accepted INTEGER NOT NULL, duplicates INTEGER NOT NULL, at REAL NOT NULL,
+    PRIMARY KEY (lease_id, digest));
+CREATE TABLE IF NOT EXISTS strikes (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, node_key BLOB NOT NULL, reason TEXT NOT NULL,
+    detail TEXT NOT NULL, at REAL NOT NULL, consumed INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS strikes_by_node ON strikes (node_key, consumed, at);
+CREATE TABLE IF NOT EXISTS bans (
+    node_key BLOB PRIMARY KEY, bans INTEGER NOT NULL, banned_until REAL NOT NULL,
+    reason TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS versions (
+    version INTEGER PRIMARY KEY, manifest BLOB NOT NULL, created_at REAL NOT NULL);
+"""
+
+
+class Store:
+    """The coordinator's SQLite database. Thread-safe (one connection behind a lock)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.RLock()
+        self._depth = 0
+        with self._guard("open"):
+            if str(path) != ":memory:":
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(
+                str(path), isolation_level=None, check_same_thread=False, timeout=10.0
+            )
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=FULL")
+            self._conn.execute("PRAGMA foreign_keys=ON")
+            self._conn.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._guard("close"):
+            self._conn.close()
+
+    # --- the one boundary where sqlite3 errors become StoreError ---------------------------------
+    @contextmanager
+    def _guard(self, op: str) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise StoreError(
+                f"{op} failed on {self.path}: {exc}; check the disk and file permissions"
+            ) from exc
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """``BEGIN IMMEDIATE`` … ``COMMIT`` (re-entrant: only the outermost level commits)."""
+        with self._lock:
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                return
+            with self._guard("begin"):
+                self._conn.execute("BEGIN IMMEDIATE")
+            self._depth = 1
+            try:
+                yield
+            except BaseException:
+                self._depth = 0
+                with self._guard("rollback"):
+                    self._conn.execute("ROLLBACK")
+                raise
+            self._depth = 0
+            with self._guard("commit"):
+                self._conn.execute("COMMIT")
+
+    def _exec(self, sql: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
+        with self._lock, self._guard(sql.split(None, 1)[0].lower()):
+            return self._conn.execute(sql, args)
+
+    def _many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        with self._lock, self._guard(sql.split(None, 1)[0].lower()):
+            self._conn.executemany(sql, rows)
+
+    def _all(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        with self._lock, self._guard("select"):
+            return list(self._conn.execute(sql, args).fetchall())
+
+    # --- meta ------------------------------------------------------------------------------------
+    def get_meta(self, key: str) -> str | None:
+        rows = self._all("SELECT value FROM meta WHERE key = ?", (key,))
+        return str(rows[0][0]) if rows else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self.transaction():
+            self._exec("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+    def next_counter(self, key: str, start: int = 0) -> int:
+        """Increment and return an integer counter (e.g. the fencing epoch)."""
+        with self.transaction():
+            value = int(self.get_meta(key) or start) + 1
+            self.set_meta(key, str(value))
+            return value
+
+    def secret(self, key: str = "spot_check_secret") -> bytes:
+        """A random 32-byte secret created on first use and kept across restarts."""
+        with self.transaction():
+            value = self.get_meta(key)
+            if value is None:
+                value = secrets.token_hex(32)
+                self.set_meta(key, value)
+        return bytes.fromhex(value)
+
+    # --- nodes -----------------------------------------------------------------------------------
+    def upsert_node(self, node: NodeRecord) -> None:
+        with self.transaction():
+            self._exec(
+                "INSERT INTO nodes (node_key, fingerprint, advert, registered_at, last_seen,"
+                " tokens_per_s, rollouts_per_s, price_per_hour, backend, dtype, leases_completed,"
+                " leases_expired, draining) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)"
+                " ON CONFLICT (node_key) DO UPDATE SET fingerprint=excluded.fingerprint,"
+                " advert=excluded.advert, last_seen=excluded.last_seen,"
+                " tokens_per_s=excluded.tokens_per_s, rollouts_per_s=excluded.rollouts_per_s,"
+                " price_per_hour=excluded.price_per_hour, backend=excluded.backend,"
+                " dtype=excluded.dtype, leases_completed=excluded.leases_completed,"
+                " leases_expired=excluded.leases_expired, draining=excluded.draining",
+                (
+                    node.node_key, node.fingerprint, node.advert, node.registered_at,
+                    node.last_seen, node.tokens_per_s, node.rollouts_per_s, node.price_per_hour,
+                    node.backend, node.dtype, node.leases_completed, node.leases_expired,
+                    int(node.draining),
+                ),
+            )  # fmt: skip
+
+    def get_node(self, node_key: bytes) -> NodeRecord | None:
+        rows = self._all(f"SELECT {NODE_COLS} FROM nodes WHERE node_key = ?", (node_key,))
+        return node_from_row(rows[0]) if rows else None
+
+    def update_node(self, node_key: bytes, **fields: Any) -> None:
+        """Set some columns of a node row (``draining=True``, ``last_seen=…``, ...)."""
+        bad = set(fields) - NODE_MUTABLE
+        if bad:
+            raise ValueError(f"update_node: unknown or immutable columns {sorted(bad)}")
+        if not fields:
+            return
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        with self.transaction():
+            self._exec(f"UPDATE nodes SET {sets} WHERE node_key = ?", [*fields.values(), node_key])
+
+    def bump_node(self, node_key: bytes, column: str) -> None:
+        """Increment ``leases_completed`` or ``leases_expired``."""
+        if column not in ("leases_completed", "leases_expired"):
+            raise ValueError(f"bump_node: {column!r} is not a counter")
+        with self.transaction():
+            self._exec(f"UPDATE nodes SET {column} = {column} + 1 WHERE node_key = ?", (node_key,))
+
+    def nodes(self) -> list[NodeRecord]:
+        return [
+            node_from_row(r) for r in self._all(f"SELECT {NODE_COLS} FROM nodes ORDER BY node_key")
+        ]
+
+    # --- leases and prompts ----------------------------------------------------------------------
+    def insert_lease(self, lease: LeaseRecord) -> None:
+        with self.transaction():
+            self._exec(
+                f"INSERT INTO leases ({LEASE_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    lease.lease_id, lease.node_key, lease.epoch, lease.version,
+                    json.dumps(list(lease.prompts)), lease.group_size, lease.max_new_tokens,
+                    lease.issued_at, lease.deadline, lease.state, lease.closed_at, lease.tokens,
+                    lease.samples,
+                ),
+            )  # fmt: skip
+            self._many(
+                "INSERT INTO prompts (prompt_index, state, lease_id) VALUES (?, 'leased', ?)"
+                " ON CONFLICT (prompt_index) DO UPDATE SET state='leased',"
+                " lease_id=excluded.lease_id",
+                [(p, lease.lease_id) for p in lease.prompts],
+            )
+
+    def get_lease(self, lease_id: str) -> LeaseRecord | None:
+        rows = self._all(f"SELECT {LEASE_COLS} FROM leases WHERE lease_id = ?", (lease_id,))
+        return lease_from_row(rows[0]) if rows else None
+
+    def leases(self, state: str | None = None) -> list[LeaseRecord]:
+        if state is None:
+            rows = self._all(f"SELECT {LEASE_COLS} FROM leases ORDER BY epoch")
+        else:
+            sql = f"SELECT {LEASE_COLS} FROM leases WHERE state = ? ORDER BY epoch"
+            rows = self._all(sql, (state,))
+        return [lease_from_row(r) for r in rows]
+
+    def due_leases(self, now: float) -> list[LeaseRecord]:
+        sql = (
+            f"SELECT {LEASE_COLS} FROM leases WHERE state = 'active' AND deadline <= ?"
+            " ORDER BY epoch"
+        )
+        return [lease_from_row(r) for r in self._all(sql, (now,))]
+
+    def close_lease(self, lease_id: str, state: str, now: float) -> None:
+        with self.transaction():
+            self._exec(
+                "UPDATE leases SET state = ?, closed_at = ? WHERE lease_id = ?",
+                (state, now, lease_id),
+            )
+
+    def add_lease_progress(self, lease_id: str, tokens: int, samples: int) -> None:
+        with self.transaction():
+            self._exec(
+                "UPDATE leases SET tokens = tokens + ?, samples = samples + ? WHERE lease_id = ?",
+                (tokens, samples, lease_id),
+            )
+
+    def prompt_states(self, indices: Sequence[int]) -> dict[int, tuple[str, str]]:
+        """``{prompt_index: (state, holder lease_id)}`` for those of ``indices`` ever issued."""
+        if not indices:
+            return {}
+        marks = ",".join("?" * len(indices))
+        sql = f"SELECT prompt_index, state, lease_id FROM prompts WHERE prompt_index IN ({marks})"
+        return {int(i): (str(s), str(lid)) for i, s, lid in self._all(sql, list(indices))}
+
+    def requeue_prompts(self, indices: Sequence[int]) -> None:
+        """Mark prompts (not yet done) pending: the next lease picks them up first."""
+        with self.transaction():
+            self._many(
+                "UPDATE prompts SET state = 'pending' WHERE prompt_index = ? AND state != 'done'",
+                [(i,) for i in indices],
+            )
+
+    def pending_prompts(self, limit: int) -> list[int]:
+        sql = (
+            "SELECT prompt_index FROM prompts WHERE state = 'pending' ORDER BY prompt_index LIMIT ?"
+        )
+        return [int(r[0]) for r in self._all(sql, (limit,))]
+
+    def mark_prompts_done(self, indices: Sequence[int], lease_id: str) -> None:
+        with self.transaction():
+            self._many(
+                "UPDATE prompts SET state = 'done', done_by = ? WHERE prompt_index = ?",
+                [(lease_id, i) for i in indices],
+            )
+
+    # --- rollouts and verdicts -------------------------------------------------------------------
+    def insert_rollouts(self, rows: Sequence[RolloutRow]) -> int:
+        """Insert accepted samples; a (lease, prompt, sample) already present is skipped.
+
+        Returns how many rows were new."""
+        new = 0
+        with self.transaction():
+            for r in rows:
+                cur = self._exec(
+                    "INSERT OR IGNORE INTO rollouts (lease_id, prompt_index, sample_index,"
+                    " node_key, version, prompt_id, prompt_tokens, completion_tokens, logprobs,"
+                    " finish_reason, reward, exact, accepted_at, group_size)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (
+                        r.lease_id, r.prompt_index, r.sample_index, r.node_key, r.version,
+                        r.prompt_id, r.prompt_tokens, r.completion_tokens, r.logprobs,
+                        r.finish_reason, r.reward, int(r.exact), r.accepted_at, r.group_size,
+                    ),
+                )  # fmt: skip
+                new += cur.rowcount
+        return new
+
+    def rollouts_after(self, after_seq: int, limit: int) -> list[RolloutRow]:
+        """Accepted samples with ``seq > after_seq`` in arrival order (at most ``limit``)."""
+        sql = f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE seq > ? ORDER BY seq LIMIT ?"
+        return [rollout_from_row(r) for r in self._all(sql, (after_seq, limit))]
+
+    def rollout_count(self) -> int:
+        return int(self._all("SELECT COUNT(*) FROM rollouts")[0][0])
+
+    def get_verdict(self, lease_id: str, digest: bytes) -> Verdict | None:
+        sql = (
+            "SELECT code, detail, accepted, duplicates FROM verdicts WHERE lease_id=? AND digest=?"
+        )
+        rows = self._all(sql, (lease_id, digest))
+        if not rows:
+            return None
+        code, detail, accepted, duplicates = rows[0]
+        return Verdict(str(code), str(detail), int(accepted), int(duplicates))
+
+    def put_verdict(self, lease_id: str, digest: bytes, verdict: Verdict, now: float) -> None:
+        with self.transaction():
+            self._exec(
+                "INSERT OR IGNORE INTO verdicts (lease_id, digest, code, detail, accepted,"
+                " duplicates, at) VALUES (?,?,?,?,?,?,?)",
+                (
+                    lease_id, digest, verdict.code, verdict.detail, verdict.accepted,
+                    verdict.duplicates, now,
+                ),
+            )  # fmt: skip
+
+    # --- strikes and bans ------------------------------------------------------------------------
+    def add_strike(self, node_key: bytes, reason: str, detail: str, now: float) -> None:
+        with self.transaction():
+            self._exec(
+                "INSERT INTO strikes (node_key, reason, detail, at) VALUES (?,?,?,?)",
+                (node_key, reason, detail, now),
+            )
+
+    def live_strikes(self, node_key: bytes, since: float) -> list[str]:
+        """Reasons of the node's strikes not yet consumed by a ban and newer than ``since``."""
+        sql = "SELECT reason FROM strikes WHERE node_key=? AND consumed=0 AND at>=? ORDER BY id"
+        return [str(r[0]) for r in self._all(sql, (node_key, since))]
+
+    def strike_counts(self, node_key: bytes) -> dict[str, int]:
+        sql = "SELECT reason, COUNT(*) FROM strikes WHERE node_key=? GROUP BY reason"
+        return {str(r): int(n) for r, n in self._all(sql, (node_key,))}
+
+    def consume_strikes(self, node_key: bytes) -> None:
+        with self.transaction():
+            self._exec("UPDATE strikes SET consumed=1 WHERE node_key=?", (node_key,))
+
+    def get_ban(self, node_key: bytes) -> tuple[int, float, str] | None:
+        """``(bans so far, banned_until, reason)`` or None."""
+        sql = "SELECT bans, banned_until, reason FROM bans WHERE node_key=?"
+        rows = self._all(sql, (node_key,))
+        return (int(rows[0][0]), float(rows[0][1]), str(rows[0][2])) if rows else None
+
+    def put_ban(self, node_key: bytes, bans: int, until: float, reason: str) -> None:
+        with self.transaction():
+            self._exec(
+                "INSERT OR REPLACE INTO bans (node_key, bans, banned_until, reason)"
+                " VALUES (?,?,?,?)",
+                (node_key, bans, until, reason),
+            )
+
+    # --- published versions ----------------------------------------------------------------------
+    def put_version(self, version: int, manifest: bytes, created_at: float) -> None:
+        with self.transaction():
+            self._exec(
+                "INSERT INTO versions (version, manifest, created_at) VALUES (?,?,?)",
+                (version, manifest, created_at),
+            )
+
+    def get_version(self, version: int) -> bytes | None:
+        rows = self._all("SELECT manifest FROM versions WHERE version=?", (version,))
+        return bytes(rows[0][0]) if rows else None
+
+    def latest_version(self) -> int | None:
+        value = self._all("SELECT MAX(version) FROM versions")[0][0]
+        return None if value is None else int(value)
+
+    def versions(self) -> list[int]:
+        return [int(r[0]) for r in self._all("SELECT version FROM versions ORDER BY version")]

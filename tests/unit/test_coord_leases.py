@@ -1,0 +1,153 @@
+"""Lease state machine: sizing, expiry, reassignment, fencing, at-most-once, drain, restart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from coord_harness import FakeClock, Harness, submission
+
+from coordinator.config import LeaseSection
+from coordinator.errors import Rejection
+from coordinator.leases import LeaseManager
+from coordinator.store import NodeRecord, Store
+from protocol.errors import ReasonCode
+from protocol.messages import Ack, Reject
+
+A, B = b"A" * 32, b"B" * 32
+
+
+def manager(tmp_path: Path, clock: FakeClock, **cfg: float) -> LeaseManager:
+    store = Store(tmp_path / "s.sqlite")
+    for key in (A, B):
+        store.upsert_node(NodeRecord(key, key.hex(), None, clock(), clock()))
+    section = LeaseSection(min_deadline_s=30, deadline_slack=2, target_lease_s=10, **cfg)  # type: ignore[arg-type]
+    return LeaseManager(store, section, clock=clock, group_size=4, max_new_tokens=10)
+
+
+def test_size_and_deadline_follow_throughput(tmp_path: Path) -> None:
+    clock = FakeClock()
+    lm = manager(tmp_path, clock)
+    # 10 s · 400 tok/s / (4 · 10 tok) = 100 -> capped at max_prompts_per_lease (64), then by request
+    assert lm.lease_size(400.0) == 64
+    assert lm.lease_size(400.0, max_prompts=5) == 5
+    assert lm.lease_size(20.0) == 5  # 10 · 20 / 40
+    assert lm.lease_size(1.0) == 1  # never zero
+    # 5 prompts · 4 · 10 = 200 tokens at 20 tok/s -> 2 · 10 s = 20 s < min 30 s
+    assert lm.deadline_s(5, 20.0) == 30.0
+    assert lm.deadline_s(5, 2.0) == pytest.approx(200.0)  # 2 · 200 / 2
+    lease = lm.issue(A, version=1, tokens_per_s=2.0, max_prompts=5)
+    assert lease.deadline == clock() + lm.deadline_s(len(lease.prompts), 2.0)
+
+
+def test_prompts_are_deterministic_and_epochs_grow(tmp_path: Path) -> None:
+    clock = FakeClock()
+    lm = manager(tmp_path, clock)
+    l1 = lm.issue(A, version=1, tokens_per_s=20.0, max_prompts=3)
+    l2 = lm.issue(B, version=1, tokens_per_s=20.0, max_prompts=2)
+    assert l1.prompts == (0, 1, 2) and l2.prompts == (3, 4)
+    assert l2.epoch > l1.epoch
+
+
+def test_expiry_requeues_and_reassigns(tmp_path: Path) -> None:
+    clock = FakeClock()
+    lm = manager(tmp_path, clock)
+    l1 = lm.issue(A, version=1, tokens_per_s=20.0, max_prompts=3)
+    clock.advance(29.0)
+    assert lm.expire_due() == []
+    clock.advance(2.0)
+    assert [x.lease_id for x in lm.expire_due()] == [l1.lease_id]
+    assert lm.store.get_lease(l1.lease_id).state == "expired"  # type: ignore[union-attr]
+    l2 = lm.issue(B, version=1, tokens_per_s=20.0, max_prompts=5)
+    assert l2.prompts == (0, 1, 2, 3, 4)  # re-queued first, then fresh from the cursor
+    assert l2.epoch > l1.epoch
+    assert lm.store.get_node(A).leases_expired == 1  # type: ignore[union-attr]
+
+
+def test_fencing_and_ownership(tmp_path: Path) -> None:
+    clock = FakeClock()
+    lm = manager(tmp_path, clock)
+    lease = lm.issue(A, version=1, tokens_per_s=20.0)
+    assert lm.check_holder(A, lease.lease_id, lease.epoch) == lease
+    with pytest.raises(Rejection) as e:
+        lm.check_holder(A, lease.lease_id, lease.epoch - 1)
+    assert e.value.code is ReasonCode.STALE_EPOCH
+    with pytest.raises(Rejection) as e:
+        lm.check_holder(B, lease.lease_id, lease.epoch)
+    assert e.value.code is ReasonCode.WRONG_NODE and e.value.strike
+    with pytest.raises(Rejection) as e:
+        lm.check_holder(A, "L-nope", 1)
+    assert e.value.code is ReasonCode.UNKNOWN_LEASE and not e.value.strike
+    with pytest.raises(Rejection) as e:  # a zombie cannot release with an old epoch
+        lm.release(A, lease.lease_id, lease.epoch + 1)
+    assert e.value.code is ReasonCode.STALE_EPOCH
+
+
+def test_drain_release_makes_prompts_reassignable_at_once(tmp_path: Path) -> None:
+    clock = FakeClock()
+    lm = manager(tmp_path, clock)
+    l1 = lm.issue(A, version=1, tokens_per_s=20.0, max_prompts=2)
+    assert lm.release(A, l1.lease_id, l1.epoch) == [0, 1]
+    l2 = lm.issue(B, version=1, tokens_per_s=20.0, max_prompts=2)
+    assert l2.prompts == (0, 1)
+    with pytest.raises(Rejection) as e:  # results of a released lease are refused
+        lm.check_holder(A, l1.lease_id, l1.epoch)
+    assert e.value.code is ReasonCode.LEASE_EXPIRED
+
+
+async def test_late_result_of_expired_lease_counted_once(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.publish(1)
+    a, b = h.node(), h.node()
+    l1 = h.lease(a, max_prompts=2)
+    h.clock.advance(31.0)
+    l2 = h.lease(b, max_prompts=2)  # l1 expired: same prompts, higher epoch
+    assert [p.prompt_id for p in l2.prompts] == [p.prompt_id for p in l1.prompts]
+    assert l2.epoch > l1.epoch
+    late = submission(l1)
+    first = await h.core.submit(a.public_key, late)
+    assert isinstance(first, Ack)  # nobody completed the prompts yet: accepted once
+    again = await h.core.submit(a.public_key, late)
+    assert again == first  # identical re-send: same verdict, stored once
+    assert h.store.rollout_count() == 4
+    superseding = await h.core.submit(b.public_key, submission(l2))
+    assert isinstance(superseding, Reject) and superseding.code is ReasonCode.DUPLICATE
+    assert h.store.rollout_count() == 4
+    assert h.store.get_lease(l2.lease_id).state == "completed"  # type: ignore[union-attr]
+
+
+async def test_late_result_after_recompletion_is_refused(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.publish(1)
+    a, b = h.node(), h.node()
+    l1 = h.lease(a, max_prompts=2)
+    h.clock.advance(31.0)
+    l2 = h.lease(b, max_prompts=2)
+    assert isinstance(await h.core.submit(b.public_key, submission(l2)), Ack)
+    late = await h.core.submit(a.public_key, submission(l1))
+    assert isinstance(late, Reject) and late.code is ReasonCode.LEASE_EXPIRED
+    assert h.store.rollout_count() == 4
+    assert h.core.reputation.strikes(a.public_key) == {}  # slow is not dishonest
+
+
+async def test_restart_resumes_outstanding_leases(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.publish(1)
+    a, b = h.node(), h.node()
+    l1 = h.lease(a, max_prompts=2)
+    h.store.close()  # SIGKILL-equivalent: nothing but the SQLite file survives
+    h.reopen()
+    assert [x.lease_id for x in h.core.leases.outstanding()] == [l1.lease_id]
+    l2 = h.lease(b, max_prompts=2)
+    assert {p.prompt_id for p in l2.prompts}.isdisjoint(p.prompt_id for p in l1.prompts)
+    assert l2.epoch > l1.epoch  # the fencing counter survived the restart
+    assert isinstance(await h.core.submit(a.public_key, submission(l1)), Ack)  # still honoured
+    # a lease whose deadline passes while the coordinator is down is reassigned after restart
+    l3 = h.lease(a, max_prompts=1)
+    h.store.close()
+    h.clock.advance(60.0)
+    h.reopen()
+    assert h.store.get_lease(l3.lease_id).state == "expired"  # type: ignore[union-attr]
+    l4 = h.lease(b, max_prompts=3)  # l2 (never answered) expired too
+    expect = sorted(p.prompt_id for p in [*l2.prompts, *l3.prompts])
+    assert [p.prompt_id for p in l4.prompts] == expect

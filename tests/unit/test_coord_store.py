@@ -1,0 +1,75 @@
+"""SQLite store: durability settings, exactly-once inserts, error translation; core status and
+activation on top of it."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from coord_harness import Harness, submission
+
+from coordinator.errors import StoreError
+from coordinator.store import RolloutRow, Store
+from protocol.messages import Ack, Lease, LeaseRequest, Standby
+
+
+def row(sample: int) -> RolloutRow:
+    return RolloutRow("L1", 0, sample, b"k" * 32, 1, "p0", b"", b"", b"", "eos", 1.0, True, 0.0, 2)
+
+
+def test_wal_full_sync_and_exactly_once(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    assert store._all("PRAGMA journal_mode")[0][0] == "wal"
+    assert store._all("PRAGMA synchronous")[0][0] == 2  # FULL
+    assert store.insert_rollouts([row(0), row(1)]) == 2
+    assert store.insert_rollouts([row(1), row(2)]) == 1  # (lease, prompt, sample) stored once
+    seqs = [r.seq for r in store.rollouts_after(0, 10)]
+    assert len(seqs) == 3 and seqs == sorted(set(seqs))  # strictly increasing (gaps allowed)
+    store.close()
+    again = Store(tmp_path / "s.sqlite")
+    assert again.rollout_count() == 3
+    assert [r.sample_index for r in again.rollouts_after(seqs[0], 10)] == [1, 2]
+
+
+def test_transaction_rolls_back_as_a_unit(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    with pytest.raises(RuntimeError), store.transaction():
+        store.insert_rollouts([row(0)])
+        store.set_meta("x", "1")
+        raise RuntimeError("crash before commit")
+    assert store.rollout_count() == 0 and store.get_meta("x") is None
+
+
+def test_sqlite_errors_are_translated(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    store.put_version(1, b"m", 0.0)
+    with pytest.raises(StoreError, match=r"s\.sqlite") as e:
+        store.put_version(1, b"m", 0.0)
+    assert isinstance(e.value.__cause__, sqlite3.IntegrityError)
+    (tmp_path / "dir.sqlite").mkdir()
+    with pytest.raises(StoreError, match=r"dir\.sqlite"):
+        Store(tmp_path / "dir.sqlite")
+
+
+async def test_activation_standby_and_measured_throughput(tmp_path: Path) -> None:
+    h = Harness(tmp_path, capacity={"activation": True, "batch_rollouts": 10, "headroom": 0.0})
+    h.publish(1)
+    free, paid = h.node(), h.node(price=3.0)
+    h.store.update_node(free.public_key, rollouts_per_s=20.0)
+    h.store.update_node(paid.public_key, rollouts_per_s=20.0)
+    plan = h.core.replan()  # need κ·B/(κ·T) = 10/s: the free node alone covers it
+    assert plan.active == (free.public_key.hex(),)
+    req = LeaseRequest(peer_id="p", policy_version=1, max_prompts=2)
+    assert isinstance(h.core.request_lease(paid.public_key, req), Standby)
+    lease = h.core.request_lease(free.public_key, req)
+    assert isinstance(lease, Lease)
+    h.clock.advance(2.0)
+    assert isinstance(await h.core.submit(free.public_key, submission(lease)), Ack)
+    node = h.store.get_node(free.public_key)
+    assert node is not None and node.leases_completed == 1
+    # 2 prompts × 2 samples × 4 tokens in 2 s = 8 tok/s, folded into the advert's 100 with α = 0.3
+    assert node.tokens_per_s == pytest.approx(0.7 * 100 + 0.3 * 8)
+    status = h.core.status()
+    assert status["policy_version"] == 1 and status["rollouts_accepted"] == 4
+    assert status["leases"] == {"completed": 1} and len(status["plan_standby"]) == 1
