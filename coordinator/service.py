@@ -242,7 +242,11 @@ class CoordinatorService:
         nodes = self.core.store.nodes()
         states: dict[str, str] = {}
         last_seen: dict[str, float] = {}
+        tokens_per_s: dict[str, float | None] = {}
+        leases_done: dict[str, int] = {}
         for n in nodes:
+            tokens_per_s[n.fingerprint] = n.tokens_per_s
+            leases_done[n.fingerprint] = n.leases_completed
             if self.core.reputation.banned(n.node_key, now) is not None:
                 states[n.fingerprint] = "banned"
             elif n not in self.core.alive_nodes():
@@ -259,6 +263,8 @@ class CoordinatorService:
                 "uptime_s": round(now - self._started_at, 1),
                 "node_states": states,
                 "node_last_seen_s": last_seen,
+                "node_tokens_per_s": tokens_per_s,
+                "node_leases_completed": leases_done,
                 "rejected_by_reason": rejected,
                 "queue_depth": self.core.store.rollout_count()
                 - int(self.trainer_stats.get("rollout_cursor", 0) or 0),

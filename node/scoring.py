@@ -1,0 +1,114 @@
+"""Log-probabilities of given completions under a model (re-scoring) and the shared sampling
+transform.
+
+:func:`processed_logprobs` is the one definition of "the exact sampling distribution" (fp32
+temperature, then top-k, then top-p on the raw logits); the ``hf`` backend samples from it and
+:func:`score_logprobs` re-scores with it, so the coordinator's spot check compares like with like.
+
+Batching: sequences ``prompt + completion`` are left-padded, ``position_ids = cumsum(mask) - 1``
+(pads at 0), one forward per micro-batch, fp32 log-softmax of the raw logits.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+def processed_logprobs(
+    logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0
+) -> torch.Tensor:
+    """Log-probs ``[..., V]`` (fp32) of the sampling distribution for raw ``logits [..., V]``.
+
+    Tokens removed by top-k / top-p get ``-inf``. Semantics match transformers' and vLLM's
+    warpers: temperature first, top-k keeps logits >= the k-th largest, top-p keeps a token when
+    the probability mass of the higher-ranked tokens is < ``top_p`` (rank: logit descending, ties
+    by token id ascending; the most likely token is always kept).
+    """
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    vocab = x.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """Name of the KV-cache keyword of ``model.forward`` ("cache" from transformers 5.x,
+    "past_key_values" before)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def left_pad(
+    seqs: list[list[int]], pad_id: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, position_ids)`` for left-padded ``seqs`` (all non-empty)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+        mask[row, width - len(seq) :] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
+    return ids.to(device), mask.to(device), position_ids.to(device)
+
+
+def score_logprobs(
+    model: PreTrainedModel,
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    temperature: float = 1.0,
+    *,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    batch_size: int = 32,
+    pad_id: int = 0,
+) -> list[list[float]]:
+    """``out[i][j]`` = log p(completion_ids[i][j] | prompt_ids[i] + completion_ids[i][:j]) under
+    the sampling distribution (``temperature``/``top_p``/``top_k``) of ``model``'s raw logits.
+
+    Batched and left-padded; every prompt must be non-empty; an empty completion gives ``[]``.
+    The model is used as is (device, dtype, train/eval mode); log-softmax is computed in fp32.
+    """
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
+    if any(not p for p in prompt_ids):
+        raise ValueError("every prompt must have at least one token")
+    device = next(model.parameters()).device
+    out: list[list[float]] = [[] for _ in prompt_ids]
+    todo = [i for i, c in enumerate(completion_ids) if c]
+    for start in range(0, len(todo), max(1, batch_size)):
+        rows = todo[start : start + batch_size]
+        seqs = [list(prompt_ids[i]) + list(completion_ids[i]) for i in rows]
+        ids, mask, pos = left_pad(seqs, pad_id, device)
+        width = ids.shape[1]
+        longest = max(len(completion_ids[i]) for i in rows)
+        with torch.inference_mode():
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+            # logits at t predict token t+1: the last `longest` tokens are predicted by the
+            # window [width-longest-1, width-1); each completion is right-aligned in it.
+            window = logits[:, width - longest - 1 : width - 1, :]
+            logp = processed_logprobs(window, temperature, top_p, top_k)
+            targets = ids[:, width - longest :]
+            picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).cpu().tolist()
+        for k, i in enumerate(rows):
+            n = len(completion_ids[i])
+            out[i] = picked[k][longest - n :]
+    return out

@@ -1,0 +1,362 @@
+"""``swarm demo``: a real local swarm on 127.0.0.1, as separate processes.
+
+One coordinator, one trainer and N contributor nodes (plus K misbehaving ones with
+``--byzantine K``), each its own process and its own hivemind peer. Checkpoints travel through the
+peer-assisted broadcast, rollouts through the full verified intake. The demo itself is only an
+orchestrator and a viewer: it writes the configs, starts the processes (each in its own session,
+so it can end exactly its own process trees by PID), watches the coordinator's ``/status``, and
+stops everything on Ctrl-C, on reaching the target, or at the time limit.
+
+Run folder (``runs/demo-TIME``): ``coordinator/`` ``trainer/`` ``node-*/`` state, ``logs/*.log``,
+``curve.jsonl`` (one status sample per second), ``demo.png`` and ``summary.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+BYZANTINE_MODES = ("forge_logprobs", "inflate_reward", "wrong_version", "oov_tokens")
+STARTUP_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 20.0
+
+
+@dataclass
+class DemoOptions:
+    """Flags of ``swarm demo`` (validated on construction)."""
+
+    nodes: int = 3
+    staleness: int = 2
+    group_size: int = 8
+    batch_prompts: int = 32
+    task: str = "reverse3"
+    model_dir: Path | None = None
+    byzantine: int = 0
+    seed: int = 0
+    target: float = 0.9
+    time_limit: float = 300.0
+    max_steps: int | None = None
+    run_dir: Path | None = None
+    live: bool = True
+    extra_node_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.nodes <= 64:
+            raise ValueError(f"--nodes must be between 1 and 64, got {self.nodes}")
+        if not 1 <= self.staleness <= 16:
+            raise ValueError(f"--staleness must be between 1 and 16, got {self.staleness}")
+        if self.group_size < 2:
+            raise ValueError(
+                f"--group-size must be at least 2 (GRPO needs a group), got {self.group_size}"
+            )
+        if self.batch_prompts < 1:
+            raise ValueError(f"--batch-prompts must be positive, got {self.batch_prompts}")
+        if not 0 <= self.byzantine <= 16:
+            raise ValueError(f"--byzantine must be between 0 and 16, got {self.byzantine}")
+        if not 0 < self.target <= 1:
+            raise ValueError(f"--target must be in (0, 1], got {self.target}")
+        if self.time_limit <= 0:
+            raise ValueError(f"--time-limit must be positive, got {self.time_limit}")
+        if self.model_dir is not None and not (self.model_dir / "config.json").is_file():
+            raise ValueError(
+                f"--model-dir {self.model_dir} has no config.json (a local HF model dir)"
+            )
+        from coordinator.tasks import make_task
+
+        make_task(self.task)  # raises ValueError naming the task
+
+
+def _max_new_tokens(task: str) -> int:
+    if task.startswith("reverse"):
+        return int(task.removeprefix("reverse") or 3) + 2
+    return 256
+
+
+class Process:
+    """A child process in its own session; logs to a file; ended by PID (its process group)."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop())
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, env=env,
+        )  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            self.proc.wait(timeout=max(timeout, 0.01))
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def kill_group(self) -> None:
+        """SIGKILL what is left of this child's session (p2pd daemons included)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.poll()
+
+    def close(self) -> None:
+        self._log.close()
+
+    def tail(self, lines: int = 5) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+
+class Demo:
+    """Writes configs, starts and watches the processes, summarises the run."""
+
+    def __init__(self, opts: DemoOptions) -> None:
+        self.opts = opts
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.run_dir = Path(opts.run_dir or Path("runs") / f"demo-{stamp}").resolve()
+        self.logs = self.run_dir / "logs"
+        self.procs: list[Process] = []
+        self.curve: list[dict[str, Any]] = []
+        self.t0 = time.monotonic()
+        self.status: dict[str, Any] = {}
+        self.reached_at: float | None = None
+        self.coordinator: dict[str, Any] = {}
+
+    # --- set-up ----------------------------------------------------------------------------------
+    def _write_configs(self, trainer_fp: str) -> None:
+        o = self.opts
+        model = f'model_path = "{o.model_dir}"\n' if o.model_dir else ""
+        spot = 0.25 if o.byzantine else 0.1
+        (self.run_dir / "coordinator.toml").write_text(
+            f'task = "{o.task}"\ntask_seed = {o.seed}\n{model}group_size = {o.group_size}\n'
+            f"staleness_bound = {o.staleness}\nheartbeat_interval_s = 2.0\nheartbeat_misses = 3\n"
+            f"\n[sampling]\nmax_new_tokens = {_max_new_tokens(o.task)}\n"
+            f"\n[leases]\nmin_deadline_s = 10.0\ntarget_lease_s = 0.5\nmax_prompts_per_lease = 8\n"
+            f"default_tokens_per_s = 2000.0\n"
+            f"\n[intake]\nspot_check_fraction = {spot}\n"
+            f"\n[reputation]\nstrikes_to_ban = 3\nban_base_s = 60.0\n"
+            f"\n[capacity]\nbatch_rollouts = {o.batch_prompts * o.group_size}\nt_train_s = 0.1\n"
+            f'\n[network]\ntrainer_key = "{trainer_fp}"\n'
+        )
+        (self.run_dir / "trainer.toml").write_text(
+            f"{model}seed = {o.seed}\nbatch_prompts = {o.batch_prompts}\n"
+            f"group_size = {o.group_size}\nmax_staleness = {o.staleness}\n"
+            f'out_dir = "{self.run_dir / "trainer"}"\nresume = false\ncheckpoint_every = 50\n'
+        )
+
+    def _spawn(self, name: str, args: list[str]) -> Process:
+        argv = [sys.executable, "-m", "swarm.cli", *args]
+        proc = Process(name, argv, self.logs / f"{name}.log")
+        self.procs.append(proc)
+        log.info("started %s (pid %d)", name, proc.pid)
+        return proc
+
+    def start(self) -> None:
+        from protocol.identity import Identity
+
+        self.logs.mkdir(parents=True, exist_ok=True)
+        trainer_key = Identity.load_or_create(self.run_dir / "trainer" / "trainer.key")
+        self._write_configs(trainer_key.fingerprint)
+        coord_dir = self.run_dir / "coordinator"
+        self._spawn(
+            "coordinator",
+            ["coordinator", "launch", "--config", str(self.run_dir / "coordinator.toml"),
+             "--state-dir", str(coord_dir)],
+        )  # fmt: skip
+        info_path = coord_dir / "coordinator.json"
+        self._wait_for(lambda: info_path.is_file(), "the coordinator to come up")
+        self.coordinator = json.loads(info_path.read_text())
+        maddr, fp = self.coordinator["multiaddrs"][0], self.coordinator["fingerprint"]
+        self._spawn(
+            "trainer",
+            ["trainer", "run", "--config", str(self.run_dir / "trainer.toml"), "--coordinator",
+             maddr, "--coordinator-key", fp, "--state-dir", str(self.run_dir / "trainer")]
+            + (["--max-steps", str(self.opts.max_steps)] if self.opts.max_steps else []),
+        )  # fmt: skip
+        names = [f"node-{i}" for i in range(self.opts.nodes)]
+        names += [f"byzantine-{i}" for i in range(self.opts.byzantine)]
+        for i, name in enumerate(names):
+            cfg = self.run_dir / f"{name}.toml"
+            lines = ['backend = "hf"\n']
+            if self.opts.model_dir:
+                lines.append(f'model_path = "{self.opts.model_dir}"\n')
+            if name.startswith("byzantine"):
+                mode = BYZANTINE_MODES[(i - self.opts.nodes) % len(BYZANTINE_MODES)]
+                lines.append(f'misbehave = ["{mode}"]\n')
+            cfg.write_text("".join(lines))
+            self._spawn(
+                name,
+                ["node", "run", "--coordinator", maddr, "--coordinator-key", fp, "--config",
+                 str(cfg), "--state-dir", str(self.run_dir / name)],
+            )  # fmt: skip
+        (self.run_dir / "demo.json").write_text(
+            json.dumps(
+                {"coordinator": self.coordinator, "pids": {p.name: p.pid for p in self.procs}},
+                indent=2,
+            )
+        )
+
+    def _wait_for(self, ready: Any, what: str) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not ready():
+            self._check_children()
+            if time.monotonic() > deadline:
+                raise DemoError(f"timed out after {STARTUP_TIMEOUT_S:.0f}s waiting for {what}")
+            time.sleep(0.2)
+
+    def _check_children(self) -> None:
+        for p in self.procs:
+            if not p.alive() and p.proc.returncode != 0:
+                raise DemoError(
+                    f"{p.name} exited with code {p.proc.returncode}; last lines of "
+                    f"{p.log_path}:\n{p.tail()}"
+                )
+
+    # --- watching --------------------------------------------------------------------------------
+    def poll(self) -> dict[str, Any]:
+        url = self.coordinator.get("http_url", "") + "/status"
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as resp:
+                self.status = json.loads(resp.read())
+        except (OSError, ValueError) as exc:
+            log.debug("status poll failed: %s", exc)
+            return self.status
+        row = {
+            "t": round(time.monotonic() - self.t0, 2),
+            "step": self.status.get("trainer_step"),
+            "version": self.status.get("policy_version"),
+            "reward": self.status.get("trainer_reward_mean"),
+            "exact": self.status.get("trainer_exact_match"),
+            "staleness": self.status.get("trainer_staleness_mean"),
+            "accepted": self.status.get("rollouts_accepted"),
+            "rejected": sum((self.status.get("rejected_by_reason") or {}).values()),
+        }
+        if not self.curve or self.curve[-1]["step"] != row["step"]:
+            self.curve.append(row)
+            with open(self.run_dir / "curve.jsonl", "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+        return self.status
+
+    def reached_target(self) -> bool:
+        recent = [r["exact"] for r in self.curve[-3:] if r["exact"] is not None]
+        hit = len(recent) == 3 and sum(recent) / 3 >= self.opts.target
+        if hit and self.reached_at is None:
+            self.reached_at = time.monotonic() - self.t0
+        return hit
+
+    def done_reason(self) -> str | None:
+        if self.reached_target():
+            return f"exact match reached {self.opts.target:.2f}"
+        if time.monotonic() - self.t0 > self.opts.time_limit:
+            return f"time limit of {self.opts.time_limit:.0f}s"
+        step = self.status.get("trainer_step")
+        if self.opts.max_steps is not None and step is not None and step >= self.opts.max_steps:
+            return f"{self.opts.max_steps} learner steps done"
+        trainer = next(p for p in self.procs if p.name == "trainer")
+        if not trainer.alive():
+            if trainer.proc.returncode == 0:
+                return "trainer finished"
+            self._check_children()
+        for p in self.procs:
+            if p.name.startswith(("node", "coordinator")) and not p.alive():
+                self._check_children()
+        return None
+
+    # --- shutdown --------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """SIGTERM nodes, then trainer, then coordinator; SIGKILL what is left; by PID only."""
+        order = sorted(self.procs, key=lambda p: ("node" in p.name or "byz" in p.name, p.name))
+        for group in (
+            [p for p in order if p.name.startswith(("node", "byzantine"))],
+            [p for p in order if p.name == "trainer"],
+            [p for p in order if p.name == "coordinator"],
+        ):
+            for p in group:
+                p.signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            for p in group:
+                if not p.wait(deadline - time.monotonic()):
+                    log.warning("%s did not stop in %.0fs; killing it", p.name, STOP_TIMEOUT_S)
+            for p in group:
+                p.kill_group()  # the daemons a child started live in its session
+                p.close()
+
+    # --- report ----------------------------------------------------------------------------------
+    def summary(self, reason: str) -> str:
+        from swarm.demo_report import summarise
+
+        return summarise(self, reason)
+
+
+class DemoError(RuntimeError):
+    """The demo could not run (a process failed to start or died); the message says which."""
+
+
+def run_demo(opts: DemoOptions) -> int:
+    """Run the demo; 0 when the target was reached (or max steps done), 1 otherwise."""
+    from swarm.demo_report import LiveView
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    demo = Demo(opts)
+    interrupted = False
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    reason = "stopped"
+    view = LiveView(demo, enabled=opts.live)
+    try:
+        print(f"run folder: {demo.run_dir}", flush=True)
+        demo.start()
+        with view:
+            while True:
+                demo.poll()
+                view.update()
+                r = demo.done_reason()
+                if r is not None:
+                    reason = r
+                    break
+                time.sleep(1.0)
+    except KeyboardInterrupt:
+        interrupted = True
+        reason = "interrupted (Ctrl-C)"
+    except DemoError as exc:
+        reason = f"failed: {exc}"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        demo.stop()
+    text = demo.summary(reason)
+    print(text, flush=True)
+    if interrupted:
+        return 130
+    ok = (
+        demo.reached_at is not None or reason.endswith("steps done") or reason == "trainer finished"
+    )
+    return 0 if ok and not reason.startswith("failed") else 1

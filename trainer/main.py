@@ -1,0 +1,358 @@
+"""The trainer process: the GRPO recipe on the network (``swarm trainer run``).
+
+* :class:`CoordinatorSource` — the recipe's :class:`~trainer.recipe.RolloutSource`: long-polls the
+  coordinator's ``rswarm/fetch`` (signed by the trainer's publisher key) and reports the learner's
+  figures back with each poll, so ``/status`` and ``swarm inspect`` show them.
+* :class:`SwarmPublisher` — the recipe's :class:`~trainer.recipe.Publisher`: splits the weights into
+  safetensors chunks, has the coordinator sign the manifest (``rswarm/publish``), then seeds the
+  chunks itself through the peer-assisted broadcast (no full copy goes through the coordinator
+  first; the coordinator is just one more receiver).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from protocol import rpc
+from protocol.codec import decode, encode
+from protocol.envelope import seal
+from protocol.identity import Identity
+from protocol.manifest import build_manifest
+from protocol.messages import (
+    FetchRollouts,
+    Manifest,
+    ManifestResponse,
+    PublishVersion,
+    Reject,
+    RolloutBatch,
+    logprobs_array,
+    tokens_array,
+)
+from swarm.transport import Transport
+from trainer.batch import Rollout
+
+log = logging.getLogger(__name__)
+
+FETCH_WAIT_S = 2.0
+MANIFEST_TTL_S = 7 * 24 * 3600.0
+
+
+class CoordinatorError(RuntimeError):
+    """The coordinator refused a trainer request (the message says why)."""
+
+
+class CoordinatorSource:
+    """Accepted rollouts from the coordinator, in arrival order."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        coordinator_peer: str,
+        identity: Identity,
+        *,
+        stats: Mapping[str, Any] | None = None,
+        wait_s: float = FETCH_WAIT_S,
+    ) -> None:
+        self.transport = transport
+        self.coordinator_peer = coordinator_peer
+        self.identity = identity
+        self.wait_s = wait_s
+        #: figures sent with every poll (the run loop updates this dict in place)
+        self.stats: dict[str, Any] = dict(stats or {})
+        self.received = 0
+
+    async def fetch(self, max_items: int, after: int) -> list[Rollout] | None:
+        req = FetchRollouts(
+            after_seq=after,
+            max_rollouts=max(1, min(max_items, 4096)),
+            min_policy_version=None,
+            wait_s=self.wait_s,
+            trainer_stats=_wire_stats(self.stats),
+        )
+        raw = await self.transport.call(
+            self.coordinator_peer,
+            rpc.FETCH,
+            encode(seal(self.identity, req, now=time.time())),
+            timeout=self.wait_s + rpc.DEFAULT_TIMEOUTS[rpc.FETCH],
+        )
+        msg = decode(raw)
+        if isinstance(msg, Reject):
+            raise CoordinatorError(f"coordinator refused fetch: {msg.code}: {msg.detail}")
+        if not isinstance(msg, RolloutBatch):
+            raise CoordinatorError(f"unexpected answer to fetch: {type(msg).__name__}")
+        out = [
+            Rollout(
+                group_id=f"{r.lease_id}/{r.prompt_id}",
+                prompt_ids=tokens_array(r.prompt_token_ids).tolist(),
+                completion_ids=tokens_array(r.completion_token_ids).tolist(),
+                behaviour_logprobs=logprobs_array(r.behaviour_logprobs).tolist(),
+                policy_version=r.policy_version,
+                reward=r.reward,
+                seq=r.seq,
+            )
+            for r in msg.rollouts
+        ]
+        self.received += len(out)
+        return out
+
+
+class SwarmPublisher:
+    """Publishes versions: coordinator signs the manifest, this peer seeds the chunks."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        broadcast: Any,
+        coordinator_peer: str,
+        identity: Identity,
+        *,
+        model_config_hash: str,
+        tokenizer_hash: str,
+        chunk_size: int,
+    ) -> None:
+        self.transport = transport
+        self.broadcast = broadcast
+        self.coordinator_peer = coordinator_peer
+        self.identity = identity
+        self.model_config_hash = model_config_hash
+        self.tokenizer_hash = tokenizer_hash
+        self.chunk_size = chunk_size
+        self.last_version: int | None = None
+
+    async def publish(self, version: int, state_dict: Mapping[str, Any]) -> None:
+        from swarm.checkpoint_io import state_dict_to_files
+
+        files = state_dict_to_files(dict(state_dict))
+        now = time.time()
+        manifest, chunks = build_manifest(
+            files,
+            version=version,
+            parent_version=self.last_version,
+            chunk_size=self.chunk_size,
+            model_config_hash=self.model_config_hash,
+            tokenizer_hash=self.tokenizer_hash,
+            created_at=now,
+            expires_at=now + MANIFEST_TTL_S,
+        )
+        req = PublishVersion(manifest=encode(manifest), source=self.transport.peer_id)
+        raw = await self.transport.call(
+            self.coordinator_peer,
+            rpc.PUBLISH,
+            encode(seal(self.identity, req, now=now)),
+            timeout=rpc.DEFAULT_TIMEOUTS[rpc.PUBLISH],
+        )
+        msg = decode(raw)
+        if isinstance(msg, Reject):
+            raise CoordinatorError(f"coordinator refused v{version}: {msg.code}: {msg.detail}")
+        if not isinstance(msg, ManifestResponse) or msg.manifest is None:
+            raise CoordinatorError(f"unexpected answer to publish: {type(msg).__name__}")
+        signed: Manifest = await self.broadcast.seed_version(msg.manifest, chunks)
+        self.last_version = signed.version
+        log.info("published policy v%d (%d bytes in %d chunks)", version, signed.total_size,
+                 len(chunks))  # fmt: skip
+
+
+def _wire_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            out[key] = {str(k): v for k, v in value.items()}
+        elif isinstance(value, float) and value != value:
+            out[key] = None
+        elif value is None or isinstance(value, bool | int | float | str):
+            out[key] = value
+    return out
+
+
+def _digest_hex(fingerprint: str) -> str:
+    """``sha256:<hex>`` → ``<hex>`` (manifests carry bare hex digests)."""
+    return fingerprint.split(":", 1)[-1]
+
+
+async def run_trainer(
+    config: Any,
+    *,
+    coordinator_maddr: str,
+    coordinator_key: str,
+    state_dir: Path,
+    chunk_size: int = 4 << 20,
+    stop: asyncio.Event | None = None,
+) -> int:
+    """Join the swarm, publish v0, then train on the coordinator's rollouts until stopped."""
+    from node.model import ModelSpec, config_fingerprint, load_config, load_tokenizer
+    from protocol.identity import parse_fingerprint
+    from swarm.adverts import swarm_validators
+    from swarm.broadcast import BroadcastNode
+    from swarm.chunks import ChunkStore
+    from swarm.dht import PeerConfig, SwarmPeer
+    from swarm.holders import DhtHolderDirectory
+    from swarm.records import find_coordinator
+    from swarm.transport import P2PTransport
+    from trainer.recipe import Trainer
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    identity = Identity.load_or_create(state_dir / "trainer.key")
+    pinned = parse_fingerprint(coordinator_key)
+    coordinator_peer = coordinator_maddr.rsplit("/p2p/", 1)[-1]
+    peer = SwarmPeer(
+        PeerConfig(initial_peers=(coordinator_maddr,), identity_path=str(state_dir / "p2p.key")),
+        record_validators=swarm_validators(),
+    )
+    await peer.start()
+    try:
+        transport = P2PTransport(peer.p2p)
+        # The pinned key is a fingerprint; the raw key comes from the coordinator's signed
+        # address record, accepted only if it hashes to the pinned fingerprint.
+        pinned_key = await _coordinator_public_key(peer, pinned, find_coordinator)
+        broadcast = BroadcastNode(
+            transport,
+            ChunkStore(state_dir / "seed", keep_versions=config.max_staleness + 1),
+            DhtHolderDirectory(peer),
+            pinned_key,
+        )
+        await broadcast.start()
+        trainer = Trainer.setup(config)
+        spec = ModelSpec(path=config.model_path, dtype=config.dtype)
+        source = CoordinatorSource(transport, coordinator_peer, identity)
+        publisher = SwarmPublisher(
+            transport,
+            broadcast,
+            coordinator_peer,
+            identity,
+            model_config_hash=_digest_hex(config_fingerprint(load_config(spec))),
+            tokenizer_hash=_digest_hex(load_tokenizer(spec).fingerprint()),
+            chunk_size=chunk_size,
+        )
+        _attach_stats(trainer, source)
+        run = asyncio.create_task(trainer.run(source, publisher), name="trainer-loop")
+        waiters = [run] + ([asyncio.create_task(stop.wait(), name="stop")] if stop else [])
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if not run.done():
+            run.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await run
+            trainer.save_checkpoint()
+        else:
+            run.result()
+        await broadcast.stop()
+        return 0
+    finally:
+        await peer.stop()
+
+
+async def _coordinator_public_key(peer: Any, fingerprint: str, find: Any) -> bytes:
+    """Find the raw public key of the pinned coordinator in the DHT (with a deadline)."""
+    from swarm import keys
+    from swarm.records import check_signed_record
+
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        entries = await peer.get_subkeys(keys.COORDINATOR, timeout=5.0)
+        entry = entries.get(fingerprint)
+        if entry is not None:
+            env, _record = check_signed_record(
+                keys.COORDINATOR, fingerprint, entry.value, expiration_time=entry.expiration_time
+            )
+            return bytes(env.signer)
+        await asyncio.sleep(0.5)
+    raise CoordinatorError(
+        f"no coordinator with key {fingerprint} announced itself in the DHT within 30 s; "
+        "check --coordinator and --coordinator-key"
+    )
+
+
+def _attach_stats(trainer: Any, source: CoordinatorSource) -> None:
+    """Mirror each step's metrics into the stats the source reports to the coordinator."""
+    writer = trainer.metrics
+    original = trainer.train_step
+
+    def train_step(rollouts: Any) -> dict[str, Any]:
+        record: dict[str, Any] = original(rollouts)
+        source.stats.update(
+            {
+                "step": record["step"],
+                "version": record["version"],
+                "published_version": trainer.published_version,
+                "reward_mean": record["reward_mean"],
+                "exact_match": record["reward_full_frac"],
+                "staleness_mean": record["staleness_mean"],
+                "staleness_hist": record["staleness_hist"],
+                "dropped_stale": record["dropped_stale"],
+                "mismatch_kl": record["mismatch_kl"],
+                "ess_frac": record["ess_frac"],
+                "idle_frac": record["idle_frac"],
+                "rollout_cursor": trainer.cursor,
+            }
+        )
+        return record
+
+    trainer.train_step = train_step
+    del writer
+
+
+def run_from_cli(
+    *,
+    config: Path | None,
+    coordinator: str | None,
+    coordinator_key: str | None,
+    state_dir: Path | None,
+    max_steps: int | None = None,
+) -> int:
+    """``swarm trainer run``. Exit 0 clean (SIGINT/SIGTERM or max_steps), 2 bad input, 1 failure."""
+    from pydantic import ValidationError
+
+    from protocol.identity import parse_fingerprint
+    from swarm.errors import SwarmError
+    from trainer.config import TrainerConfig
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if coordinator is None or coordinator_key is None:
+        print("error: --coordinator MULTIADDR and --coordinator-key FINGERPRINT are required")
+        return 2
+    if "/p2p/" not in coordinator:
+        print("error: --coordinator must be a full multiaddr ending in /p2p/<peer id>")
+        return 2
+    try:
+        parse_fingerprint(coordinator_key)
+        overrides: dict[str, Any] = {"max_steps": max_steps}
+        if state_dir is not None:
+            overrides["out_dir"] = str(state_dir)
+        cfg = (
+            TrainerConfig.from_toml(config, **overrides)
+            if config is not None
+            else TrainerConfig(**{k: v for k, v in overrides.items() if v is not None})
+        )
+    except (ValueError, ValidationError, OSError) as exc:
+        print(f"error: {' '.join(str(exc).split())[:300]}")
+        return 2
+    import torch
+
+    torch.set_num_threads(1)
+    out = Path(cfg.out_dir)
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        return await run_trainer(
+            cfg, coordinator_maddr=coordinator, coordinator_key=coordinator_key, state_dir=out,
+            stop=stop,
+        )  # fmt: skip
+
+    ident = Identity.load_or_create(out / "trainer.key")
+    print(f"trainer key: {ident.fingerprint}", flush=True)
+    try:
+        return asyncio.run(main())
+    except (SwarmError, CoordinatorError) as exc:
+        print(f"error: {exc}")
+        return 1
