@@ -159,8 +159,14 @@ def plan_activation(
             "all nodes kept active",
         )
     target = required * (1.0 + headroom)
-    chosen = choose_active(nodes, target, exact_limit=exact_limit)
-    method = "exact search" if len(nodes) <= exact_limit else "greedy by price/rate + prune"
+    # Free volunteers (price 0 or unpriced) are always active: standing one down saves nothing and
+    # only adds staleness. The paid nodes cover what the free ones leave of the target.
+    free = tuple(n for n in nodes if n.price <= 0.0 and n.effective_rate > 0)
+    paid = [n for n in nodes if n not in free]
+    residual = target - sum(n.effective_rate for n in free)
+    picked = () if _meets(0.0, residual) else choose_active(paid, residual, exact_limit=exact_limit)
+    chosen = None if picked is None else free + picked
+    method = "exact search" if len(paid) <= exact_limit else "greedy by price/rate + prune"
     if chosen is None:
         return _all_active(
             nodes,

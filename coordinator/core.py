@@ -111,6 +111,8 @@ class Coordinator:
             "swarm_policy_version", "Latest published version", registry=self.registry
         )
         self.t_bcast_s = config.capacity.t_bcast_s
+        #: T_train estimate: the configured value until the trainer reports its step time.
+        self.t_train_s = config.capacity.t_train_s
         self.plan: Plan | None = None
         self.leases.expire_due()
         outstanding = self.leases.outstanding()
@@ -418,7 +420,7 @@ class Coordinator:
                 for n in measured
             ],
             batch=cap.batch_rollouts,
-            t_train=cap.t_train_s,
+            t_train=self.t_train_s,
             kappa=self.config.kappa,
             t_bcast=self.t_bcast_s,
             headroom=cap.headroom,

@@ -120,6 +120,12 @@ def check_version(sub: RolloutSubmission, ctx: IntakeContext) -> None:
             f"policy version {v} is {lag} behind {ctx.current_version} (limit S="
             f"{ctx.staleness_bound}); load the latest checkpoint",
         )
+    if v != ctx.lease.version:  # the whole lease is sampled on the version it named
+        raise _reject(
+            ReasonCode.VERSION_MISMATCH,
+            f"lease {ctx.lease.lease_id} is for policy version {ctx.lease.version}, "
+            f"the submission claims {v}",
+        )
 
 
 # --- check 5 ----------------------------------------------------------------------------------

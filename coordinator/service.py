@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -209,17 +210,19 @@ class CoordinatorService:
     async def _upkeep_loop(self) -> None:
         last_records = 0.0
         while True:
+            # Each chore in its own try: one failing must not starve the others.
             try:
                 assert self.core is not None
                 self.core.tick()
                 self._refresh_snapshot()
-                if time.time() - last_records > RECORD_TTL_S / 3:
-                    last_records = time.time()
-                    await self._publish_records()
-            except asyncio.CancelledError:
-                raise
             except Exception:  # upkeep must survive a bad tick; the error is logged in full
                 log.exception("coordinator upkeep failed; retrying next tick")
+            if time.time() - last_records > RECORD_TTL_S / 3:
+                try:
+                    await self._publish_records()
+                    last_records = time.time()
+                except Exception as exc:  # DHT hiccup: retried on the next tick
+                    log.warning("could not refresh DHT records: %s", exc)
             await asyncio.sleep(TICK_S)
 
     async def _publish_records(self) -> None:
@@ -275,7 +278,7 @@ class CoordinatorService:
         )
         for key, value in self.trainer_stats.items():
             snap[f"trainer_{key}"] = value
-        return snap
+        return _finite(snap)
 
     # --- handlers --------------------------------------------------------------------------------
     def _open(self, request: bytes, type_: type[M]) -> tuple[bytes, M]:
@@ -341,6 +344,8 @@ class CoordinatorService:
         check_manifest(manifest, now=time.time())
         env = sign_manifest(manifest, self.identity, time.time())
         self.core.publish_version(env)
+        # Serve the signed manifest at once (nodes ask us first); chunks follow from the trainer.
+        self.broadcast.store.put_manifest(env, manifest)
         self._seeders[manifest.version] = caller
         self._version_tasks[manifest.version] = asyncio.create_task(
             self._hold_version(manifest.version, caller), name=f"hold-v{manifest.version}"
@@ -390,6 +395,9 @@ class CoordinatorService:
         msg = self._open_trainer(request, FetchRollouts)
         if msg.trainer_stats:
             self.trainer_stats = dict(msg.trainer_stats)
+            step_time = self.trainer_stats.get("step_time_s")
+            if isinstance(step_time, int | float) and step_time > 0:  # measured T_train
+                self.core.t_train_s = float(step_time)
         deadline = time.monotonic() + min(msg.wait_s, FETCH_WAIT_CAP_S)
         while True:
             self._new_rollouts.clear()
@@ -451,7 +459,7 @@ def _wire_status(status: dict[str, Any]) -> dict[str, Any]:
 
 def _scalar(value: Any) -> Any:
     if value is None or isinstance(value, bool | int | float | str):
-        if isinstance(value, float) and value != value:  # NaN is not allowed on the wire
+        if isinstance(value, float) and not math.isfinite(value):  # NaN/inf: not on the wire
             return None
         return value[:1000] if isinstance(value, str) else value
     return str(value)[:1000]
@@ -499,7 +507,13 @@ def launch_from_cli(
     import torch
 
     torch.set_num_threads(1)
-    service = CoordinatorService(cfg, state_dir or Path("coordinator-data"))
+    from protocol.errors import KeyFileError
+
+    try:
+        service = CoordinatorService(cfg, state_dir or Path("coordinator-data"))
+    except (KeyFileError, OSError, ValueError) as exc:
+        print(f"error: {exc}")
+        return 2
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -512,7 +526,8 @@ def launch_from_cli(
             print(f"error: {exc}")
             await service.stop()
             return 1
-        print(f"multiaddr: {service.multiaddrs[0]}", flush=True)
+        for maddr in service.multiaddrs:
+            print(f"multiaddr: {maddr}", flush=True)
         print(f"coordinator key: {service.fingerprint}", flush=True)
         print(f"status: {service.http_url}/status  metrics: {service.http_url}/metrics", flush=True)
         await stop.wait()
@@ -521,3 +536,14 @@ def launch_from_cli(
         return 0
 
     return asyncio.run(main())
+
+
+def _finite(value: Any) -> Any:
+    """Replace NaN/inf anywhere in a status document with None (JSON and the wire refuse them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value

@@ -56,6 +56,7 @@ class ReasonCode(StrEnum):
     # rollout verification
     UNKNOWN_VERSION = "unknown_version"
     TOO_STALE = "too_stale"
+    VERSION_MISMATCH = "version_mismatch"
     TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
     LENGTH_EXCEEDED = "length_exceeded"
     BAD_TERMINATION = "bad_termination"

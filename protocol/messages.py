@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from msgspec import Meta
+from msgspec import Meta, field
 
 from protocol import limits as L
 from protocol.errors import ReasonCode, SchemaViolation
@@ -371,7 +371,9 @@ class FetchRollouts(MessageBase):
     wait_s: Finite  # long-poll up to this many seconds when none are ready, in [0, 3600]
     # learner figures the coordinator re-exports on /status (step, idle fraction, staleness
     # histogram, ...); same bounded shape as StatusResponse.status; empty = nothing to report
-    trainer_stats: Annotated[dict[Name, StatusValue], Meta(max_length=L.MAX_STATUS_KEYS)] = {}
+    trainer_stats: Annotated[dict[Name, StatusValue], Meta(max_length=L.MAX_STATUS_KEYS)] = field(
+        default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,8 +1,9 @@
 """RPC methods between nodes, trainer and coordinator (libp2p stream names and their messages).
 
-Each method is one libp2p stream (see :mod:`swarm.transport` for the framing). The request is an
-encoded :class:`~protocol.messages.SignedEnvelope` whose payload is the request message, signed by the
-caller's Ed25519 key (node key, or the trainer's publisher key), except where ``signed`` is False.
+Each method is one libp2p stream (see :mod:`swarm.transport` for the framing). The request is
+an encoded :class:`~protocol.messages.SignedEnvelope` whose payload is the request message, signed
+by the caller's Ed25519 key (node key, or the trainer's publisher key); ``rswarm/status`` is
+unsigned.
 Responses are plain encoded messages: the coordinator is authenticated by its libp2p peer ID, which
 the caller dialled from the multiaddr it was given, and checkpoints by the pinned manifest key.
 

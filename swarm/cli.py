@@ -187,8 +187,9 @@ def trainer_run(
         str | None, typer.Option(help="Pinned coordinator key fingerprint.")
     ] = None,
     state_dir: Annotated[
-        Path | None, typer.Option(help="Directory for checkpoints and metrics.")
+        Path | None, typer.Option(help="Directory for checkpoints, key and metrics.")
     ] = None,
+    max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps.")] = None,
 ) -> None:
     """Consume verified rollouts, train with GRPO, publish checkpoints every kappa steps."""
     from trainer.main import run_from_cli
@@ -199,6 +200,7 @@ def trainer_run(
             coordinator=coordinator,
             coordinator_key=coordinator_key,
             state_dir=state_dir,
+            max_steps=max_steps,
         )
     )
 
@@ -236,11 +238,12 @@ def inspect(
 @app.command()
 def keygen(path: Annotated[Path, typer.Argument(help="Key file to create or read.")]) -> None:
     """Create an Ed25519 key file (mode 0600) if missing, and print its fingerprint."""
+    from protocol.errors import KeyFileError
     from protocol.identity import Identity
 
     try:
         ident = Identity.load_or_create(path)
-    except (OSError, ValueError) as exc:
+    except (KeyFileError, OSError, ValueError) as exc:
         _fail(str(exc))
     typer.echo(ident.fingerprint)
 

@@ -105,9 +105,10 @@ class Process:
         return self.proc.poll() is None
 
     def signal(self, sig: int) -> None:
+        """Signal the child itself (not its group: its libp2p daemon must outlive the shutdown)."""
         if self.alive():
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, sig)
+                self.proc.send_signal(sig)
 
     def wait(self, timeout: float) -> bool:
         try:
@@ -203,7 +204,8 @@ class Demo:
         names += [f"byzantine-{i}" for i in range(self.opts.byzantine)]
         for i, name in enumerate(names):
             cfg = self.run_dir / f"{name}.toml"
-            lines = ['backend = "hf"\n']
+            lines = ['backend = "hf"\n', 'host_maddrs = ["/ip4/127.0.0.1/tcp/0"]\n',
+                     "status_interval_s = 5.0\n"]  # fmt: skip
             if self.opts.model_dir:
                 lines.append(f'model_path = "{self.opts.model_dir}"\n')
             if name.startswith("byzantine"):

@@ -288,6 +288,7 @@ def _attach_stats(trainer: Any, source: CoordinatorSource) -> None:
                 "mismatch_kl": record["mismatch_kl"],
                 "ess_frac": record["ess_frac"],
                 "idle_frac": record["idle_frac"],
+                "step_time_s": record["step_time_s"],
                 "rollout_cursor": trainer.cursor,
             }
         )
@@ -349,7 +350,13 @@ def run_from_cli(
             stop=stop,
         )  # fmt: skip
 
-    ident = Identity.load_or_create(out / "trainer.key")
+    from protocol.errors import KeyFileError
+
+    try:
+        ident = Identity.load_or_create(out / "trainer.key")
+    except (KeyFileError, OSError, ValueError) as exc:
+        print(f"error: {exc}")
+        return 2
     print(f"trainer key: {ident.fingerprint}", flush=True)
     try:
         return asyncio.run(main())

@@ -63,10 +63,22 @@ def test_headroom_volunteers_and_reliability() -> None:
     plan = plan_activation(nodes, batch=10, t_train=1.0, kappa=1, t_bcast=0.0, headroom=0.2)
     assert plan.active == ("v1", "v2") and plan.cost_per_hour == 0.0
     assert plan.standby == ("paid",) and plan.required == pytest.approx(10.0)
-    # an unreliable volunteer (half its leases expire) only counts for half
+    # an unreliable volunteer (half its leases expire) only counts for half: 4 + 8·0.5 = 8 < 12,
+    # so the paid node is activated too; free volunteers always stay active (no saving in standby)
     flaky = [nodes[0], NodeCapacity("v1", 4.0, None), NodeCapacity("v2", 8.0, None, 0.5)]
     plan = plan_activation(flaky, batch=10, t_train=1.0, kappa=1, t_bcast=0.0, headroom=0.2)
-    assert plan.active == ("paid", "v1") and plan.active_rate == pytest.approx(14.0)
+    assert plan.active == ("paid", "v1", "v2") and plan.active_rate == pytest.approx(18.0)
+    assert plan.cost_per_hour == pytest.approx(2.0)
+
+
+def test_free_volunteers_never_on_standby() -> None:
+    # paid alone suffices (400 ≥ 12), but dropping the free node saves nothing
+    nodes = [NodeCapacity("free", 50.0, None), NodeCapacity("paid", 400.0, 1.0)]
+    plan = plan_activation(nodes, batch=10, t_train=1.0, kappa=1, t_bcast=0.0, headroom=0.2)
+    assert plan.active == ("free",) and plan.standby == ("paid",)
+    nodes = [NodeCapacity("free", 5.0, 0.0), NodeCapacity("paid", 400.0, 1.0)]
+    plan = plan_activation(nodes, batch=10, t_train=1.0, kappa=1, t_bcast=0.0, headroom=0.2)
+    assert plan.active == ("free", "paid") and plan.cost_per_hour == pytest.approx(1.0)
 
 
 def test_short_pool_activates_everyone() -> None:

@@ -71,7 +71,15 @@ async def test_versions_stale_beyond_s_and_unknown(h: Harness) -> None:
     assert lease.policy_version == 4
     assert await rejected(h, node, submission(lease, version=1)) is ReasonCode.TOO_STALE  # S = 2
     assert await rejected(h, node, submission(lease, version=9)) is ReasonCode.UNKNOWN_VERSION
-    assert isinstance(await h.core.submit(node.public_key, submission(lease, version=2)), Ack)
+    # a known, fresh-enough version that is not the lease's: the lease fixed the version
+    assert await rejected(h, node, submission(lease, version=3)) is ReasonCode.VERSION_MISMATCH
+    assert isinstance(await h.core.submit(node.public_key, submission(lease, version=4)), Ack)
+    # the honest case of staleness: the learner moved on while the node was generating
+    lease2 = h.lease(node)
+    for v in (5, 6, 7):
+        h.publish(v)
+    late = submission(lease2, version=lease2.policy_version)
+    assert await rejected(h, node, late) is ReasonCode.TOO_STALE
 
 
 async def test_token_and_length_checks(h: Harness) -> None:

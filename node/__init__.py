@@ -1,0 +1,19 @@
+"""The contributor node: turns a machine with a GPU (or CPU) into a rollout generator.
+
+Modules:
+
+* :mod:`node.config`      -- :class:`NodeConfig` (pydantic, TOML + CLI overrides; no torch import)
+* :mod:`node.main`        -- ``swarm node run``: preflight, ``--dry-run``, signals, exit codes
+* :mod:`node.worker`      -- :class:`NodeWorker`: join the DHT, advertise, register, heartbeat;
+                             lease -> load version -> generate -> sign and submit, with back-off
+* :mod:`node.client`      -- typed async client of the coordinator RPCs (``protocol.rpc``)
+* :mod:`node.checkpoints` -- policy versions: download, verify against the pinned key, load,
+                             never roll back (highest accepted version persisted on disk)
+* :mod:`node.byzantine`   -- misbehaving modes for ``swarm demo --byzantine`` (off by default)
+* :mod:`node.model`       -- policy model + tokenizer: embedded tiny default or a local HF dir
+* :mod:`node.backends`    -- :class:`InferenceBackend` (hf, vllm, fake) and ``make_backend``
+* :mod:`node.probe`       -- hardware probe and cached throughput self-benchmark
+* :mod:`node.scoring`     -- batched log-prob re-scoring (the coordinator's spot check)
+
+Nothing is imported here, so ``swarm --help`` stays fast.
+"""

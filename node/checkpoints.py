@@ -1,0 +1,329 @@
+"""The node's policy-version manager: fetch, verify, load, and never roll back (DESIGN.md §5).
+
+:meth:`CheckpointManager.ensure` makes version ``v`` the backend's weights:
+
+1. refuse ``v`` if it is older than the highest version this node ever accepted (kept on disk in
+   ``<state_dir>/accepted-version.json``, written atomically), so a restart cannot be talked into
+   a rollback; re-loading the accepted version itself after a restart is allowed;
+2. download it through :meth:`swarm.broadcast.BroadcastNode.download` (peer-assisted: chunks
+   are relayed to other nodes while the rest arrive; the node keeps serving the versions it holds);
+3. verify again here, independently of the download path: the manifest envelope against the
+   *pinned* coordinator key, its layout and expiry, and every chunk hash of the returned files;
+4. convert with :func:`swarm.checkpoint_io.files_to_state_dict` (safetensors only, never pickle)
+   and call ``backend.load_state_dict``; only then record ``v`` as accepted.
+
+The chunk store keeps the newest ``keep_versions`` (``S + 1``) versions. The pinned key is given
+as a fingerprint; the raw public key is taken from the first manifest (on disk or from a seed)
+whose signer has exactly that fingerprint.
+
+Failures::
+
+    CheckpointError
+    ├── CheckpointRefused               (also a ProtocolError) bad_signature, manifest_invalid,
+    │                                   chunk_hash_mismatch, version_not_newer: do not retry as is
+    └── CheckpointUnavailable           no peer could provide the version in time: retry later
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from protocol.codec import decode, encode
+from protocol.errors import ProtocolError, ReasonCode
+from protocol.identity import fingerprint_of, short_fingerprint
+from protocol.manifest import verify_chunk, verify_manifest
+from protocol.messages import Manifest, ManifestRequest, ManifestResponse
+from swarm.broadcast import MANIFEST_RPC, BroadcastNode
+from swarm.errors import BroadcastError, TransportError
+
+__all__ = [
+    "ACCEPTED_FILE",
+    "AcceptedVersion",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointRefused",
+    "CheckpointUnavailable",
+]
+
+log = logging.getLogger(__name__)
+
+ACCEPTED_FILE = "accepted-version.json"
+
+
+class CheckpointError(Exception):
+    """A policy version could not be loaded; nothing was loaded."""
+
+
+class CheckpointRefused(CheckpointError, ProtocolError):
+    """A version failed verification or would be a rollback (``.code``); do not retry as is."""
+
+
+class CheckpointUnavailable(CheckpointError):
+    """The version could not be obtained from any peer in time (retry later)."""
+
+
+class AcceptedVersion:
+    """Highest accepted version per pinned coordinator key, persisted atomically."""
+
+    def __init__(self, path: Path, coordinator_fingerprint: str) -> None:
+        self.path = path
+        self.fingerprint = coordinator_fingerprint
+
+    def _read_all(self) -> dict[str, int]:
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            # Refuse to guess: an unreadable record could hide a higher version (rollback risk).
+            raise RuntimeError(
+                f"{self.path} is unreadable ({exc}); restore it or delete it deliberately"
+            ) from exc
+        versions = data.get("accepted", {}) if isinstance(data, dict) else {}
+        return {k: int(v) for k, v in versions.items() if isinstance(v, int)}
+
+    def get(self) -> int | None:
+        """The highest version accepted from the pinned coordinator, or None."""
+        return self._read_all().get(self.fingerprint)
+
+    def set(self, version: int) -> None:
+        """Record ``version`` (never lowers the record); atomic and durable."""
+        data = self._read_all()
+        if data.get(self.fingerprint, -1) >= version:
+            return
+        data[self.fingerprint] = version
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"format": 1, "accepted": data}, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        with contextlib.suppress(OSError):  # make the rename itself durable
+            fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+class CheckpointManager:
+    """Loads verified policy versions into ``backend`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        broadcast: BroadcastNode,
+        backend: Any,
+        *,
+        state_dir: Path,
+        coordinator_fingerprint: str,
+        seeds: Callable[[], Sequence[str]],
+        clock: Callable[[], float] = time.time,
+        download_timeout_s: float = 600.0,
+        progress: bool = True,
+    ) -> None:
+        self.broadcast = broadcast
+        self.backend = backend
+        self.fingerprint = coordinator_fingerprint
+        self.accepted = AcceptedVersion(Path(state_dir) / ACCEPTED_FILE, coordinator_fingerprint)
+        self.seeds = seeds
+        self.clock = clock
+        self.download_timeout_s = download_timeout_s
+        self.progress = progress
+        self._lock = asyncio.Lock()
+        self._key: bytes | None = None
+        self.loads = 0
+        self.last_load_s: float | None = None
+
+    @property
+    def highest_accepted(self) -> int | None:
+        return self.accepted.get()
+
+    @property
+    def loaded_version(self) -> int | None:
+        v = self.backend.loaded_version
+        return None if v is None else int(v)
+
+    async def ensure(self, version: int) -> None:
+        """Make ``version`` the loaded weights, or raise (nothing loaded on failure)."""
+        async with self._lock:
+            if self.loaded_version == version:
+                return
+            highest = self.highest_accepted
+            if highest is not None and version < highest:
+                raise CheckpointRefused(
+                    ReasonCode.VERSION_NOT_NEWER,
+                    f"v{version} is older than v{highest}, the newest version this node "
+                    "accepted; refusing to roll back",
+                )
+            t0 = time.monotonic()
+            key = await self._pinned_key(version)
+            files = await self._download(version)
+            manifest = self._verify(version, key, files)
+            from swarm.checkpoint_io import files_to_state_dict
+
+            state_dict = await asyncio.to_thread(files_to_state_dict, files)
+            await asyncio.to_thread(self.backend.load_state_dict, version, state_dict)
+            self.accepted.set(version)
+            self.loads += 1
+            self.last_load_s = time.monotonic() - t0
+            log.info(
+                "loaded policy v%d (%d bytes, %d chunks) in %.2f s",
+                version,
+                manifest.total_size,
+                len(manifest.chunks),
+                self.last_load_s,
+            )
+
+    async def prefetch(self, version: int) -> None:
+        """Download and verify ``version`` without loading it (the chunks are relayed meanwhile);
+        a later :meth:`ensure` then finds them on disk."""
+        async with self._lock:
+            highest = self.highest_accepted
+            if self.broadcast.store.is_complete(version) or (
+                highest is not None and version <= highest
+            ):
+                return
+            key = await self._pinned_key(version)
+            self._verify(version, key, await self._download(version))
+
+    # -- steps ---------------------------------------------------------------------------------
+    async def _pinned_key(self, version: int) -> bytes:
+        """Raw public key of the pinned fingerprint, from a stored or fetched manifest signer."""
+        if self._key is not None:
+            return self._key
+        store = self.broadcast.store
+        for v in reversed(store.versions()):
+            entry = store.manifest(v)
+            if entry is not None and fingerprint_of(entry[0].signer) == self.fingerprint:
+                return self._adopt_key(entry[0].signer)
+        transport = self.broadcast.server.transport
+        request = encode(ManifestRequest(version=version))
+        problems = []
+        for peer in self.seeds():
+            try:
+                raw = await transport.call(peer, MANIFEST_RPC, request, timeout=10.0)
+                env = decode(raw, ManifestResponse).manifest
+            except (TransportError, ProtocolError) as exc:
+                problems.append(f"{peer[:12]}: {exc}")
+                continue
+            if env is None:
+                problems.append(f"{peer[:12]}: does not hold v{version}")
+            elif fingerprint_of(env.signer) != self.fingerprint:
+                signer = short_fingerprint(fingerprint_of(env.signer))
+                problems.append(f"{peer[:12]}: manifest signed by {signer}")
+            else:
+                return self._adopt_key(env.signer)
+        raise CheckpointUnavailable(
+            f"no manifest of v{version} signed by the pinned key "
+            f"{short_fingerprint(self.fingerprint)} ({'; '.join(problems) or 'no seeds'}); "
+            "check coordinator_key"
+        )
+
+    def _adopt_key(self, key: bytes) -> bytes:
+        self._key = key
+        self.broadcast.downloader.pinned_key = key  # the downloader verifies with it from now on
+        return key
+
+    async def _download(self, version: int) -> dict[str, bytes]:
+        seeds = list(self.seeds())
+        progress = _Progress(version) if self.progress else None
+        try:
+            async with asyncio.timeout(self.download_timeout_s):
+                return await self.broadcast.download(
+                    version, seeds, on_progress=progress.update if progress else None
+                )
+        except TimeoutError as exc:
+            raise CheckpointUnavailable(
+                f"v{version} not downloaded within {self.download_timeout_s:.0f} s "
+                "(raise download_timeout_s or check the seeds)"
+            ) from exc
+        except BroadcastError as exc:
+            raise CheckpointUnavailable(str(exc)) from exc
+        except ProtocolError as exc:
+            raise CheckpointRefused(exc.code, exc.detail) from exc
+        finally:
+            if progress is not None:
+                progress.close()
+
+    def _verify(self, version: int, key: bytes, files: dict[str, bytes]) -> Manifest:
+        """Check the manifest signature (pinned key) and every chunk of ``files``."""
+        entry = self.broadcast.store.manifest(version)
+        if entry is None:
+            raise CheckpointRefused(ReasonCode.MANIFEST_INVALID, f"v{version}: manifest missing")
+        try:
+            manifest = verify_manifest(entry[0], key, self.clock())
+            if manifest.version != version:
+                raise CheckpointRefused(
+                    ReasonCode.MANIFEST_INVALID,
+                    f"asked for v{version}, manifest says v{manifest.version}",
+                )
+            names = {c.file for c in manifest.chunks}
+            if set(files) != names:
+                raise CheckpointRefused(
+                    ReasonCode.MANIFEST_INVALID,
+                    f"v{version}: files {sorted(files)} differ from the manifest's {sorted(names)}",
+                )
+            for c in manifest.chunks:
+                data = files[c.file]
+                verify_chunk(manifest, c.index, data[c.offset : c.offset + c.size])
+            for name in names:
+                end = max(c.offset + c.size for c in manifest.chunks if c.file == name)
+                if len(files[name]) != end:
+                    raise CheckpointRefused(
+                        ReasonCode.MANIFEST_INVALID, f"v{version}: {name} has trailing bytes"
+                    )
+        except CheckpointRefused:
+            raise
+        except ProtocolError as exc:
+            raise CheckpointRefused(exc.code, exc.detail) from exc
+        return manifest
+
+
+class _Progress:
+    """A rich progress bar on a terminal; a start and an end log line otherwise."""
+
+    def __init__(self, version: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+        self.version = version
+        console = Console(stderr=True)
+        self._bar = Progress(
+            f"v{version}",
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            console=console,
+            transient=True,
+            disable=not console.is_terminal,
+        )
+        self._task: Any = None
+        self._t0 = time.monotonic()
+        self._total = 0
+        log.info("downloading policy v%d", version)
+
+    def update(self, done: int, total: int) -> None:
+        if self._task is None:
+            self._bar.start()
+            self._task = self._bar.add_task("download", total=total)
+        self._total = total
+        self._bar.update(self._task, completed=done, total=total)
+
+    def close(self) -> None:
+        self._bar.stop()
+        if self._total:
+            log.info(
+                "downloaded policy v%d: %d bytes in %.2f s",
+                self.version,
+                self._total,
+                time.monotonic() - self._t0,
+            )

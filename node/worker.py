@@ -1,0 +1,717 @@
+"""The contributor node's work loop: join, advertise, pull leases, generate, submit, repeat.
+
+:class:`NodeWorker` owns, in start order: the swarm peer (hivemind DHT with
+:func:`swarm.adverts.swarm_validators`, libp2p), the checkpoint
+:class:`~swarm.broadcast.BroadcastNode` (it keeps serving chunks of the versions it holds), the
+:class:`~node.checkpoints.CheckpointManager`, the registration with the coordinator, and four
+named tasks:
+
+* ``work``      pull a lease -> make ``lease.policy_version`` the loaded weights -> generate each
+                prompt ``group_size`` times (prompt ``i`` seeded with
+                :func:`prompt_seed` ``(lease.sampling.seed, i)``; sample ``j`` with
+                :func:`~node.backends.base.sample_seed` ``(prompt seed, j)``, recorded in
+                ``Sample.seed``) -> sign and submit -> repeat. ``Standby`` waits ``retry_after_s``;
+                coordinator or network errors back off exponentially with jitter and the loop
+                resumes by itself when the coordinator answers again;
+* ``heartbeat`` liveness every ``heartbeat_interval_s`` (re-registers after ``unknown_node``);
+* ``advert``    re-announces the signed capability advert in the DHT (at once when the loaded
+                version changes);
+* ``status``    one log line at a steady interval: version, leases done, tokens/s, verdicts.
+
+Shutdown (:meth:`NodeWorker.request_stop`, then :meth:`NodeWorker.stop`): take no new lease;
+a lease whose results are ready is submitted, one still being generated or waiting for its
+checkpoint is released (the coordinator reassigns its prompts at once); then the DHT is left.
+Generation runs on a dedicated thread so heartbeats and chunk serving continue meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from node.backends.base import (
+    GenerationRequest,
+    InferenceBackend,
+    SampleOut,
+    SamplingConfig,
+    sample_seed,
+)
+from node.checkpoints import CheckpointError, CheckpointManager
+from node.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable, Rejected
+from node.config import NodeConfig
+from protocol.errors import ReasonCode
+from protocol.identity import Identity, short_fingerprint
+from protocol.messages import (
+    Ack,
+    CapabilityAdvert,
+    CpuInfo,
+    GroupResult,
+    Heartbeat,
+    Lease,
+    LeaseRequest,
+    RolloutSubmission,
+    Sample,
+    Standby,
+    Timings,
+    pack_logprobs,
+    pack_tokens,
+    unpack_tokens,
+)
+
+if TYPE_CHECKING:
+    from node.model import Tokenizer
+    from node.probe import Capability
+    from swarm.dht import SwarmPeer
+    from swarm.holders import HolderDirectory
+    from swarm.transport import Transport
+
+__all__ = [
+    "Backoff",
+    "NodeStats",
+    "NodeWorker",
+    "make_advert",
+    "prompt_seed",
+    "software_version",
+    "to_sampling_config",
+    "wire_finish_reason",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def prompt_seed(base_seed: int, index: int) -> int:
+    """Seed of prompt ``index`` of a lease whose sampling seed is ``base_seed`` (63-bit, stable)."""
+    digest = hashlib.blake2b(
+        f"rollout-swarm/prompt/{base_seed}/{index}".encode(), digest_size=8
+    ).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def software_version() -> str:
+    """The installed rollout-swarm version ("0+unknown" from a bare checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"rollout-swarm/{version('rollout-swarm')}"
+    except PackageNotFoundError:
+        return "rollout-swarm/0+unknown"
+
+
+class Backoff:
+    """Exponential back-off with "equal jitter": delay n is uniform in [d/2, d], d = min(max,
+    initial * 2**n)."""
+
+    def __init__(self, initial: float, maximum: float, rng: random.Random | None = None) -> None:
+        self.initial = initial
+        self.maximum = maximum
+        self.rng = rng or random.Random()
+        self.failures = 0
+
+    def next_delay(self) -> float:
+        d = min(self.maximum, self.initial * 2 ** min(self.failures, 30))
+        self.failures += 1
+        return self.rng.uniform(d / 2, d)
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+@dataclass
+class NodeStats:
+    """Counters of this node process (``statistics()`` snapshot)."""
+
+    leases_done: int = 0  # leases whose results were submitted and got a verdict
+    leases_accepted: int = 0  # ... of which acknowledged
+    leases_rejected: int = 0  # ... of which answered with Reject
+    leases_released: int = 0  # leases given back unfinished
+    samples_accepted: int = 0  # samples in acknowledged submissions
+    tokens_generated: int = 0  # completion tokens generated (EOS included)
+    generate_s: float = 0.0  # seconds spent inside backend.generate
+    coordinator_errors: int = 0  # RPCs that found the coordinator unreachable or failing
+    tokens_per_s: float | None = None  # EWMA of generation throughput
+    last_reject: str | None = None  # "code: detail" of the latest Reject
+
+
+class NodeWorker:
+    """One contributor node (see the module docstring).
+
+    ``transport``/``directory`` replace the libp2p peer and the DHT (unit tests use
+    :mod:`swarm.memtransport` and :class:`swarm.holders.MemoryHolderDirectory`); then no DHT is
+    joined and no advert is announced.
+    """
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        backend: InferenceBackend,
+        identity: Identity,
+        *,
+        capability: Capability | None = None,
+        tokenizer: Tokenizer | None = None,
+        transport: Transport | None = None,
+        directory: HolderDirectory | None = None,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+    ) -> None:
+        if config.coordinator_peer_id is None or config.coordinator_key is None:
+            raise ValueError("NodeConfig.coordinator and coordinator_key are required to run")
+        self.config = config
+        self.backend = backend
+        self.identity = identity
+        self.capability = capability
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.stats = NodeStats()
+        self.peer: SwarmPeer | None = None
+        self._transport = transport
+        self._directory = directory
+        self._stopping = asyncio.Event()
+        self._advert_dirty = asyncio.Event()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+        self._gen_future: asyncio.Future[Any] | None = None
+        self._prefetch: asyncio.Task[None] | None = None
+        self._current: Lease | None = None
+        self._hb_seq = 0
+        self.active = True
+        self.heartbeat_interval_s = config.heartbeat_interval_s or 10.0
+        self.coordinator_peer_id: str = config.coordinator_peer_id
+        self.broadcast: Any = None
+        self.checkpoints: CheckpointManager | None = None
+        self.client: CoordinatorClient | None = None
+        self.backoff = Backoff(config.backoff_initial_s, config.backoff_max_s, self.rng)
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def peer_id(self) -> str:
+        if self._transport is None:
+            return "-"
+        return self._transport.peer_id
+
+    @property
+    def generation_in_flight(self) -> bool:
+        """True while a backend.generate call runs on the generation thread."""
+        return self._gen_future is not None and not self._gen_future.done()
+
+    async def start(self) -> None:
+        """Join the swarm and register; raises StartupError / CoordinatorError on failure."""
+        from swarm.broadcast import BroadcastNode
+        from swarm.chunks import ChunkStore
+        from swarm.fetcher import DownloadConfig
+
+        cfg = self.config
+        state = Path(cfg.state_dir)
+        state.mkdir(parents=True, exist_ok=True)
+        if self._transport is None:
+            await self._start_peer(state)
+        assert self._transport is not None and self._directory is not None
+        self.broadcast = BroadcastNode(
+            self._transport,
+            ChunkStore(state / "checkpoints", keep_versions=cfg.keep_versions),
+            self._directory,
+            bytes(32),  # replaced by the pinned key once resolved (node.checkpoints)
+            config=DownloadConfig(deadline=cfg.download_timeout_s),
+        )
+        await self.broadcast.start()
+        self.checkpoints = CheckpointManager(
+            self.broadcast,
+            self.backend,
+            state_dir=state,
+            coordinator_fingerprint=cfg.coordinator_key or "",
+            seeds=lambda: [self.coordinator_peer_id],
+            clock=self.clock,
+            download_timeout_s=cfg.download_timeout_s,
+        )
+        self.client = CoordinatorClient(
+            self._transport, self.coordinator_peer_id, self.identity, clock=self.clock
+        )
+        await self._register(timeout=cfg.register_timeout_s)
+        log.info(
+            "node %s (%s) joined: backend %s/%s, coordinator %s",
+            short_fingerprint(self.identity.fingerprint),
+            self.peer_id,
+            self.backend.name,
+            self.backend.dtype,
+            self.coordinator_peer_id,
+        )
+        self._spawn("work", self._work_loop())
+        self._spawn("heartbeat", self._heartbeat_loop())
+        self._spawn("status", self._status_loop())
+        if self.peer is not None:
+            self._spawn("advert", self._advert_loop())
+
+    async def _start_peer(self, state: Path) -> None:
+        from swarm.adverts import swarm_validators
+        from swarm.dht import PeerConfig, SwarmPeer
+        from swarm.holders import DhtHolderDirectory
+        from swarm.transport import P2PTransport
+
+        cfg = self.config
+        assert cfg.coordinator is not None
+        peer = SwarmPeer(
+            PeerConfig(
+                initial_peers=[cfg.coordinator, *cfg.initial_peers],
+                host_maddrs=list(cfg.host_maddrs),
+                announce_maddrs=list(cfg.announce_maddrs),
+                identity_path=str(state / "libp2p.key"),
+                client_mode=cfg.client_mode,
+                startup_timeout=cfg.startup_timeout_s,
+            ),
+            record_validators=swarm_validators(),
+            clock=self.clock,
+        )
+        await peer.start()
+        self.peer = peer
+        self._transport = P2PTransport(peer.p2p)
+        self._directory = DhtHolderDirectory(peer)
+
+    def _spawn(self, name: str, coro: Awaitable[None]) -> None:
+        self._tasks[name] = asyncio.create_task(coro, name=f"node-{name}")  # type: ignore[arg-type]
+
+    def request_stop(self) -> None:
+        """Stop taking work (graceful shutdown starts; see :meth:`stop`)."""
+        if not self._stopping.is_set():
+            log.info("stopping: no new leases; submitting or releasing what is in hand")
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    async def wait(self) -> None:
+        """Until the work loop has ended (after :meth:`request_stop`); re-raises its failure."""
+        task = self._tasks.get("work")
+        if task is not None:
+            await asyncio.shield(task)
+
+    async def stop(self) -> None:
+        """Drain (submit or release the lease in hand), stop every task, leave the DHT."""
+        self.request_stop()
+        work = self._tasks.pop("work", None)
+        if work is not None:
+            with contextlib.suppress(Exception):
+                await work
+        if self._prefetch is not None:
+            self._tasks["prefetch"] = self._prefetch
+        for name in list(self._tasks):
+            task = self._tasks.pop(name)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.broadcast is not None:
+            await self.broadcast.stop()
+            self.broadcast = None
+        if self.peer is not None:
+            await self.peer.stop()
+            self.peer = None
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        log.info("node stopped: %s", self._status_line())
+
+    # ------------------------------------------------------------------ adverts, registration
+    def build_advert(self) -> CapabilityAdvert:
+        """This node's capability advert with current throughput and loaded version."""
+        return make_advert(
+            self.config,
+            self.identity,
+            self.backend,
+            self.capability,
+            peer_id=self.peer_id,
+            tokens_per_s=self.stats.tokens_per_s,
+            now=self.clock(),
+        )
+
+    async def _register(self, *, timeout: float | None = None) -> None:
+        assert self.client is not None
+        ack = await self.client.register(self.build_advert(), timeout=timeout)
+        if self.config.heartbeat_interval_s is None:
+            self.heartbeat_interval_s = ack.heartbeat_interval_s
+        skew = ack.server_time - self.clock()
+        if abs(skew) > 30:
+            log.warning("clock differs from the coordinator's by %+.0f s; enable NTP", skew)
+        log.info(
+            "registered as %s; coordinator at policy v%s",
+            short_fingerprint(ack.node_fingerprint),
+            ack.current_policy_version,
+        )
+
+    async def _advert_loop(self) -> None:
+        from swarm.adverts import AdvertAnnouncer
+        from swarm.errors import DhtError
+
+        assert self.peer is not None
+        announcer = AdvertAnnouncer(
+            self.peer,
+            self.identity,
+            self.build_advert,
+            period=self.config.advert_period_s,
+            clock=self.clock,
+        )
+        while True:
+            try:
+                if not await announcer.announce_once():
+                    log.warning("advert was not accepted by any DHT peer; will retry")
+            except DhtError as exc:
+                log.warning("advert announcement failed: %s", exc)
+            self._advert_dirty.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._advert_dirty.wait(), self.config.advert_period_s)
+
+    # ------------------------------------------------------------------ heartbeat, status
+    async def _heartbeat_loop(self) -> None:
+        assert self.client is not None
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            self._hb_seq += 1
+            hb = Heartbeat(
+                peer_id=self.peer_id,
+                seq=self._hb_seq,
+                policy_version=self.backend.loaded_version,
+                active_leases=[self._current.lease_id] if self._current else [],
+                tokens_per_s=self.stats.tokens_per_s,
+            )
+            try:
+                ack = await self.client.heartbeat(hb)
+                self.active = ack.active
+                self._maybe_prefetch(ack.current_policy_version)
+            except Rejected as exc:
+                if exc.code is ReasonCode.UNKNOWN_NODE:
+                    await self._reregister()
+                else:
+                    log.warning("heartbeat refused: %s", exc)
+            except CoordinatorError as exc:
+                self.stats.coordinator_errors += 1
+                log.debug("heartbeat failed: %s", exc)
+
+    def _maybe_prefetch(self, version: int | None) -> None:
+        """Start fetching a newly published version before a lease asks for it (and relay it)."""
+        loaded = self.backend.loaded_version
+        busy = self._prefetch is not None and not self._prefetch.done()
+        if version is None or busy or self.stopping or self.checkpoints is None:
+            return
+        if loaded is not None and version <= loaded:
+            return
+        self._prefetch = asyncio.create_task(self._run_prefetch(version), name="node-prefetch")
+
+    async def _run_prefetch(self, version: int) -> None:
+        assert self.checkpoints is not None
+        try:
+            await self.checkpoints.prefetch(version)
+        except CheckpointError as exc:
+            log.debug("prefetch of v%d failed (a lease will retry): %s", version, exc)
+
+    async def _reregister(self) -> None:
+        log.warning("coordinator does not know this node (restarted?); registering again")
+        try:
+            await self._register()
+        except CoordinatorError as exc:
+            log.warning("re-registration failed: %s", exc)
+
+    def _status_line(self) -> str:
+        s = self.stats
+        tps = f"{s.tokens_per_s:.0f}" if s.tokens_per_s is not None else "-"
+        v = self.backend.loaded_version
+        state = "stopping" if self.stopping else ("active" if self.active else "standby")
+        return (
+            f"status: {state} v={'-' if v is None else v} leases={s.leases_done} "
+            f"tok/s={tps} accepted={s.leases_accepted} rejected={s.leases_rejected} "
+            f"released={s.leases_released}"
+        )
+
+    async def _status_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.status_interval_s)
+            log.info("%s", self._status_line())
+
+    def statistics(self) -> dict[str, Any]:
+        """Snapshot of the counters plus the loaded version."""
+        out = dict(vars(self.stats))
+        out["policy_version"] = self.backend.loaded_version
+        out["active"] = self.active
+        return out
+
+    # ------------------------------------------------------------------ the work loop
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, but return at once when stopping."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), max(0.0, seconds))
+
+    async def _unless_stopped(self, aw: Awaitable[T]) -> tuple[bool, T | None]:
+        """Run ``aw`` unless a stop arrives first (then ``aw`` is cancelled: (False, None))."""
+        task = asyncio.ensure_future(aw)
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if task.done():
+            return True, task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        return False, None
+
+    async def _work_loop(self) -> None:
+        assert self.client is not None
+        while not self.stopping:
+            req = LeaseRequest(
+                peer_id=self.peer_id,
+                policy_version=self.backend.loaded_version,
+                max_prompts=self.config.max_prompts,
+            )
+            try:
+                got = await self.client.lease(req)
+            except Rejected as exc:
+                await self._on_rejected(exc)
+                continue
+            except CoordinatorError as exc:
+                self.stats.coordinator_errors += 1
+                delay = self.backoff.next_delay()
+                log.warning("lease request failed (%s); retrying in %.1f s", exc, delay)
+                await self._sleep(delay)
+                continue
+            if self.backoff.failures:
+                log.info("coordinator reachable again")
+            self.backoff.reset()
+            if isinstance(got, Standby):
+                log.info("standby (%s); asking again in %.1f s", got.reason, got.retry_after_s)
+                await self._sleep(got.retry_after_s)
+                continue
+            self._current = got
+            try:
+                await self._run_lease(got)
+            except Exception as exc:  # a bug or a fatal local problem: give the work back first
+                await self._release(got, f"node failure: {type(exc).__name__}")
+                raise
+            finally:
+                self._current = None
+
+    async def _on_rejected(self, exc: Rejected) -> None:
+        if exc.code is ReasonCode.UNKNOWN_NODE:
+            await self._reregister()
+            await self._sleep(self.backoff.next_delay())
+            return
+        if exc.code is ReasonCode.BANNED:
+            delay = exc.retry_after_s or self.config.backoff_max_s
+            log.error("this node is banned: %s; asking again in %.0f s", exc.detail, delay)
+            await self._sleep(delay)
+            return
+        delay = self.backoff.next_delay()
+        log.error("lease request refused: %s; retrying in %.1f s", exc, delay)
+        await self._sleep(delay)
+
+    async def _run_lease(self, lease: Lease) -> None:
+        assert self.checkpoints is not None
+        log.debug(
+            "lease %s: %d prompts x %d at v%d, deadline in %.0f s",
+            lease.lease_id,
+            len(lease.prompts),
+            lease.group_size,
+            lease.policy_version,
+            lease.deadline - self.clock(),
+        )
+        try:
+            sampling = to_sampling_config(lease)
+        except ValueError as exc:
+            await self._release(lease, f"unsupported sampling parameters: {exc}")
+            return
+        try:
+            ok, _ = await self._unless_stopped(self.checkpoints.ensure(lease.policy_version))
+        except CheckpointError as exc:
+            log.error("cannot load policy v%d: %s", lease.policy_version, exc)
+            await self._release(lease, f"cannot load v{lease.policy_version}: {exc}")
+            await self._sleep(self.backoff.next_delay())
+            return
+        if not ok:
+            await self._release(lease, "node shutting down")
+            return
+        self._advert_dirty.set()
+        loop = asyncio.get_running_loop()
+        base = lease.sampling.seed
+        requests = [
+            GenerationRequest(unpack_tokens(p.token_ids), lease.group_size, prompt_seed(base, i))
+            for i, p in enumerate(lease.prompts)
+        ]
+        started = self.clock()
+        t0 = time.perf_counter()
+        log.debug("generating lease %s", lease.lease_id)
+        self._gen_future = loop.run_in_executor(
+            self._executor, self.backend.generate, requests, sampling
+        )
+        try:
+            ok, outs = await self._unless_stopped(asyncio.shield(self._gen_future))
+        except Exception as exc:  # a backend failure must not kill the node: give the work back
+            log.exception("generation failed for lease %s", lease.lease_id)
+            await self._release(lease, f"generation failed: {type(exc).__name__}: {exc}")
+            await self._sleep(self.backoff.next_delay())
+            return
+        if not ok or outs is None:
+            await self._release(lease, "node shutting down")
+            return
+        gen_s = time.perf_counter() - t0
+        sub = self._submission(lease, requests, outs, started, gen_s)
+        await self._submit(lease, sub)
+
+    def _submission(
+        self,
+        lease: Lease,
+        requests: list[GenerationRequest],
+        outs: list[list[SampleOut]],
+        started: float,
+        gen_s: float,
+    ) -> RolloutSubmission:
+        eos = set(self.backend.eos_token_ids)
+        groups = []
+        tokens = 0
+        for prompt, req, samples in zip(lease.prompts, requests, outs, strict=True):
+            if len(samples) != lease.group_size:
+                raise RuntimeError(f"backend returned {len(samples)} samples, asked {req.n}")
+            rows = []
+            for j, s in enumerate(samples):
+                tokens += len(s.token_ids)
+                rows.append(
+                    Sample(
+                        token_ids=pack_tokens(s.token_ids),
+                        logprobs=pack_logprobs(s.logprobs),
+                        finish_reason=wire_finish_reason(s, eos),
+                        seed=sample_seed(req.seed, j),
+                    )
+                )
+            groups.append(GroupResult(prompt_id=prompt.prompt_id, samples=rows))
+        self._record_throughput(tokens, gen_s)
+        sub = RolloutSubmission(
+            lease_id=lease.lease_id,
+            epoch=lease.epoch,
+            policy_version=lease.policy_version,
+            backend=self.backend.name,
+            dtype=self.backend.dtype,  # type: ignore[arg-type]
+            groups=groups,
+            timings=Timings(started_at=started, finished_at=self.clock(), generate_s=gen_s),
+        )
+        if self.config.misbehave:
+            from node.byzantine import misbehave
+
+            sub = misbehave(
+                self.config.misbehave,
+                sub,
+                lease,
+                vocab_size=self.backend.vocab_size,
+                tokenizer=self.tokenizer,
+                rng=self.rng,
+            )
+        return sub
+
+    def _record_throughput(self, tokens: int, seconds: float) -> None:
+        s = self.stats
+        s.tokens_generated += tokens
+        s.generate_s += seconds
+        if seconds > 0:
+            rate = tokens / seconds
+            s.tokens_per_s = rate if s.tokens_per_s is None else 0.7 * s.tokens_per_s + 0.3 * rate
+
+    async def _submit(self, lease: Lease, sub: RolloutSubmission) -> None:
+        """Submit, retrying network errors until the lease deadline (re-sends are idempotent)."""
+        assert self.client is not None
+        backoff = Backoff(self.config.backoff_initial_s, self.config.backoff_max_s, self.rng)
+        while True:
+            try:
+                verdict = await self.client.submit(sub)
+                break
+            except CoordinatorError as exc:
+                self.stats.coordinator_errors += 1
+                left = lease.deadline - self.clock()
+                if left <= 0 or not isinstance(exc, CoordinatorUnavailable):
+                    log.error("lease %s: submission lost: %s", lease.lease_id, exc)
+                    return
+                delay = min(backoff.next_delay(), left)
+                if self.stopping and backoff.failures > 2:
+                    log.error("lease %s: giving up the submission on shutdown", lease.lease_id)
+                    return
+                log.warning("submit failed (%s); retrying in %.1f s", exc, delay)
+                await asyncio.sleep(delay)
+        self.stats.leases_done += 1
+        if isinstance(verdict, Ack):
+            self.stats.leases_accepted += 1
+            self.stats.samples_accepted += sum(len(g.samples) for g in sub.groups)
+            log.debug("lease %s accepted: %s", lease.lease_id, verdict.detail)
+        else:
+            self.stats.leases_rejected += 1
+            self.stats.last_reject = f"{verdict.code.value}: {verdict.detail}"
+            log.warning("lease %s rejected: %s", lease.lease_id, self.stats.last_reject)
+
+    async def _release(self, lease: Lease, reason: str) -> None:
+        assert self.client is not None
+        try:
+            await self.client.release(lease.lease_id, lease.epoch, reason)
+            self.stats.leases_released += 1
+            log.info("released lease %s (%s)", lease.lease_id, reason)
+        except CoordinatorError as exc:
+            log.warning("could not release lease %s (%s): %s", lease.lease_id, reason, exc)
+
+
+def make_advert(
+    config: NodeConfig,
+    identity: Identity,
+    backend: InferenceBackend,
+    capability: Capability | None,
+    *,
+    peer_id: str,
+    tokens_per_s: float | None,
+    now: float,
+) -> CapabilityAdvert:
+    """The advert a node publishes: probe results, backend, price, loaded version, expiry."""
+    fields: dict[str, Any]
+    if capability is not None:
+        fields = capability.to_advert_fields()
+    else:
+        fields = {
+            "gpus": [],
+            "cpu": CpuInfo(cores=1, memory_bytes=0),
+            "tokens_per_s": 0.0,
+            "rollouts_per_s": 0.0,
+        }
+    if tokens_per_s is not None:
+        fields["tokens_per_s"] = float(tokens_per_s)
+    fields["backend"] = backend.name
+    fields["dtype"] = backend.dtype
+    return CapabilityAdvert(
+        peer_id=peer_id,
+        node_key=identity.public_key,
+        price_per_hour=config.price_per_hour,
+        policy_version=backend.loaded_version,
+        reachability="public" if config.announce_maddrs else "unknown",
+        software_version=software_version(),
+        expires_at=now + 2 * config.advert_period_s,
+        **fields,
+    )
+
+
+def to_sampling_config(lease: Lease) -> SamplingConfig:
+    """The backend's :class:`SamplingConfig` for a lease (``ValueError`` if unsupported)."""
+    s = lease.sampling
+    return SamplingConfig(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_new_tokens=s.max_new_tokens,
+        stop_token_ids=tuple(s.stop_token_ids),
+    )
+
+
+def wire_finish_reason(sample: SampleOut, eos_token_ids: set[int]) -> Any:
+    """Backend "stop" -> wire "eos" (last token is EOS) or "stop" (another stop token)."""
+    if sample.finish_reason == "length":
+        return "length"
+    if sample.token_ids and sample.token_ids[-1] in eos_token_ids:
+        return "eos"
+    return "stop"

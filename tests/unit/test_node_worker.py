@@ -1,0 +1,380 @@
+"""NodeWorker against the real coordinator core, served over the in-memory transport.
+
+No sockets and no DHT: the coordinator's RPC handlers are a thin in-test adapter around
+``coordinator.core.Coordinator`` on an ``InMemoryNetwork`` endpoint, and checkpoints are seeded by
+a ``BroadcastNode`` on the same endpoint. The node runs the deterministic ``fake`` backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from coord_harness import TOK, config
+
+from coordinator.core import Coordinator
+from coordinator.errors import Rejection
+from coordinator.store import Store
+from coordinator.tasks import ReverseTask
+from node.backends.base import GenerationRequest, SampleOut, SamplingConfig, sample_seed
+from node.backends.fake import FakeBackend
+from node.config import NodeConfig
+from node.worker import Backoff, NodeWorker, prompt_seed, wire_finish_reason
+from protocol import rpc
+from protocol.codec import decode, encode
+from protocol.errors import ProtocolError, ReasonCode
+from protocol.identity import Identity
+from protocol.manifest import build_manifest, sign_manifest
+from protocol.messages import (
+    Ack,
+    Heartbeat,
+    Lease,
+    LeaseRequest,
+    Register,
+    Reject,
+    ReleaseLease,
+    RolloutSubmission,
+    SignedEnvelope,
+    Standby,
+    unpack_tokens,
+)
+from swarm.broadcast import BroadcastNode
+from swarm.checkpoint_io import state_dict_to_files
+from swarm.chunks import ChunkStore
+from swarm.holders import MemoryHolderDirectory
+from swarm.memtransport import InMemoryNetwork
+
+Handler = Callable[[str, bytes], Awaitable[bytes]]
+
+
+class MemCoordinator:
+    """The coordinator core behind rswarm/* handlers on an in-memory endpoint."""
+
+    def __init__(self, net: InMemoryNetwork, dirs: MemoryHolderDirectory, tmp: Path) -> None:
+        self.net = net
+        self.dirs = dirs
+        self.tmp = tmp
+        self.identity = Identity.generate()
+        self.cfg = config(tmp)
+        self.core = Coordinator(
+            self.cfg,
+            store=Store(self.cfg.db_path),
+            task=ReverseTask(),
+            tokenizer=TOK,
+            publisher_key=self.identity.public_key,
+        )
+        self.submissions: list[RolloutSubmission] = []
+        self.leases: list[Lease] = []
+        self.submit_gate: asyncio.Event | None = None
+        self.submit_entered = asyncio.Event()
+        self.broadcast: BroadcastNode | None = None
+
+    async def start(self) -> None:
+        self.transport = self.net.endpoint("coord")
+        handlers: dict[str, Handler] = {
+            rpc.REGISTER: self._register,
+            rpc.HEARTBEAT: self._heartbeat,
+            rpc.LEASE: self._lease,
+            rpc.SUBMIT: self._submit,
+            rpc.RELEASE: self._release,
+        }
+        for name, handler in handlers.items():
+            await self.transport.register(name, _answering(handler))
+        self.broadcast = BroadcastNode(
+            self.transport,
+            ChunkStore(self.tmp / "coord-chunks", keep_versions=5),
+            self.dirs,
+            self.identity.public_key,
+        )
+        await self.broadcast.start()
+
+    async def restart_network(self) -> None:
+        """Come back on the network after ``net.disconnect("coord")``."""
+        assert self.broadcast is not None
+        await self.broadcast.stop()
+        await self.start()
+
+    async def publish(self, version: int) -> None:
+        torch.manual_seed(version)
+        now = time.time()
+        manifest, chunks = build_manifest(
+            state_dict_to_files({"w": torch.randn(16, 16)}),
+            version=version,
+            parent_version=None,
+            model_config_hash="ab",
+            tokenizer_hash="cd",
+            created_at=now,
+            expires_at=now + 3600,
+            chunk_size=512,
+        )
+        env = sign_manifest(manifest, self.identity, now)
+        self.core.publish_version(env)
+        assert self.broadcast is not None
+        await self.broadcast.seed_version(env, chunks)
+
+    def _open(self, data: bytes, type_: type) -> tuple[bytes, Any]:
+        return self.core.open(decode(data, SignedEnvelope), type_)
+
+    async def _register(self, peer: str, data: bytes) -> bytes:
+        key, msg = self._open(data, Register)
+        assert msg.advert.peer_id == peer
+        return encode(self.core.register(key, msg.advert))
+
+    async def _heartbeat(self, peer: str, data: bytes) -> bytes:
+        key, msg = self._open(data, Heartbeat)
+        return encode(self.core.heartbeat(key, msg))
+
+    async def _lease(self, peer: str, data: bytes) -> bytes:
+        key, msg = self._open(data, LeaseRequest)
+        out = self.core.request_lease(key, msg)
+        if isinstance(out, Standby):  # keep the tests fast
+            out = Standby(retry_after_s=0.05, reason=out.reason)
+        else:
+            self.leases.append(out)
+        return encode(out)
+
+    async def _submit(self, peer: str, data: bytes) -> bytes:
+        key, msg = self._open(data, RolloutSubmission)
+        self.submissions.append(msg)
+        self.submit_entered.set()
+        if self.submit_gate is not None:
+            await self.submit_gate.wait()
+        return encode(await self.core.submit(key, msg))
+
+    async def _release(self, peer: str, data: bytes) -> bytes:
+        key, msg = self._open(data, ReleaseLease)
+        prompts = self.core.release(key, msg.lease_id, msg.epoch)
+        return encode(Ack(ref=msg.lease_id, detail=f"{len(prompts)} released"))
+
+    def lease_states(self) -> dict[str, str]:
+        return {lease.lease_id: lease.state for lease in self.core.store.leases()}
+
+
+def _answering(handler: Handler) -> Handler:
+    async def wrapped(peer: str, data: bytes) -> bytes:
+        try:
+            return await handler(peer, data)
+        except (Rejection, ProtocolError) as exc:
+            return encode(Reject(ref="-", code=exc.code, detail=exc.detail))
+
+    return wrapped
+
+
+def node_config(coord: MemCoordinator, tmp: Path, **kw: Any) -> NodeConfig:
+    data: dict[str, Any] = {
+        "coordinator": "/ip4/127.0.0.1/tcp/1/p2p/coord",
+        "coordinator_key": coord.identity.fingerprint,
+        "backend": "fake",
+        "state_dir": tmp / "node",
+        "heartbeat_interval_s": 0.2,
+        "status_interval_s": 0.5,
+        "backoff_initial_s": 0.02,
+        "backoff_max_s": 0.1,
+        "max_prompts": 2,
+    }
+    data.update(kw)
+    return NodeConfig.model_validate(data)
+
+
+class Swarm:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.net = InMemoryNetwork()
+        self.dirs = MemoryHolderDirectory()
+        self.coord = MemCoordinator(self.net, self.dirs, tmp)
+        self.workers: list[NodeWorker] = []
+
+    def worker(self, backend: Any = None, name: str = "node-1", **kw: Any) -> NodeWorker:
+        cfg = node_config(self.coord, self.tmp / name, **kw)
+        w = NodeWorker(
+            cfg,
+            backend or FakeBackend(),
+            Identity.generate(),
+            tokenizer=TOK,
+            transport=self.net.endpoint(name),
+            directory=self.dirs,
+        )
+        self.workers.append(w)
+        return w
+
+
+@pytest.fixture
+async def swarm(tmp_path: Path) -> AsyncIterator[Swarm]:
+    s = Swarm(tmp_path)
+    await s.coord.start()
+    yield s
+    for w in s.workers:
+        await w.stop()
+    if s.coord.broadcast is not None:
+        await s.coord.broadcast.stop()
+    s.coord.core.close()
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def test_pulls_generates_submits_and_is_accepted(swarm: Swarm) -> None:
+    await swarm.coord.publish(1)
+    w = swarm.worker()
+    await w.start()
+    await until(lambda: w.stats.leases_accepted >= 2, "two accepted leases")
+    assert w.backend.loaded_version == 1
+    assert swarm.coord.core.store.rollout_count() >= 2 * 2 * 2  # leases x prompts x G
+    assert w.stats.leases_rejected == 0
+    assert w.checkpoints is not None and w.checkpoints.highest_accepted == 1
+
+
+async def test_samples_record_the_derived_seeds(swarm: Swarm) -> None:
+    await swarm.coord.publish(1)
+    w = swarm.worker()
+    await w.start()
+    await until(lambda: len(swarm.coord.submissions) >= 1, "a submission")
+    sub, lease = swarm.coord.submissions[0], swarm.coord.leases[0]
+    assert sub.lease_id == lease.lease_id and sub.policy_version == 1
+    replay = FakeBackend()
+    replay.load_state_dict(1, {})
+    for i, (prompt, group) in enumerate(zip(lease.prompts, sub.groups, strict=True)):
+        seed = prompt_seed(lease.sampling.seed, i)
+        assert [s.seed for s in group.samples] == [sample_seed(seed, j) for j in range(2)]
+        sampling = SamplingConfig(max_new_tokens=lease.sampling.max_new_tokens)
+        again = replay.generate(
+            [GenerationRequest(unpack_tokens(prompt.token_ids), 2, seed)], sampling
+        )
+        assert [unpack_tokens(s.token_ids) for s in group.samples] == [
+            s.token_ids for s in again[0]
+        ]
+
+
+async def test_switches_to_a_newly_published_version(swarm: Swarm) -> None:
+    await swarm.coord.publish(1)
+    w = swarm.worker()
+    await w.start()
+    await until(lambda: w.stats.leases_accepted >= 1, "a lease at v1")
+    await swarm.coord.publish(2)
+    await until(
+        lambda: any(s.policy_version == 2 for s in swarm.coord.submissions), "a submission at v2"
+    )
+    assert w.backend.loaded_version == 2
+    assert w.checkpoints is not None and w.checkpoints.highest_accepted == 2
+
+
+async def test_standby_until_a_version_exists(swarm: Swarm) -> None:
+    w = swarm.worker()
+    await w.start()
+    await asyncio.sleep(0.2)
+    assert w.stats.leases_done == 0 and w.backend.loaded_version is None
+    await swarm.coord.publish(1)
+    await until(lambda: w.stats.leases_accepted >= 1, "work after the first publication")
+
+
+async def test_backs_off_while_the_coordinator_is_gone_and_resumes(swarm: Swarm) -> None:
+    await swarm.coord.publish(1)
+    w = swarm.worker()
+    await w.start()
+    await until(lambda: w.stats.leases_done >= 1, "a first lease")
+    swarm.net.disconnect("coord")
+    await until(lambda: w.stats.coordinator_errors >= 3, "several failed requests")
+    done = w.stats.leases_done
+    await swarm.coord.restart_network()
+    await until(lambda: w.stats.leases_done > done, "work after the coordinator came back")
+
+
+class BlockingBackend(FakeBackend):
+    """generate() waits on a threading.Event (a long generation in progress)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def generate(
+        self, requests: list[GenerationRequest], sampling: SamplingConfig
+    ) -> list[list[SampleOut]]:
+        self.entered.set()
+        self.release.wait(10)
+        return super().generate(requests, sampling)
+
+
+async def test_stop_releases_the_lease_being_generated(swarm: Swarm) -> None:
+    await swarm.coord.publish(1)
+    backend = BlockingBackend()
+    w = swarm.worker(backend)
+    await w.start()
+    await until(backend.entered.is_set, "generation to start")
+    lease = swarm.coord.leases[-1]
+    try:
+        await asyncio.wait_for(w.stop(), 5)
+    finally:
+        backend.release.set()
+    assert swarm.coord.lease_states()[lease.lease_id] == "released"
+    assert w.stats.leases_released == 1 and swarm.coord.submissions == []
+    # The coordinator hands the same prompts to the next node at once.
+    other = Identity.generate()
+    from coord_harness import advert
+
+    swarm.coord.core.register(other.public_key, advert(other, time.time()))
+    again = swarm.coord.core.request_lease(
+        other.public_key, LeaseRequest(peer_id="x", policy_version=1, max_prompts=2)
+    )
+    assert isinstance(again, Lease)
+    assert [p.prompt_id for p in again.prompts] == [p.prompt_id for p in lease.prompts]
+
+
+async def test_stop_submits_results_already_in_hand(swarm: Swarm) -> None:
+    await swarm.coord.publish(1)
+    swarm.coord.submit_gate = asyncio.Event()
+    w = swarm.worker()
+    await w.start()
+    await swarm.coord.submit_entered.wait()
+    stopping = asyncio.create_task(w.stop())
+    await asyncio.sleep(0.05)
+    swarm.coord.submit_gate.set()
+    await asyncio.wait_for(stopping, 5)
+    assert w.stats.leases_accepted == 1 and w.stats.leases_released == 0
+    assert len(swarm.coord.submissions) == 1
+
+
+async def test_oov_misbehaviour_is_rejected(swarm: Swarm) -> None:
+    await swarm.coord.publish(1)
+    w = swarm.worker(misbehave=["oov_tokens"])
+    await w.start()
+    await until(lambda: w.stats.leases_rejected >= 1, "a rejected submission")
+    assert w.stats.last_reject is not None
+    assert w.stats.last_reject.startswith(ReasonCode.TOKEN_OUT_OF_VOCAB.value)
+    assert w.stats.leases_accepted == 0
+
+
+def test_backoff_grows_with_jitter_and_caps() -> None:
+    import random
+
+    b = Backoff(0.5, 4.0, random.Random(0))
+    delays = [b.next_delay() for _ in range(8)]
+    for n, d in enumerate(delays):
+        cap = min(4.0, 0.5 * 2**n)
+        assert cap / 2 <= d <= cap
+    b.reset()
+    assert b.next_delay() <= 0.5
+
+
+def test_finish_reason_mapping() -> None:
+    assert wire_finish_reason(SampleOut([5, 2], [-1.0, -1.0], "stop"), {2}) == "eos"
+    assert wire_finish_reason(SampleOut([5, 7], [-1.0, -1.0], "stop"), {2}) == "stop"
+    assert wire_finish_reason(SampleOut([5, 5], [-1.0, -1.0], "length"), {2}) == "length"
+
+
+def test_prompt_seeds_are_stable_and_distinct() -> None:
+    seeds = {prompt_seed(7, i) for i in range(100)}
+    assert len(seeds) == 100 and prompt_seed(7, 3) == prompt_seed(7, 3)
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert prompt_seed(7, 0) != prompt_seed(8, 0)
