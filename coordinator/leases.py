@@ -115,7 +115,7 @@ class LeaseManager:
                 state="active",
             )
             self.store.insert_lease(lease)
-        log.info(
+        log.debug(
             "lease %s (epoch %d) to %s: %d prompts × %d, version %d, deadline in %.1fs",
             lease.lease_id, epoch, node_key.hex()[:16], len(prompts), self.group_size, version,
             lease.deadline - now,

@@ -26,6 +26,10 @@ ScoreFn = Callable[..., list[list[float]]]
 ModelLoader = Callable[[int], Any]
 
 
+class VerifierUnavailable(Exception):
+    """The verifier cannot re-score this version now (weights not held); not the node's fault."""
+
+
 @dataclass(frozen=True)
 class LogprobVerdict:
     ok: bool

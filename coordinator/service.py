@@ -31,7 +31,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.core import Coordinator
 from coordinator.errors import Rejection
 from coordinator.http import StatusHttpServer
-from coordinator.logprobs import InProcessLogprobVerifier
+from coordinator.logprobs import InProcessLogprobVerifier, VerifierUnavailable
 from coordinator.store import Store
 from coordinator.tasks import make_task
 from protocol import rpc
@@ -71,6 +71,8 @@ TICK_S = 1.0
 RECORD_TTL_S = 60.0
 FETCH_WAIT_CAP_S = 30.0
 VERSION_FETCH_TIMEOUT_S = 60.0
+#: a submission waits at most this long for the coordinator to hold its version (spot checks)
+SPOT_CHECK_WAIT_S = 5.0
 
 
 class CoordinatorService:
@@ -100,6 +102,7 @@ class CoordinatorService:
         self.multiaddrs: list[str] = []
         self.trainer_stats: dict[str, Any] = {}
         self._new_rollouts = asyncio.Event()
+        self._records_soon = asyncio.Event()
         self._version_tasks: dict[int, asyncio.Task[None]] = {}
         self._seeders: dict[int, str] = {}
         self._upkeep: asyncio.Task[None] | None = None
@@ -217,13 +220,15 @@ class CoordinatorService:
                 self._refresh_snapshot()
             except Exception:  # upkeep must survive a bad tick; the error is logged in full
                 log.exception("coordinator upkeep failed; retrying next tick")
-            if time.time() - last_records > RECORD_TTL_S / 3:
+            if self._records_soon.is_set() or time.time() - last_records > RECORD_TTL_S / 3:
+                self._records_soon.clear()
                 try:
                     await self._publish_records()
                     last_records = time.time()
                 except Exception as exc:  # DHT hiccup: retried on the next tick
                     log.warning("could not refresh DHT records: %s", exc)
-            await asyncio.sleep(TICK_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._records_soon.wait(), TICK_S)
 
     async def _publish_records(self) -> None:
         assert self.core is not None
@@ -278,7 +283,8 @@ class CoordinatorService:
         )
         for key, value in self.trainer_stats.items():
             snap[f"trainer_{key}"] = value
-        return _finite(snap)
+        finite: dict[str, Any] = _finite(snap)
+        return finite
 
     # --- handlers --------------------------------------------------------------------------------
     def _open(self, request: bytes, type_: type[M]) -> tuple[bytes, M]:
@@ -322,7 +328,7 @@ class CoordinatorService:
         pending = self._version_tasks.get(msg.policy_version)
         if pending is not None and not pending.done():  # spot checks need the weights here
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(pending), VERSION_FETCH_TIMEOUT_S)
+                await asyncio.wait_for(asyncio.shield(pending), SPOT_CHECK_WAIT_S)
         verdict = await self.core.submit(node_key, msg)
         if not isinstance(verdict, Reject):
             self._new_rollouts.set()
@@ -342,6 +348,11 @@ class CoordinatorService:
         msg = self._open_trainer(request, PublishVersion)
         manifest = decode(msg.manifest, Manifest)
         check_manifest(manifest, now=time.time())
+        stored = self.core.store.get_version(manifest.version)
+        if stored is not None:  # a retry whose first answer was lost: same bytes, same answer
+            stored_env = decode(stored, SignedEnvelope)
+            if decode(stored_env.payload, Manifest).root_hash == manifest.root_hash:
+                return encode(ManifestResponse(manifest=stored_env))
         env = sign_manifest(manifest, self.identity, time.time())
         self.core.publish_version(env)
         # Serve the signed manifest at once (nodes ask us first); chunks follow from the trainer.
@@ -350,8 +361,7 @@ class CoordinatorService:
         self._version_tasks[manifest.version] = asyncio.create_task(
             self._hold_version(manifest.version, caller), name=f"hold-v{manifest.version}"
         )
-        with contextlib.suppress(Exception):
-            await self._publish_records()
+        self._records_soon.set()  # the upkeep task refreshes the DHT records right away
         return encode(ManifestResponse(manifest=env))
 
     async def _hold_version(self, version: int, seeder: str) -> None:
@@ -385,9 +395,13 @@ class CoordinatorService:
         from swarm.checkpoint_io import files_to_state_dict
 
         if not self.broadcast.store.is_complete(version):
-            raise ProtocolError(ReasonCode.UNKNOWN_VERSION, f"v{version} is not held here yet")
+            raise VerifierUnavailable(f"policy v{version} is not held by the coordinator")
+        try:
+            files = self.broadcast.store.load_files(version)
+        except KeyError as exc:  # pruned between the check and the read
+            raise VerifierUnavailable(f"policy v{version} is no longer held") from exc
         model = build_model(_model_spec(self.config))
-        load_weights(model, files_to_state_dict(self.broadcast.store.load_files(version)))
+        load_weights(model, files_to_state_dict(files))
         return model
 
     async def _on_fetch(self, caller: str, request: bytes) -> bytes:

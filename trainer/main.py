@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import signal
 import time
 from collections.abc import Mapping
@@ -35,12 +36,15 @@ from protocol.messages import (
     logprobs_array,
     tokens_array,
 )
+from swarm.errors import TransportError
 from swarm.transport import Transport
 from trainer.batch import Rollout
 
 log = logging.getLogger(__name__)
 
 FETCH_WAIT_S = 2.0
+RETRY_MAX_S = 10.0
+PUBLISH_ATTEMPTS = 8
 MANIFEST_TTL_S = 7 * 24 * 3600.0
 
 
@@ -67,6 +71,7 @@ class CoordinatorSource:
         #: figures sent with every poll (the run loop updates this dict in place)
         self.stats: dict[str, Any] = dict(stats or {})
         self.received = 0
+        self.failures = 0
 
     async def fetch(self, max_items: int, after: int) -> list[Rollout] | None:
         req = FetchRollouts(
@@ -76,12 +81,20 @@ class CoordinatorSource:
             wait_s=self.wait_s,
             trainer_stats=_wire_stats(self.stats),
         )
-        raw = await self.transport.call(
-            self.coordinator_peer,
-            rpc.FETCH,
-            encode(seal(self.identity, req, now=time.time())),
-            timeout=self.wait_s + rpc.DEFAULT_TIMEOUTS[rpc.FETCH],
-        )
+        try:
+            raw = await self.transport.call(
+                self.coordinator_peer,
+                rpc.FETCH,
+                encode(seal(self.identity, req, now=time.time())),
+                timeout=self.wait_s + rpc.DEFAULT_TIMEOUTS[rpc.FETCH],
+            )
+        except TransportError as exc:  # the coordinator restarts or the network hiccups
+            self.failures += 1
+            delay = min(RETRY_MAX_S, 0.2 * 2**self.failures) * (0.5 + random.random())
+            log.warning("fetching rollouts failed (%s); retrying in %.1f s", exc, delay)
+            await asyncio.sleep(delay)
+            return []
+        self.failures = 0
         msg = decode(raw)
         if isinstance(msg, Reject):
             raise CoordinatorError(f"coordinator refused fetch: {msg.code}: {msg.detail}")
@@ -142,12 +155,23 @@ class SwarmPublisher:
             expires_at=now + MANIFEST_TTL_S,
         )
         req = PublishVersion(manifest=encode(manifest), source=self.transport.peer_id)
-        raw = await self.transport.call(
-            self.coordinator_peer,
-            rpc.PUBLISH,
-            encode(seal(self.identity, req, now=now)),
-            timeout=rpc.DEFAULT_TIMEOUTS[rpc.PUBLISH],
-        )
+        for attempt in range(PUBLISH_ATTEMPTS):
+            try:  # publishing is idempotent on the coordinator: a retry gets the same manifest
+                raw = await self.transport.call(
+                    self.coordinator_peer,
+                    rpc.PUBLISH,
+                    encode(seal(self.identity, req, now=time.time())),
+                    timeout=rpc.DEFAULT_TIMEOUTS[rpc.PUBLISH],
+                )
+                break
+            except TransportError as exc:
+                if attempt == PUBLISH_ATTEMPTS - 1:
+                    raise CoordinatorError(
+                        f"could not publish v{version} after {PUBLISH_ATTEMPTS} attempts: {exc}"
+                    ) from exc
+                delay = min(RETRY_MAX_S, 0.2 * 2**attempt) * (0.5 + random.random())
+                log.warning("publishing v%d failed (%s); retrying in %.1f s", version, exc, delay)
+                await asyncio.sleep(delay)
         msg = decode(raw)
         if isinstance(msg, Reject):
             raise CoordinatorError(f"coordinator refused v{version}: {msg.code}: {msg.detail}")
@@ -213,7 +237,8 @@ async def run_trainer(
         pinned_key = await _coordinator_public_key(peer, pinned, find_coordinator)
         broadcast = BroadcastNode(
             transport,
-            ChunkStore(state_dir / "seed", keep_versions=config.max_staleness + 1),
+            # Seeds keep more than S + 1 versions: receivers may still be fetching older ones.
+            ChunkStore(state_dir / "seed", keep_versions=2 * config.max_staleness + 4),
             DhtHolderDirectory(peer),
             pinned_key,
         )
@@ -270,11 +295,8 @@ async def _coordinator_public_key(peer: Any, fingerprint: str, find: Any) -> byt
 
 def _attach_stats(trainer: Any, source: CoordinatorSource) -> None:
     """Mirror each step's metrics into the stats the source reports to the coordinator."""
-    writer = trainer.metrics
-    original = trainer.train_step
 
-    def train_step(rollouts: Any) -> dict[str, Any]:
-        record: dict[str, Any] = original(rollouts)
+    def on_step(record: dict[str, Any]) -> None:
         source.stats.update(
             {
                 "step": record["step"],
@@ -292,10 +314,8 @@ def _attach_stats(trainer: Any, source: CoordinatorSource) -> None:
                 "rollout_cursor": trainer.cursor,
             }
         )
-        return record
 
-    trainer.train_step = train_step
-    del writer
+    trainer.on_step.append(on_step)
 
 
 def run_from_cli(

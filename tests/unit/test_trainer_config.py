@@ -1,0 +1,48 @@
+"""TrainerConfig: the checked-in example loads, unknown keys and contradictions fail at load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from trainer.config import TrainerConfig
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "trainer" / "trainer.example.toml"
+
+
+def test_example_config_loads_and_matches_defaults() -> None:
+    cfg = TrainerConfig.from_toml(EXAMPLE)
+    assert cfg == TrainerConfig()
+    assert cfg.kappa == 3
+    assert cfg.eps_high == cfg.clip_eps
+
+
+def test_overrides_win_over_file() -> None:
+    cfg = TrainerConfig.from_toml(EXAMPLE, lr=5e-4, max_staleness=2, publish_every=None)
+    assert cfg.lr == 5e-4
+    assert cfg.kappa == 1  # max(1, S − 1)
+
+
+def test_unknown_key_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text("learning_rate = 0.1\n")
+    with pytest.raises(ValidationError, match="learning_rate"):
+        TrainerConfig.from_toml(path)
+
+
+def test_cross_field_rules_name_the_field() -> None:
+    with pytest.raises(ValidationError, match="publish_every"):
+        TrainerConfig(max_staleness=2, publish_every=3)
+    with pytest.raises(ValidationError, match="minibatches"):
+        TrainerConfig(batch_prompts=2, minibatches=4)
+    with pytest.raises(ValidationError, match="weight_cap"):
+        TrainerConfig(weight_cap=1.0)
+    with pytest.raises(ValidationError, match="weight_mode"):
+        TrainerConfig(weight_mode="clip")  # type: ignore[arg-type]
+
+
+def test_every_field_is_documented() -> None:
+    for name, field in TrainerConfig.model_fields.items():
+        assert field.description, f"{name} has no description"

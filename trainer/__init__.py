@@ -1,0 +1,19 @@
+"""The learner: GRPO with staleness-aware importance weighting (DESIGN.md §8), torch.distributed.
+
+Modules:
+
+- :mod:`trainer.config` — :class:`~trainer.config.TrainerConfig` (pydantic, TOML, no torch import).
+- :mod:`trainer.batch` — :class:`~trainer.batch.Rollout`, the record the trainer consumes, and
+  :func:`~trainer.batch.build_batch` (padded tensors, completion mask up to and including EOS).
+- :mod:`trainer.loss` — pure, shape-annotated math: group advantages, staleness admission,
+  behaviour weights (truncate / mask / off, token / sequence level, λ^Δ), clipped surrogate,
+  entropy bonus, mismatch-KL and ESS statistics.
+- :mod:`trainer.recipe` — :class:`~trainer.recipe.Trainer`: ``setup``, ``run`` (the loop over
+  a :class:`~trainer.recipe.RolloutSource`), ``train_step``, ``save_checkpoint`` /
+  ``load_checkpoint``; in-process :class:`~trainer.recipe.InProcessSource` and
+  :class:`~trainer.recipe.MemoryPublisher`.
+- :mod:`trainer.metrics` — per-step JSONL, Prometheus gauges, staleness histogram, idle fraction.
+- :mod:`trainer.distributed` — data-parallel scale-out (torchrun; gloo on CPU, NCCL on GPU).
+
+See docs/trainer.md for the objective, every knob and every metric.
+"""

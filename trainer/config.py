@@ -1,0 +1,127 @@
+"""Typed trainer configuration (imports no torch: ``--help`` stays instant).
+
+Loaded from TOML (flat keys, see ``trainer/trainer.example.toml``), overridable field by field;
+unknown keys and cross-field contradictions fail at load with the field named.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class TrainerConfig(BaseModel):
+    """GRPO learner settings. Symbols follow DESIGN.md §8–§9 (S, κ, ε, C, λ)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # --- model -----------------------------------------------------------------------------
+    model_path: str | None = Field(
+        None, description="Local HF model directory; None trains the embedded default model."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the trainer's weights (the optimizer runs in this dtype)."
+    )
+    seed: int = Field(0, description="Seed of the initial weights and of minibatch order.")
+    device: str = Field(
+        "auto",
+        description="Torch device of the weights: 'auto' = this rank's GPU if any, else 'cpu'.",
+    )
+
+    # --- batch -----------------------------------------------------------------------------
+    batch_prompts: int = Field(32, ge=1, description="Groups (prompts) per learner step.")
+    group_size: int = Field(8, ge=2, description="Samples per prompt, G (a group's size).")
+    minibatches: int = Field(
+        4,
+        ge=1,
+        description="Optimizer updates per step: the batch is split into this many minibatches of "
+        "whole groups; from the second on, the PPO clip against π_prox is active.",
+    )
+    ppo_epochs: int = Field(1, ge=1, description="Passes over the batch per learner step.")
+
+    # --- staleness -------------------------------------------------------------------------
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        description="S: rollouts with Δ = version − rollout version > S are not trained on.",
+    )
+    publish_every: int | None = Field(
+        None,
+        ge=1,
+        description="κ: steps between published versions; None means max(1, S − 1).",
+    )
+    weight_mode: Literal["truncate", "mask", "off"] = Field(
+        "truncate",
+        description="Behaviour weight w = π_prox/μ: 'truncate' min(w, C); 'mask' w = 0 outside "
+        "[1/C, C]; 'off' w = 1 (no correction).",
+    )
+    weight_level: Literal["token", "sequence"] = Field(
+        "token", description="Weight per token, or one weight per sequence (product of ratios)."
+    )
+    weight_cap: float = Field(2.0, gt=1.0, description="C: truncation cap / mask band [1/C, C].")
+    staleness_decay: float = Field(
+        1.0, gt=0.0, le=1.0, description="λ: weights are multiplied by λ^Δ (1.0 disables)."
+    )
+
+    # --- objective -------------------------------------------------------------------------
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="ε: lower PPO clip, ratio ≥ 1 − ε.")
+    clip_eps_high: float | None = Field(
+        None, gt=0.0, description="ε_high: upper PPO clip, ratio ≤ 1 + ε_high; None means ε."
+    )
+    std_normalize: bool = Field(True, description="Divide group-centred rewards by the group std.")
+    adv_eps: float = Field(1e-4, gt=0.0, description="Added to the group std (TRL uses 1e-4).")
+    entropy_coef: float = Field(0.1, ge=0.0, description="β_H: entropy bonus coefficient.")
+
+    # --- optimizer -------------------------------------------------------------------------
+    lr: float = Field(5e-4, gt=0.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0.0, description="Clip the global gradient norm to this; None disables."
+    )
+
+    # --- run -------------------------------------------------------------------------------
+    out_dir: str = Field("runs/trainer", description="Checkpoints and metrics.jsonl go here.")
+    checkpoint_every: int = Field(
+        50, ge=1, description="Save a resumable checkpoint every this many steps."
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Resumable checkpoints kept on disk.")
+    resume: bool = Field(True, description="Resume from the latest checkpoint in out_dir if any.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (None: run).")
+    fetch_timeout_s: float = Field(
+        30.0, gt=0.0, description="Seconds one rollout fetch may wait before it is retried/logged."
+    )
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> TrainerConfig:
+        if self.publish_every is not None and self.publish_every > max(1, self.max_staleness):
+            raise ValueError(
+                f"publish_every={self.publish_every} exceeds max_staleness={self.max_staleness}: "
+                "rollouts of a version would all be too stale; lower publish_every or raise S"
+            )
+        if self.minibatches > self.batch_prompts:
+            raise ValueError(
+                f"minibatches={self.minibatches} > batch_prompts={self.batch_prompts}: a minibatch "
+                "holds whole groups; lower minibatches"
+            )
+        return self
+
+    @property
+    def kappa(self) -> int:
+        """κ, the effective publication interval in steps."""
+        return self.publish_every or max(1, self.max_staleness - 1)
+
+    @property
+    def eps_high(self) -> float:
+        """ε_high, the effective upper clip."""
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides: Any) -> TrainerConfig:
+        """Load flat keys from ``path``; ``overrides`` (e.g. CLI flags) win over the file."""
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(data)

@@ -1,0 +1,554 @@
+"""The GRPO recipe: ``setup`` → ``run`` (one visible loop) → ``train_step`` / checkpoints.
+
+Read top to bottom: :class:`Trainer.setup` builds the model and optimizer (and resumes);
+:meth:`Trainer.run` is the loop — fetch a batch of complete groups, :meth:`Trainer.train_step`,
+publish every κ versions, checkpoint every ``checkpoint_every`` steps; :meth:`Trainer.train_step`
+is one learner step on a list of :class:`~trainer.batch.Rollout`.
+
+Versions: the weights after ``n`` optimizer steps carry version ``n`` (version 0 = initial weights),
+so staleness Δ = trainer version − rollout version counts learner steps. Only every κ-th version is
+published. After a resume the version is ``max(saved, last published)``, so a version number is
+never reused for different weights (versions stay monotonic across restarts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from trainer.batch import Rollout, TrainBatch, build_batch, group_rollouts
+from trainer.config import TrainerConfig
+from trainer.distributed import DistContext
+from trainer.loss import (
+    admission_mask,
+    behaviour_weights,
+    effective_sample_size,
+    entropy_bonus,
+    group_advantages,
+    policy_loss,
+    token_entropy,
+    token_logprobs,
+    weight_stats,
+)
+from trainer.metrics import IdleClock, MetricsWriter
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+PUBLISHED_FILE = "published.json"
+
+
+class RolloutSource(Protocol):
+    """Where verified rollouts come from (the coordinator client, or :class:`InProcessSource`)."""
+
+    async def fetch(self, max_items: int, after: int) -> list[Rollout] | None:
+        """Up to ``max_items`` rollouts with ``seq > after`` (may wait; ``[]`` when none arrived in
+        the source's own wait time); ``None`` when the source is finished for good."""
+        ...
+
+
+class Publisher(Protocol):
+    """Receives each published version (the coordinator's checkpoint seeder, or a test double)."""
+
+    async def publish(self, version: int, state_dict: Mapping[str, Tensor]) -> None: ...
+
+
+class InProcessSource:
+    """A :class:`RolloutSource` fed by :meth:`put` (tests, benchmarks, single-process demos)."""
+
+    def __init__(self, wait_s: float = 1.0) -> None:
+        self._items: list[Rollout] = []
+        self._event = asyncio.Event()
+        self._closed = False
+        self._wait_s = wait_s
+        self._next_seq = 1
+
+    def put(self, rollouts: Sequence[Rollout]) -> None:
+        """Append rollouts; a rollout without a cursor (``seq == 0``) gets the next one."""
+        for r in rollouts:
+            if r.seq == 0:
+                r = dataclasses.replace(r, seq=self._next_seq)
+            self._next_seq = max(self._next_seq, r.seq + 1)
+            self._items.append(r)
+        self._event.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._event.set()
+
+    async def fetch(self, max_items: int, after: int) -> list[Rollout] | None:
+        ready = [r for r in self._items if r.seq > after]
+        if not ready and not self._closed:
+            self._event.clear()
+            try:
+                await asyncio.wait_for(self._event.wait(), timeout=self._wait_s)
+            except TimeoutError:
+                return []
+            ready = [r for r in self._items if r.seq > after]
+        if not ready and self._closed:
+            return None
+        return ready[:max_items]
+
+
+class MemoryPublisher:
+    """A :class:`Publisher` that keeps every published state dict (tests, benchmarks)."""
+
+    def __init__(self) -> None:
+        self.versions: dict[int, dict[str, Tensor]] = {}
+
+    async def publish(self, version: int, state_dict: Mapping[str, Tensor]) -> None:
+        if self.versions and version <= max(self.versions):
+            raise ValueError(f"version {version} is not newer than {max(self.versions)}")
+        self.versions[version] = dict(state_dict)
+
+
+class Trainer:
+    """The learner. Build with :meth:`setup`; drive with :meth:`run` or :meth:`train_step`."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        model: torch.nn.Module,
+        *,
+        pad_token_id: int,
+        eos_token_id: int,
+        dist: DistContext | None = None,
+        metrics: MetricsWriter | None = None,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.dist = dist or DistContext()
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+        )
+        self.out_dir = Path(config.out_dir)
+        self.metrics = metrics
+        #: optimizer steps (learner steps) done.
+        self.step = 0
+        #: version of the current weights.
+        self.version = 0
+        #: last version handed to a publisher (None: nothing published yet).
+        self.published_version: int | None = None
+        #: highest rollout ``seq`` fetched; see :attr:`cursor` for the resumable one.
+        self._fetched = 0
+        self._pending: dict[str, list[Rollout]] = {}
+        self._dropped_at_fetch = 0
+        self.idle = IdleClock()
+        #: called with each step's metrics record (after it is written), e.g. to report upstream.
+        self.on_step: list[Callable[[dict[str, Any]], None]] = []
+
+    # ------------------------------------------------------------------ setup
+    @classmethod
+    def setup(
+        cls,
+        config: TrainerConfig,
+        *,
+        dist: DistContext | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> Trainer:
+        """Build model, optimizer and metrics from ``config``; resume from ``out_dir`` if asked."""
+        from node.model import ModelSpec, build_model, load_tokenizer
+
+        spec = ModelSpec(path=config.model_path, dtype=config.dtype)
+        dist = dist or DistContext()
+        if model is None:
+            model = build_model(spec, seed=config.seed)
+        model.to(_resolve_device(config.device, dist))
+        dist.broadcast_parameters(model)
+        tok = load_tokenizer(spec)
+        writer = None
+        if dist.is_leader:
+            writer = MetricsWriter(
+                Path(config.out_dir) / "metrics.jsonl", max_staleness=config.max_staleness
+            )
+        trainer = cls(
+            config,
+            model,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            dist=dist,
+            metrics=writer,
+        )
+        if config.resume and (latest := trainer.latest_checkpoint()) is not None:
+            trainer.load_checkpoint(latest)
+            log.info("resumed from %s at step %d version %d", latest, trainer.step, trainer.version)
+        return trainer
+
+    # ------------------------------------------------------------------ the loop
+    async def run(self, source: RolloutSource, publisher: Publisher | None = None) -> None:
+        """Fetch → train → publish every κ versions → checkpoint, until ``max_steps`` or the
+        source ends. Every rank runs this; rank 0 fetches and shares each batch."""
+        cfg = self.config
+        self.idle = IdleClock()
+        if publisher is not None and self.dist.is_leader and self.published_version is None:
+            await self._publish(publisher)
+        while cfg.max_steps is None or self.step < cfg.max_steps:
+            batch = await self._next_batch(source) if self.dist.is_leader else None
+            batch = self.dist.share(batch) if self.dist.enabled else batch
+            if batch is None:
+                break
+            self.train_step(batch)
+            if self.dist.is_leader:
+                due = self.published_version is None or (
+                    self.version - self.published_version >= cfg.kappa
+                )
+                if publisher is not None and due:
+                    await self._publish(publisher)
+                if self.step % cfg.checkpoint_every == 0:
+                    self.save_checkpoint()
+        if self.dist.is_leader and self.step % cfg.checkpoint_every != 0:
+            self.save_checkpoint()
+
+    async def _next_batch(self, source: RolloutSource) -> list[Rollout] | None:
+        """``batch_prompts`` complete groups (``group_size`` samples each), oldest first."""
+        cfg = self.config
+        while True:
+            # A group that became too stale while incomplete will never be trained on.
+            for gid in [k for k, g in self._pending.items() if self._too_stale(g[0])]:
+                self._dropped_at_fetch += len(self._pending.pop(gid))
+            complete = [g for g in self._pending.values() if len(g) >= cfg.group_size]
+            if len(complete) >= cfg.batch_prompts:
+                break
+            need = (cfg.batch_prompts - len(complete)) * cfg.group_size
+            t0 = time.monotonic()
+            try:
+                items = await asyncio.wait_for(
+                    source.fetch(need, after=self._fetched), timeout=cfg.fetch_timeout_s
+                )
+            except TimeoutError:
+                log.warning(
+                    "waiting for rollouts: %d/%d complete groups after %.0f s",
+                    len(complete),
+                    cfg.batch_prompts,
+                    cfg.fetch_timeout_s,
+                )
+                items = []
+            finally:
+                self.idle.add_wait(time.monotonic() - t0)
+            if items is None:
+                return None
+            for r in items:
+                self._fetched = max(self._fetched, r.seq)
+                if self._too_stale(r):
+                    self._dropped_at_fetch += 1
+                    continue
+                self._pending.setdefault(r.group_id, []).append(r)
+        batch: list[Rollout] = []
+        for gid in [k for k, g in self._pending.items() if len(g) >= cfg.group_size]:
+            if len(batch) >= cfg.batch_prompts * cfg.group_size:
+                break
+            batch.extend(self._pending.pop(gid)[: cfg.group_size])
+        return batch
+
+    def _too_stale(self, rollout: Rollout) -> bool:
+        return self.version - rollout.policy_version > self.config.max_staleness
+
+    @property
+    def cursor(self) -> int:
+        """Resumable cursor: every rollout with ``seq ≤ cursor`` was trained on or dropped."""
+        pending = [r.seq for g in self._pending.values() for r in g]
+        return min(pending) - 1 if pending else self._fetched
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, rollouts: Sequence[Rollout]) -> dict[str, Any]:
+        """One learner step on ``rollouts`` (complete groups): advantages over each whole group,
+        admission Δ ≤ S, then ``ppo_epochs`` × ``minibatches`` optimizer updates. Returns the
+        step's metrics (also written to metrics.jsonl on rank 0)."""
+        cfg = self.config
+        t0 = time.monotonic()
+        groups = group_rollouts(rollouts)
+        flat = [r for g in groups for r in g]
+        rewards = torch.tensor([float(r.reward) for r in flat], dtype=torch.float64)
+        gidx = torch.tensor([i for i, g in enumerate(groups) for _ in g], dtype=torch.long)
+        adv = group_advantages(
+            rewards, gidx, std_normalize=cfg.std_normalize, eps=cfg.adv_eps
+        ).tolist()
+        staleness = [self.version - r.policy_version for r in flat]
+        admitted = admission_mask(torch.tensor(staleness), cfg.max_staleness).tolist()
+
+        # Admitted samples, still grouped: a minibatch (and a rank's shard) holds whole groups.
+        kept: list[list[tuple[Rollout, float, int]]] = []
+        pos = 0
+        for g in groups:
+            items = [(flat[pos + j], adv[pos + j], staleness[pos + j]) for j in range(len(g))]
+            kept_g = [it for it, ok in zip(items, admitted[pos : pos + len(g)], strict=True) if ok]
+            if kept_g:
+                kept.append(kept_g)
+            pos += len(g)
+
+        sums: defaultdict[str, float] = defaultdict(float)
+        minibatches = self._local_minibatches(kept)
+        prox = self._proximal(minibatches)  # π_prox: weights before this step's first update
+        weights = [self._weights(mb, p, sums) for mb, p in zip(minibatches, prox, strict=True)]
+        updates = 0
+        for _epoch in range(cfg.ppo_epochs):
+            for mb, p, w in zip(minibatches, prox, weights, strict=True):
+                updates += self._update(mb, p, w, sums)
+
+        self.step += 1
+        self.version += 1
+        record = self._record(flat, staleness, admitted, sums, updates, time.monotonic() - t0)
+        if self.metrics is not None:
+            self.metrics.write(record)
+        for callback in self.on_step:
+            callback(record)
+        return record
+
+    def _local_minibatches(
+        self, kept: list[list[tuple[Rollout, float, int]]]
+    ) -> list[TrainBatch | None]:
+        """Seeded shuffle of the groups, split into ``minibatches`` parts, this rank's shard of each
+        (identical on every rank, so the sharded run equals the single-process one)."""
+        cfg = self.config
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
+        order = torch.randperm(len(kept), generator=gen).tolist() if len(kept) > 1 else [0]
+        order = order[: len(kept)]
+        n_mb = min(cfg.minibatches, max(1, len(kept)))
+        parts = [order[i * len(order) // n_mb : (i + 1) * len(order) // n_mb] for i in range(n_mb)]
+        out: list[TrainBatch | None] = []
+        for part in parts:
+            local = [it for gi in self.dist.shard(part) for it in kept[gi]]
+            if not local:
+                out.append(None)
+                continue
+            batch = build_batch(
+                [it[0] for it in local],
+                [it[1] for it in local],
+                [it[2] for it in local],
+                pad_token_id=self.pad_token_id,
+                eos_token_id=self.eos_token_id,
+            )
+            out.append(batch.to(self.device))
+        return out
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _forward(self, batch: TrainBatch, *, entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """``[N, T]`` log π_θ of the completion tokens (and their entropy); ``batch`` is on the
+        model's device."""
+        t_len = batch.completion_ids.shape[1]
+        out = self.model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            logits_to_keep=t_len + 1,
+        )
+        logits = out.logits[:, :-1]
+        logp = token_logprobs(logits, batch.completion_ids)
+        return logp, token_entropy(logits) if entropy else None
+
+    @torch.no_grad()
+    def _proximal(self, minibatches: list[TrainBatch | None]) -> list[Tensor | None]:
+        """log π_prox: the weights before this step's first update, recomputed by the trainer."""
+        return [None if mb is None else self._forward(mb, entropy=False)[0] for mb in minibatches]
+
+    def _weights(
+        self, mb: TrainBatch | None, prox: Tensor | None, sums: defaultdict[str, float]
+    ) -> Tensor | None:
+        if mb is None or prox is None:
+            return None
+        cfg = self.config
+        bw = behaviour_weights(
+            prox,
+            mb.behaviour_logprobs,
+            mb.completion_mask,
+            mb.staleness,
+            cap=cfg.weight_cap,
+            mode=cfg.weight_mode,
+            level=cfg.weight_level,
+            decay=cfg.staleness_decay,
+        )
+        st = weight_stats(prox, mb.behaviour_logprobs, mb.completion_mask, bw, cfg.weight_level)
+        for key in ("kl_sum", "kl_k1_sum", "modified", "w_sum", "w_sq_sum", "units", "tokens"):
+            sums[key] += getattr(st, key)
+        return bw.weights
+
+    def _update(
+        self,
+        mb: TrainBatch | None,
+        prox: Tensor | None,
+        weights: Tensor | None,
+        sums: defaultdict[str, float],
+    ) -> int:
+        """One optimizer update on a (global) minibatch; returns 1 if an update was applied."""
+        cfg = self.config
+        local_tokens = float(mb.completion_mask.sum()) if mb is not None else 0.0
+        (global_tokens,) = self.dist.sum_floats([local_tokens])
+        if global_tokens <= 0:
+            return 0
+        self.optimizer.zero_grad(set_to_none=True)
+        if mb is not None and prox is not None and weights is not None and local_tokens > 0:
+            logp, ent = self._forward(mb, entropy=True)
+            assert ent is not None
+            pl = policy_loss(
+                logp,
+                prox,
+                mb.advantages,
+                weights,
+                mb.completion_mask,
+                eps=cfg.clip_eps,
+                eps_high=cfg.eps_high,
+                normalizer=global_tokens,
+            )
+            loss = pl.loss + entropy_bonus(
+                ent, mb.completion_mask, coef=cfg.entropy_coef, normalizer=global_tokens
+            )
+            loss.backward()  # type: ignore[no-untyped-call]
+            sums["loss"] += float(loss.detach())
+            sums["entropy_sum"] += float((ent.detach() * mb.completion_mask).sum())
+            sums["clipped"] += float(pl.clipped_tokens)
+            sums["update_tokens"] += local_tokens
+        self.dist.sum_gradients(self.model.parameters())
+        if cfg.max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            sums["grad_norm"] += float(norm) / max(1, self.dist.world_size)
+        self.optimizer.step()
+        return 1
+
+    def _record(
+        self,
+        flat: Sequence[Rollout],
+        staleness: Sequence[int],
+        admitted: Sequence[bool],
+        sums: defaultdict[str, float],
+        updates: int,
+        step_time: float,
+    ) -> dict[str, Any]:
+        keys = [
+            "kl_sum", "kl_k1_sum", "modified", "w_sum", "w_sq_sum", "units", "tokens",
+            "loss", "entropy_sum", "clipped", "update_tokens", "grad_norm",
+        ]  # fmt: skip
+        g = dict(zip(keys, self.dist.sum_floats([sums[k] for k in keys]), strict=True))
+        rewards = [float(r.reward) for r in flat]
+        n = max(1, len(rewards))
+        hist = Counter(staleness)
+        dropped = len(flat) - sum(admitted) + self._dropped_at_fetch
+        self._dropped_at_fetch = 0
+        tokens = max(1.0, g["tokens"])
+        ess = effective_sample_size(g["w_sum"], g["w_sq_sum"])
+        return {
+            "step": self.step,
+            "version": self.version,
+            "published_version": self.published_version,
+            "rollouts": len(flat),
+            "admitted": int(sum(admitted)),
+            "dropped_stale": dropped,
+            "reward_mean": sum(rewards) / n,
+            "reward_full_frac": sum(1 for x in rewards if x >= 1.0 - 1e-9) / n,
+            "staleness_mean": sum(staleness) / n,
+            "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
+            "loss": g["loss"] / max(1, updates),
+            "entropy": g["entropy_sum"] / max(1.0, g["update_tokens"]),
+            "clip_frac": g["clipped"] / max(1.0, g["update_tokens"]),
+            "mismatch_kl": g["kl_sum"] / tokens,
+            "mismatch_kl_k1": g["kl_k1_sum"] / tokens,
+            "weight_modified_frac": g["modified"] / max(1.0, g["units"]),
+            "ess": ess,
+            "ess_frac": ess / g["units"] if g["units"] > 0 else 0.0,
+            "grad_norm": g["grad_norm"] / max(1, updates),
+            "updates": updates,
+            "idle_frac": self.idle.fraction(),
+            "step_time_s": step_time,
+            "completion_tokens": int(g["tokens"]),
+        }
+
+    # ------------------------------------------------------------------ publish / checkpoint
+    def state_dict_for_publish(self) -> dict[str, Tensor]:
+        """Detached CPU copies of the current weights (every key, tied ones included)."""
+        return {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()}
+
+    async def _publish(self, publisher: Publisher) -> None:
+        await publisher.publish(self.version, self.state_dict_for_publish())
+        self.published_version = self.version
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_write_json(self.out_dir / PUBLISHED_FILE, {"version": self.version})
+
+    def latest_checkpoint(self) -> Path | None:
+        root = self.out_dir / CHECKPOINT_DIR
+        if not root.is_dir():
+            return None
+        done = sorted(p for p in root.iterdir() if p.name.startswith("step-") and p.is_dir())
+        return done[-1] if done else None
+
+    def save_checkpoint(self, path: Path | None = None) -> Path:
+        """Write weights, optimizer, step, version, published version and rollout cursor to a new
+        directory (atomically renamed into place); keep the last ``keep_checkpoints``."""
+        from safetensors.torch import save_model
+
+        root = self.out_dir / CHECKPOINT_DIR
+        final = path or root / f"step-{self.step:08d}"
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_model(self.model, str(tmp / "model.safetensors"))
+        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        state = {
+            "step": self.step,
+            "version": self.version,
+            "published_version": self.published_version,
+            "cursor": self.cursor,
+            "config": self.config.model_dump(),
+        }
+        _atomic_write_json(tmp / "state.json", state)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if path is None:
+            done = sorted(p for p in root.iterdir() if p.name.startswith("step-") and p.is_dir())
+            for old in done[: -self.config.keep_checkpoints]:
+                if not old.name.endswith(".tmp"):
+                    shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore a checkpoint written by :meth:`save_checkpoint`. The version becomes
+        ``max(saved version, last published version)`` so it never goes back."""
+        from safetensors.torch import load_model
+
+        state = json.loads((path / "state.json").read_text())
+        load_model(self.model, str(path / "model.safetensors"))
+        opt_state = torch.load(path / "optimizer.pt", weights_only=True)
+        self.optimizer.load_state_dict(opt_state)
+        self.step = int(state["step"])
+        published = state.get("published_version")
+        log_file = self.out_dir / PUBLISHED_FILE
+        if log_file.is_file():
+            logged = int(json.loads(log_file.read_text())["version"])
+            published = logged if published is None else max(int(published), logged)
+        self.published_version = None if published is None else int(published)
+        self.version = max(int(state["version"]), self.published_version or 0, self.version)
+        self._fetched = int(state["cursor"])
+        self._pending.clear()
+
+
+def _resolve_device(name: str, dist: DistContext) -> torch.device:
+    if name != "auto":
+        return torch.device(name)
+    if dist.device.startswith("cuda"):
+        return torch.device(dist.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _atomic_write_json(path: Path, data: Mapping[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(dict(data), sort_keys=True, indent=1))
+    os.replace(tmp, path)
