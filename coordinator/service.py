@@ -161,6 +161,7 @@ class CoordinatorService:
             self.identity.public_key,
         )
         await self.broadcast.start()
+        self._resume_versions()
         handlers: dict[str, Callable[[str, bytes], Awaitable[bytes]]] = {
             rpc.REGISTER: self._on_register,
             rpc.HEARTBEAT: self._on_heartbeat,
@@ -324,7 +325,11 @@ class CoordinatorService:
 
     async def _on_submit(self, caller: str, request: bytes) -> bytes:
         assert self.core is not None
-        node_key, msg = self._open(request, RolloutSubmission)
+        try:
+            node_key, msg = self._open(request, RolloutSubmission)
+        except ProtocolError as exc:  # refused before the intake: still an intake rejection
+            self.core.metrics.rejected.labels(reason=ReasonCode(exc.code).value).inc()
+            raise
         pending = self._version_tasks.get(msg.policy_version)
         if pending is not None and not pending.done():  # spot checks need the weights here
             with contextlib.suppress(Exception):
@@ -364,15 +369,33 @@ class CoordinatorService:
         self._records_soon.set()  # the upkeep task refreshes the DHT records right away
         return encode(ManifestResponse(manifest=env))
 
-    async def _hold_version(self, version: int, seeder: str) -> None:
-        """Download a published version (retrying while the trainer starts seeding it)."""
+    def _resume_versions(self) -> None:
+        """After a restart: finish fetching the usable versions not yet held in full."""
+        assert self.broadcast is not None and self.core is not None
+        for version in self.core.store.versions()[-(self.config.staleness_bound + 1) :]:
+            if self.broadcast.store.is_complete(version):
+                continue
+            raw = self.core.store.get_version(version)
+            if raw is None:
+                continue
+            env = decode(raw, SignedEnvelope)
+            self.broadcast.store.put_manifest(env, decode(env.payload, Manifest))
+            self._version_tasks[version] = asyncio.create_task(
+                self._hold_version(version, None), name=f"hold-v{version}"
+            )
+
+    async def _hold_version(self, version: int, seeder: str | None) -> None:
+        """Download a published version (retrying while the trainer starts seeding it).
+
+        ``seeder`` is the trainer's peer id; None (after a restart) means: find holders in the DHT.
+        """
         assert self.broadcast is not None and self.core is not None
         t0 = time.monotonic()
         deadline = t0 + VERSION_FETCH_TIMEOUT_S
         delay = 0.05
         while True:
             try:
-                await self.broadcast.download(version, [seeder])
+                await self.broadcast.download(version, [seeder] if seeder else [])
                 break
             except Exception as exc:  # the seed may not serve it yet; retried until the deadline
                 if time.monotonic() > deadline:
