@@ -69,6 +69,11 @@ class DemoOptions:
             raise ValueError(f"--target must be in (0, 1], got {self.target}")
         if self.time_limit <= 0:
             raise ValueError(f"--time-limit must be positive, got {self.time_limit}")
+        if self.run_dir is not None and self.run_dir.is_dir() and any(self.run_dir.iterdir()):
+            # its coordinator.json, SQLite state and checkpoints would be taken for this run's
+            raise ValueError(
+                f"--run-dir {self.run_dir} is not empty (an earlier run?); give a new folder"
+            )
         if self.model_dir is not None and not (self.model_dir / "config.json").is_file():
             raise ValueError(
                 f"--model-dir {self.model_dir} has no config.json (a local HF model dir)"
@@ -191,8 +196,15 @@ class Demo:
              "--state-dir", str(coord_dir)],
         )  # fmt: skip
         info_path = coord_dir / "coordinator.json"
-        self._wait_for(lambda: info_path.is_file(), "the coordinator to come up")
-        self.coordinator = json.loads(info_path.read_text())
+
+        def read_info() -> bool:  # the coordinator writes it non-atomically: parse, not stat
+            try:
+                self.coordinator = json.loads(info_path.read_text())
+            except (OSError, ValueError):
+                return False
+            return True
+
+        self._wait_for(read_info, "the coordinator to come up")
         maddr, fp = self.coordinator["multiaddrs"][0], self.coordinator["fingerprint"]
         self._spawn(
             "trainer",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -152,10 +153,10 @@ def run_inspect(
     try:
         maddr = _resolve_peer(peer, run_dir)
     except ValueError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if "/p2p/" not in maddr:
-        print("error: --peer must be a full multiaddr ending in /p2p/<peer id>")
+        print("error: --peer must be a full multiaddr ending in /p2p/<peer id>", file=sys.stderr)
         return 2
     # Status is asked of the peer we joined through; for a non-coordinator peer it fails politely.
     coordinator_peer = maddr.rsplit("/p2p/", 1)[-1]
@@ -168,7 +169,7 @@ def run_inspect(
         try:
             await asyncio.wait_for(swarm_peer.start(), timeout)
         except (SwarmError, TimeoutError) as exc:
-            print(f"error: could not join the swarm through {maddr}: {exc}")
+            print(f"error: could not join the swarm through {maddr}: {exc}", file=sys.stderr)
             return 1
         try:
             if not watch:

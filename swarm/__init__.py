@@ -1,0 +1,27 @@
+"""rollout-swarm peer layer: hivemind DHT, signed adverts, libp2p RPC, checkpoint broadcast.
+
+Knows nothing about GRPO. docs/swarm.md describes the DHT key schema and the broadcast design.
+
+Modules:
+
+* :mod:`swarm.errors`        -- :class:`SwarmError` tree (start-up, DHT, transport, broadcast)
+* :mod:`swarm.dht`           -- :class:`SwarmPeer` (DHT process + libp2p handle) and its config
+* :mod:`swarm.keys`          -- the DHT key schema and chunk bitmaps
+* :mod:`swarm.records`       -- signed DHT records: checks, DHT record validator, record types
+* :mod:`swarm.adverts`       -- :class:`AdvertAnnouncer`, :func:`list_adverts`
+* :mod:`swarm.transport`     -- request/response RPC over libp2p streams (:class:`P2PTransport`)
+* :mod:`swarm.memtransport`  -- in-memory transport for unit tests
+* :mod:`swarm.ratelimit`     -- :class:`TokenBucket` upload cap
+* :mod:`swarm.chunks`        -- :class:`ChunkStore`: verified chunks per version on disk
+* :mod:`swarm.holders`       -- who holds which chunks (DHT bitmaps) and their announcer
+* :mod:`swarm.scoring`       -- per-peer speed/reliability scores
+* :mod:`swarm.fetcher`       -- one version's download: rarest first, best peer, seed last
+* :mod:`swarm.wire`          -- swarm-local RPC messages (``ChunkAnyRequest``)
+* :mod:`swarm.broadcast`     -- :class:`ChunkServer`, :class:`Downloader`, :class:`BroadcastNode`
+* :mod:`swarm.peerproc`      -- a broadcast peer as a child process (tests, benchmark)
+* :mod:`swarm.testing`       -- helpers for tests (loopback peers, sample adverts)
+* :mod:`swarm.checkpoint_io` -- torch state_dict <-> safetensors file bytes
+* :mod:`swarm.cli`           -- the ``swarm`` command line (typer)
+
+Nothing is imported here, so ``swarm --help`` stays fast (hivemind pulls in torch).
+"""

@@ -1,0 +1,178 @@
+"""On-disk store of checkpoint chunks, one directory per version, verified chunks only.
+
+Layout::
+
+    <root>/v000000000042/manifest.env          encoded SignedEnvelope(Manifest), as received
+    <root>/v000000000042/chunks/000017.bin     chunk 17, written atomically (tmp file + rename)
+
+A chunk is written only after it matches the manifest's hash (``protocol.manifest.verify_chunk``).
+On restart :meth:`ChunkStore.open` re-verifies what is on disk and discards anything that does
+not match, so a download resumes from the verified chunks. The store keeps the newest
+``keep_versions`` versions (``S + 1`` in DESIGN.md §5); :meth:`ChunkStore.prune` removes the rest.
+The manifest signature is *not* re-checked here: callers verify the envelope against the pinned
+coordinator key before :meth:`put_manifest` and again when resuming.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from protocol.codec import decode, encode
+from protocol.manifest import reassemble, verify_chunk
+from protocol.messages import Manifest, SignedEnvelope
+
+logger = logging.getLogger(__name__)
+
+
+def _unsigned_manifest(env: SignedEnvelope) -> Manifest:
+    """The manifest inside ``env`` without checking the signature (see module docstring)."""
+    return decode(env.payload, Manifest)
+
+
+class ChunkStore:
+    """Verified chunks of the last ``keep_versions`` checkpoint versions under ``root``."""
+
+    def __init__(self, root: str | os.PathLike[str], *, keep_versions: int = 2) -> None:
+        if keep_versions < 1:
+            raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
+        self.root = Path(root)
+        self.keep_versions = keep_versions
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._manifests: dict[int, tuple[SignedEnvelope, Manifest]] = {}
+        self._have: dict[int, set[int]] = {}
+        for version in self._versions_on_disk():
+            self.open(version)
+
+    # -- versions ------------------------------------------------------------------------------
+    def _dir(self, version: int) -> Path:
+        return self.root / f"v{version:012d}"
+
+    def _chunk_path(self, version: int, index: int) -> Path:
+        return self._dir(version) / "chunks" / f"{index:06d}.bin"
+
+    def _versions_on_disk(self) -> list[int]:
+        out = []
+        for p in self.root.glob("v*"):
+            if p.is_dir() and p.name[1:].isdigit() and (p / "manifest.env").is_file():
+                out.append(int(p.name[1:]))
+        return sorted(out)
+
+    def versions(self) -> list[int]:
+        """Versions with a manifest in the store, ascending."""
+        return sorted(self._manifests)
+
+    def open(self, version: int) -> bool:
+        """Load ``version`` from disk, keeping only chunks that verify. False if absent/corrupt."""
+        path = self._dir(version) / "manifest.env"
+        try:
+            env = decode(path.read_bytes(), SignedEnvelope)
+            manifest = _unsigned_manifest(env)
+        except Exception as exc:  # any unreadable manifest file is discarded
+            logger.warning("discarding unreadable manifest %s: %s", path, exc)
+            shutil.rmtree(self._dir(version), ignore_errors=True)
+            return False
+        have: set[int] = set()
+        chunk_dir = self._dir(version) / "chunks"
+        for p in chunk_dir.glob("*"):
+            index = int(p.stem) if p.suffix == ".bin" and p.stem.isdigit() else -1
+            try:
+                if not 0 <= index < len(manifest.chunks):
+                    raise ValueError("not a chunk file of this manifest")
+                verify_chunk(manifest, index, p.read_bytes())
+                have.add(index)
+            except Exception as exc:  # drop anything that does not verify
+                logger.warning("discarding %s: %s", p, exc)
+                p.unlink(missing_ok=True)
+        self._manifests[version] = (env, manifest)
+        self._have[version] = have
+        return True
+
+    def put_manifest(self, env: SignedEnvelope, manifest: Manifest) -> None:
+        """Record a *verified* manifest (no-op if this version is already known)."""
+        if manifest.version in self._manifests:
+            return
+        d = self._dir(manifest.version)
+        (d / "chunks").mkdir(parents=True, exist_ok=True)
+        self._atomic_write(d / "manifest.env", encode(env))
+        self._manifests[manifest.version] = (env, manifest)
+        self._have[manifest.version] = set()
+
+    def manifest(self, version: int) -> tuple[SignedEnvelope, Manifest] | None:
+        """The stored (envelope, manifest) of ``version``, or None."""
+        return self._manifests.get(version)
+
+    def latest(self) -> int | None:
+        """Newest version held, or None."""
+        return max(self._manifests) if self._manifests else None
+
+    # -- chunks --------------------------------------------------------------------------------
+    def have(self, version: int) -> frozenset[int]:
+        """Indices of the verified chunks of ``version`` held on disk."""
+        return frozenset(self._have.get(version, ()))
+
+    def is_complete(self, version: int) -> bool:
+        entry = self._manifests.get(version)
+        return entry is not None and len(self._have[version]) == len(entry[1].chunks)
+
+    def put_chunk(self, version: int, index: int, data: bytes) -> None:
+        """Verify ``data`` against the manifest and keep it; raises ``ChunkHashMismatch``."""
+        entry = self._manifests.get(version)
+        if entry is None:
+            raise KeyError(f"no manifest for version {version}; call put_manifest first")
+        verify_chunk(entry[1], index, data)
+        if index in self._have[version]:
+            return
+        self._atomic_write(self._chunk_path(version, index), data)
+        self._have[version].add(index)
+
+    def get_chunk(self, version: int, index: int) -> bytes | None:
+        """Bytes of a held chunk, or None."""
+        if index not in self._have.get(version, ()):
+            return None
+        try:
+            return self._chunk_path(version, index).read_bytes()
+        except OSError:
+            self._have[version].discard(index)
+            return None
+
+    def seed(self, env: SignedEnvelope, manifest: Manifest, chunks: Iterable[bytes]) -> None:
+        """Store a whole version at once (the seed side); every chunk is verified."""
+        self.put_manifest(env, manifest)
+        for index, data in enumerate(chunks):
+            self.put_chunk(manifest.version, index, data)
+        if not self.is_complete(manifest.version):
+            raise ValueError(f"version {manifest.version}: fewer chunks than the manifest lists")
+
+    def load_files(self, version: int) -> dict[str, bytes]:
+        """Reassemble a complete version into ``{file name: bytes}``."""
+        entry = self._manifests.get(version)
+        if entry is None or not self.is_complete(version):
+            raise KeyError(f"version {version} is not complete in the store")
+        chunks = []
+        for i in range(len(entry[1].chunks)):
+            data = self.get_chunk(version, i)
+            if data is None:
+                raise KeyError(f"version {version}: chunk {i} vanished from disk")
+            chunks.append(data)
+        return reassemble(entry[1], chunks)
+
+    def prune(self, protect: Iterable[int] = ()) -> list[int]:
+        """Drop all but the newest ``keep_versions`` versions (never ``protect``); list dropped."""
+        keep = set(self.versions()[-self.keep_versions :]) | set(protect)
+        dropped = [v for v in self.versions() if v not in keep]
+        for v in dropped:
+            shutil.rmtree(self._dir(v), ignore_errors=True)
+            self._manifests.pop(v, None)
+            self._have.pop(v, None)
+        return dropped
+
+    @staticmethod
+    def _atomic_write(path: Path, data: bytes) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)

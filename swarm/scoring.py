@@ -1,0 +1,74 @@
+"""Per-peer scores for choosing whom to download chunks from.
+
+A peer's score is its measured throughput (EWMA of bytes/s, a prior for unknown peers) times a
+reliability factor that falls with failures and collapses with bad chunks. Scores persist across
+transfers (a peer that served garbage for version 7 starts low for version 8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRIOR_BPS = 5e6
+"""Assumed throughput of a peer never measured (bytes/s); high enough to try newcomers."""
+BAD_CHUNK_PENALTY = 0.01
+"""Each bad chunk multiplies the score by this (a wrong hash is a strong signal of malice)."""
+
+
+@dataclass
+class PeerStats:
+    """What we observed from one peer (counts since this process started)."""
+
+    ewma_bps: float | None = None  # smoothed download speed from this peer, bytes/s
+    successes: int = 0  # chunks received and verified
+    failures: int = 0  # timeouts, broken streams, refusals other than "busy"
+    bad_chunks: int = 0  # chunks that failed verification
+
+    @property
+    def reliability(self) -> float:
+        ratio = (self.successes + 1) / (self.successes + self.failures + 1)
+        return float(ratio * BAD_CHUNK_PENALTY ** min(self.bad_chunks, 8))
+
+    @property
+    def score(self) -> float:
+        speed = PRIOR_BPS if self.ewma_bps is None else self.ewma_bps
+        return speed * self.reliability
+
+
+class PeerScores:
+    """Scores of all peers seen; ``alpha`` is the EWMA weight of the newest speed sample."""
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        self.alpha = alpha
+        self._stats: dict[str, PeerStats] = {}
+
+    def stats(self, peer_id: str) -> PeerStats:
+        return self._stats.setdefault(peer_id, PeerStats())
+
+    def score(self, peer_id: str) -> float:
+        return self.stats(peer_id).score
+
+    def success(self, peer_id: str, nbytes: int, seconds: float) -> None:
+        s = self.stats(peer_id)
+        s.successes += 1
+        bps = nbytes / max(seconds, 1e-6)
+        s.ewma_bps = bps if s.ewma_bps is None else (1 - self.alpha) * s.ewma_bps + self.alpha * bps
+
+    def failure(self, peer_id: str) -> None:
+        self.stats(peer_id).failures += 1
+
+    def bad_chunk(self, peer_id: str) -> None:
+        self.stats(peer_id).bad_chunks += 1
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """``{peer id: {score, ewma_bps, successes, failures, bad_chunks}}`` for status output."""
+        return {
+            p: {
+                "score": s.score,
+                "ewma_bps": s.ewma_bps or 0.0,
+                "successes": s.successes,
+                "failures": s.failures,
+                "bad_chunks": s.bad_chunks,
+            }
+            for p, s in self._stats.items()
+        }

@@ -1,0 +1,289 @@
+"""Request/response RPC between peers over libp2p binary streams.
+
+One RPC = one libp2p stream named after the method. Wire format (both directions use the
+4-byte big-endian length prefix of ``protocol.codec.frame``)::
+
+    client -> server   frame(request bytes)
+    server -> client   frame(status byte + body)   status 0: body = response bytes
+                                                  status 1: body = UTF-8 "code: detail"
+
+Handlers are ``async (peer_id, request_bytes) -> response_bytes``; raising
+:class:`HandlerError` (or a ``protocol.errors.ProtocolError``) answers with that code, anything
+else answers ``internal``. Every connect/read/write has a timeout. Foreign errors (libp2p daemon,
+OS, asyncio) are mapped to :mod:`swarm.errors` in exactly one place, :func:`_translate`.
+Responses are written in slices through an optional :class:`~swarm.ratelimit.TokenBucket`, which
+caps this peer's upload rate smoothly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from swarm.errors import PeerUnreachable, RemoteError, RpcTimeout, TransportError
+from swarm.ratelimit import TokenBucket
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[str, bytes], Awaitable[bytes]]
+"""An RPC handler: ``(caller peer id, request bytes) -> response bytes``."""
+ProgressFn = Callable[[int, int], None]
+"""``(bytes received so far, total bytes)`` of a response being read."""
+
+_HEADER = struct.Struct(">I")  # same prefix as protocol.codec.frame
+_OK, _ERR = 0, 1
+_SLICE = 64 * 1024
+DEFAULT_MAX_REQUEST = 1 << 20
+DEFAULT_MAX_RESPONSE = 64 << 20
+
+
+class HandlerError(Exception):
+    """Raised by a handler to answer the caller with ``code: detail`` (becomes ``RemoteError``)."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+class Transport(Protocol):
+    """What the rest of the code base needs from an RPC transport (libp2p or in-memory)."""
+
+    @property
+    def peer_id(self) -> str: ...
+
+    async def register(
+        self,
+        name: str,
+        handler: Handler,
+        *,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST,
+        max_streams_per_peer: int | None = None,
+    ) -> None: ...
+
+    async def unregister(self, name: str) -> None: ...
+
+    async def call(
+        self,
+        peer_id: str,
+        name: str,
+        request: bytes,
+        *,
+        timeout: float = 10.0,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE,
+        on_progress: ProgressFn | None = None,
+        stall_timeout: float | None = None,
+    ) -> bytes: ...
+
+
+def error_body(exc: BaseException) -> tuple[str, str]:
+    """(code, detail) to send back for an exception raised by a handler."""
+    if isinstance(exc, HandlerError):
+        return exc.code, exc.detail
+    code = getattr(exc, "code", None)  # protocol.errors.ProtocolError
+    if code is not None and hasattr(exc, "detail"):
+        return str(code), str(exc.detail)
+    return "internal", f"{type(exc).__name__} in handler"
+
+
+def decode_error(body: bytes) -> RemoteError:
+    code, _, detail = body.decode("utf-8", "replace").partition(": ")
+    return RemoteError(code or "internal", detail or "no detail")
+
+
+def _translate(exc: BaseException, peer_id: str, name: str, stage: str) -> TransportError:
+    """The single boundary mapping foreign exceptions of a call to swarm errors."""
+    if isinstance(exc, TransportError):
+        return exc
+    where = f"{name} on {peer_id[:16]}... ({stage})"
+    if isinstance(exc, TimeoutError):
+        return RpcTimeout(f"{where} timed out; the peer is slow or gone, try another peer")
+    text = " ".join(str(exc).split())
+    if "protocols not supported" in text:
+        return RemoteError("unknown_method", f"peer does not serve {name!r}")
+    if isinstance(exc, asyncio.IncompleteReadError):
+        return PeerUnreachable(f"{where}: stream closed early; the peer went away")
+    return PeerUnreachable(f"{where}: {type(exc).__name__}: {text[:200]}")
+
+
+async def _read_exactly(
+    reader: asyncio.StreamReader,
+    n: int,
+    *,
+    stall_timeout: float,
+    deadline: float,
+    on_progress: ProgressFn | None = None,
+) -> bytes:
+    loop = asyncio.get_running_loop()
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - loop.time()
+        if left <= 0:
+            raise TimeoutError
+        piece = await asyncio.wait_for(
+            reader.read(min(n - len(buf), 1 << 20)), min(stall_timeout, left)
+        )
+        if not piece:
+            raise asyncio.IncompleteReadError(bytes(buf), n)
+        buf += piece
+        if on_progress is not None:
+            on_progress(len(buf), n)
+    return bytes(buf)
+
+
+async def write_sliced(
+    writer: asyncio.StreamWriter, data: bytes, *, timeout: float, limiter: TokenBucket | None
+) -> None:
+    """Write ``data`` in 64 KiB slices, each through ``limiter``, each drain bounded by timeout."""
+    view = memoryview(data)
+    for start in range(0, len(view), _SLICE):
+        piece = view[start : start + _SLICE]
+        if limiter is not None:
+            await limiter.acquire(len(piece))
+        writer.write(piece)
+        await asyncio.wait_for(writer.drain(), timeout)
+
+
+class P2PTransport:
+    """RPC over a hivemind ``P2P`` handle (see :attr:`swarm.dht.SwarmPeer.p2p`)."""
+
+    def __init__(
+        self,
+        p2p: Any,
+        *,
+        upload_limiter: TokenBucket | None = None,
+        max_streams_per_peer: int = 16,
+        io_timeout: float = 30.0,
+    ) -> None:
+        self._p2p = p2p
+        self.upload_limiter = upload_limiter
+        self.max_streams_per_peer = max_streams_per_peer
+        self.io_timeout = io_timeout
+        self._active: defaultdict[tuple[str, str], int] = defaultdict(int)
+
+    @property
+    def peer_id(self) -> str:
+        return str(self._p2p.peer_id.to_base58())
+
+    async def register(
+        self,
+        name: str,
+        handler: Handler,
+        *,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST,
+        max_streams_per_peer: int | None = None,
+    ) -> None:
+        """Serve ``name``; a caller with more than ``max_streams_per_peer`` (default: the
+        transport's) concurrent streams of this method is answered ``busy`` at once."""
+        limit = self.max_streams_per_peer if max_streams_per_peer is None else max_streams_per_peer
+
+        async def on_stream(info: Any, reader: asyncio.StreamReader, writer: Any) -> None:
+            caller = str(info.peer_id.to_base58())
+            await self._serve(caller, name, handler, max_request_bytes, limit, reader, writer)
+
+        await self._p2p.add_binary_stream_handler(name, on_stream)
+
+    async def unregister(self, name: str) -> None:
+        await self._p2p.remove_binary_stream_handler(name)
+
+    async def _serve(
+        self,
+        caller: str,
+        name: str,
+        handler: Handler,
+        max_request_bytes: int,
+        limit: int,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        slot = (name, caller)
+        self._active[slot] += 1
+        try:
+            deadline = loop.time() + self.io_timeout
+            if self._active[slot] > limit:
+                status, body = _ERR, b"busy: too many concurrent streams from this peer"
+            else:
+                status, body = await self._handle(
+                    caller, handler, max_request_bytes, reader, deadline
+                )
+            writer.write(_HEADER.pack(len(body) + 1) + bytes([status]))
+            await write_sliced(writer, body, timeout=self.io_timeout, limiter=self.upload_limiter)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            logger.debug("stream %s from %s ended: %r", name, caller, exc)
+        finally:
+            self._active[slot] -= 1
+            if self._active[slot] <= 0:
+                del self._active[slot]
+            writer.close()
+
+    async def _handle(
+        self,
+        caller: str,
+        handler: Handler,
+        max_request_bytes: int,
+        reader: asyncio.StreamReader,
+        deadline: float,
+    ) -> tuple[int, bytes]:
+        kw: dict[str, Any] = {"stall_timeout": self.io_timeout, "deadline": deadline}
+        (size,) = _HEADER.unpack(await _read_exactly(reader, _HEADER.size, **kw))
+        if size > max_request_bytes:
+            return _ERR, f"frame_too_large: request of {size} B > {max_request_bytes} B".encode()
+        request = await _read_exactly(reader, size, **kw)
+        try:
+            return _OK, await handler(caller, request)
+        except Exception as exc:  # answered to the caller, logged here
+            code, detail = error_body(exc)
+            if code == "internal":
+                logger.exception("handler failed for %s", caller)
+            return _ERR, f"{code}: {detail}".encode()
+
+    async def call(
+        self,
+        peer_id: str,
+        name: str,
+        request: bytes,
+        *,
+        timeout: float = 10.0,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE,
+        on_progress: ProgressFn | None = None,
+        stall_timeout: float | None = None,
+    ) -> bytes:
+        """Call ``name`` on ``peer_id``; whole call bounded by ``timeout``, each read by
+        ``stall_timeout`` (default: ``timeout``). Raises ``TransportError`` subclasses only."""
+        from hivemind.p2p import PeerID
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        stall = timeout if stall_timeout is None else stall_timeout
+        stage, writer = "connect", None
+        try:
+            pid = PeerID.from_base58(peer_id)
+            _info, reader, writer = await asyncio.wait_for(
+                self._p2p.call_binary_stream_handler(pid, name), timeout
+            )
+            stage = "write"
+            writer.write(_HEADER.pack(len(request)) + request)
+            await asyncio.wait_for(writer.drain(), max(deadline - loop.time(), 0.001))
+            stage = "read"
+            kw: dict[str, Any] = {"stall_timeout": stall, "deadline": deadline}
+            (size,) = _HEADER.unpack(await _read_exactly(reader, _HEADER.size, **kw))
+            if size == 0 or size > max_response_bytes + 1:
+                raise PeerUnreachable(f"{name}: bad response size {size} from {peer_id[:16]}...")
+            status = (await _read_exactly(reader, 1, **kw))[0]
+            prog = on_progress if status == _OK else None
+            body = await _read_exactly(reader, size - 1, on_progress=prog, **kw)
+        except Exception as exc:
+            raise _translate(exc, peer_id, name, stage) from exc
+        finally:
+            if writer is not None:
+                with contextlib.suppress(Exception):
+                    writer.close()
+        if status != _OK:
+            raise decode_error(body)
+        return body

@@ -1,0 +1,163 @@
+"""Broadcast logic on the in-memory transport: no sockets, no DHT."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from protocol.identity import Identity
+from protocol.manifest import build_manifest, sign_manifest
+from protocol.messages import Manifest, SignedEnvelope
+from swarm.broadcast import BroadcastNode
+from swarm.chunks import ChunkStore
+from swarm.errors import ChunkUnavailable, ManifestUnavailable
+from swarm.fetcher import DownloadConfig
+from swarm.holders import MemoryHolderDirectory
+from swarm.memtransport import InMemoryNetwork
+
+CHUNK = 4096
+
+
+def make_version(
+    coord: Identity, version: int = 1, size: int = 10 * CHUNK + 123
+) -> tuple[dict[str, bytes], SignedEnvelope, Manifest, list[bytes]]:
+    files = {"model.safetensors": os.urandom(size), "extra.bin": os.urandom(CHUNK + 7)}
+    now = time.time()
+    manifest, chunks = build_manifest(
+        files,
+        version=version,
+        parent_version=None,
+        model_config_hash="ab",
+        tokenizer_hash="cd",
+        created_at=now,
+        expires_at=now + 3600,
+        chunk_size=CHUNK,
+    )
+    return files, sign_manifest(manifest, coord, now), manifest, chunks
+
+
+class CorruptNode(BroadcastNode):
+    """Serves every chunk with one byte flipped."""
+
+    async def start(self) -> None:
+        self.server.load_chunk = self._corrupt  # type: ignore[method-assign]
+        await super().start()
+
+    def _corrupt(self, version: int, index: int) -> bytes | None:
+        data = self.store.get_chunk(version, index)
+        return None if data is None else bytes([data[0] ^ 1]) + data[1:]
+
+
+def node(
+    net: InMemoryNetwork,
+    dirs: MemoryHolderDirectory,
+    tmp: Path,
+    name: str,
+    key: bytes,
+    cls: type[BroadcastNode] = BroadcastNode,
+) -> BroadcastNode:
+    cfg = DownloadConfig(
+        holders_refresh=0.01, seed_backoff=0.01, busy_backoff=0.01, seed_parallel=1
+    )
+    return cls(
+        net.endpoint(name), ChunkStore(tmp / name), dirs, key, config=cfg, announce_interval=0.005
+    )
+
+
+async def test_peers_and_bad_peer(tmp_path: Path) -> None:
+    coord = Identity.generate()
+    files, env, manifest, chunks = make_version(coord)
+    net, dirs = InMemoryNetwork(latency=0.02), MemoryHolderDirectory()
+    seed = node(net, dirs, tmp_path, "seed", coord.public_key)
+    bad = node(net, dirs, tmp_path, "bad", coord.public_key, CorruptNode)
+    receivers = [node(net, dirs, tmp_path, f"r{i}", coord.public_key) for i in range(3)]
+    for n in (seed, bad, *receivers):
+        await n.start()
+    await seed.seed_version(env, chunks)
+    await bad.seed_version(env, chunks)  # claims every chunk, serves garbage
+    progress: list[tuple[int, int]] = []
+    results = await asyncio.gather(
+        receivers[0].download(1, ["seed"], on_progress=lambda d, t: progress.append((d, t))),
+        *(r.download(1, ["seed"]) for r in receivers[1:]),
+    )
+    for got in results:
+        assert got == files
+    assert progress[-1] == (manifest.total_size, manifest.total_size)
+    assert all(a[0] <= b[0] for a, b in itertools.pairwise(progress))
+    for r in receivers:
+        stats = r.scores.stats("bad")
+        assert stats.bad_chunks >= 1 and stats.successes == 0
+        assert r.scores.score("bad") < r.scores.score("seed")
+    relayed = sum(
+        count
+        for r in receivers
+        if r.downloader.last_transfer is not None
+        for peer, count in r.downloader.last_transfer.sources.items()
+        if peer.startswith("r")
+    )
+    assert relayed > 0, "receivers never fetched from each other"
+    for n in (seed, bad, *receivers):
+        await n.stop()
+
+
+async def test_resume_from_verified_chunks_on_disk(tmp_path: Path) -> None:
+    coord = Identity.generate()
+    files, env, manifest, chunks = make_version(coord)
+    store = ChunkStore(tmp_path / "r")
+    store.put_manifest(env, manifest)
+    for i in (0, 1, 2):
+        store.put_chunk(1, i, chunks[i])
+    # a corrupted file on disk and a torn temp file are discarded on reopen
+    chunk_dir = tmp_path / "r" / "v000000000001" / "chunks"
+    (chunk_dir / "000003.bin").write_bytes(b"junk")
+    (chunk_dir / "000004.bin.tmp").write_bytes(b"torn")
+    reopened = ChunkStore(tmp_path / "r")
+    assert reopened.have(1) == {0, 1, 2}
+    assert not (chunk_dir / "000003.bin").exists()
+
+    net, dirs = InMemoryNetwork(), MemoryHolderDirectory()
+    seed = node(net, dirs, tmp_path, "seed", coord.public_key)
+    await seed.start()
+    await seed.seed_version(env, chunks)
+    receiver = BroadcastNode(net.endpoint("r"), reopened, dirs, coord.public_key)
+    await receiver.start()
+    assert await receiver.download(1, ["seed"]) == files
+    assert seed.server.chunks_served == len(chunks) - 3
+    await receiver.stop()
+    await seed.stop()
+
+
+async def test_wrong_key_and_missing_seed(tmp_path: Path) -> None:
+    coord, other = Identity.generate(), Identity.generate()
+    _files, env, _manifest, chunks = make_version(coord)
+    net, dirs = InMemoryNetwork(), MemoryHolderDirectory()
+    seed = node(net, dirs, tmp_path, "seed", coord.public_key)
+    await seed.start()
+    await seed.seed_version(env, chunks)
+    victim = node(net, dirs, tmp_path, "v", other.public_key)  # pinned the wrong key
+    with pytest.raises(ManifestUnavailable, match="pinned"):
+        await victim.download(1, ["seed"])
+    # the seed vanishes after the manifest: the receiver gives up with a clear error
+    r = node(net, dirs, tmp_path, "r", coord.public_key)
+    r.store.put_manifest(*await r.downloader.fetch_manifest(1, ["seed"]))
+    net.disconnect("seed")
+    dirs.bitmaps.clear()
+    with pytest.raises(ChunkUnavailable, match="seed failed"):
+        await r.download(1, ["seed"])
+    await seed.stop()
+
+
+def test_retention_keeps_last_k(tmp_path: Path) -> None:
+    coord = Identity.generate()
+    store = ChunkStore(tmp_path, keep_versions=2)
+    for v in (1, 2, 3):
+        _f, env, manifest, chunks = make_version(coord, version=v, size=100)
+        store.seed(env, manifest, chunks)
+    assert store.prune() == [1]
+    assert store.versions() == [2, 3]
+    assert ChunkStore(tmp_path, keep_versions=2).versions() == [2, 3]
