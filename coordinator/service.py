@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+from prometheus_client import Gauge
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core import Coordinator
@@ -103,6 +104,8 @@ class CoordinatorService:
         self.trainer_stats: dict[str, Any] = {}
         self._new_rollouts = asyncio.Event()
         self._records_soon = asyncio.Event()
+        self._trainer_gauge: Gauge | None = None
+        self._staleness_gauge: Gauge | None = None
         self._version_tasks: dict[int, asyncio.Task[None]] = {}
         self._seeders: dict[int, str] = {}
         self._upkeep: asyncio.Task[None] | None = None
@@ -435,6 +438,7 @@ class CoordinatorService:
             step_time = self.trainer_stats.get("step_time_s")
             if isinstance(step_time, int | float) and step_time > 0:  # measured T_train
                 self.core.t_train_s = float(step_time)
+            self._export_trainer_gauges()
         deadline = time.monotonic() + min(msg.wait_s, FETCH_WAIT_CAP_S)
         while True:
             self._new_rollouts.clear()
@@ -446,6 +450,31 @@ class CoordinatorService:
                 return encode(batch)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._new_rollouts.wait(), left)
+
+    def _export_trainer_gauges(self) -> None:
+        """Learner figures on /metrics: one gauge per scalar, the staleness histogram by label."""
+        assert self.core is not None
+        if self._trainer_gauge is None:
+            self._trainer_gauge = Gauge(
+                "swarm_trainer", "Learner figures reported with each fetch (docs/operations.md)",
+                ["figure"], registry=self.core.registry,
+            )  # fmt: skip
+            self._staleness_gauge = Gauge(
+                "swarm_trainer_staleness_rollouts",
+                "Rollouts of the learner's last step by staleness (versions behind)",
+                ["staleness"], registry=self.core.registry,
+            )  # fmt: skip
+        for key, value in self.trainer_stats.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if math.isfinite(value):
+                self._trainer_gauge.labels(figure=key).set(value)
+        hist = self.trainer_stats.get("staleness_hist")
+        if isinstance(hist, dict) and self._staleness_gauge is not None:
+            self._staleness_gauge.clear()
+            for k, v in hist.items():
+                if isinstance(v, int | float):
+                    self._staleness_gauge.labels(staleness=str(k)).set(v)
 
     async def _on_status(self, caller: str, request: bytes) -> bytes:
         decode(request, StatusRequest)
