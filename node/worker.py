@@ -236,7 +236,7 @@ class NodeWorker:
         self.client = CoordinatorClient(
             self._transport, self.coordinator_peer_id, self.identity, clock=self.clock
         )
-        await self._register(timeout=cfg.register_timeout_s)
+        await self._register_with_retries(cfg.register_timeout_s)
         log.info(
             "node %s (%s) joined: backend %s/%s, coordinator %s",
             short_fingerprint(self.identity.fingerprint),
@@ -330,6 +330,25 @@ class NodeWorker:
             tokens_per_s=self.stats.tokens_per_s,
             now=self.clock(),
         )
+
+    async def _register_with_retries(self, budget_s: float) -> None:
+        """Register, retrying transient failures (a dropped stream) until ``budget_s`` is spent;
+        a refusal (``Rejected``) or the last failure propagates."""
+        from node.client import CoordinatorUnavailable
+
+        deadline = time.monotonic() + budget_s
+        delay = 0.2
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                await self._register(timeout=max(left, 0.5))
+                return
+            except CoordinatorUnavailable as exc:
+                if time.monotonic() + delay >= deadline:
+                    raise
+                log.warning("registration failed (%s); retrying in %.1f s", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     async def _register(self, *, timeout: float | None = None) -> None:
         assert self.client is not None

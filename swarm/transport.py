@@ -265,7 +265,7 @@ class P2PTransport:
         try:
             pid = PeerID.from_base58(peer_id)
             _info, reader, writer = await asyncio.wait_for(
-                self._p2p.call_binary_stream_handler(pid, name), timeout
+                self._p2p.call_binary_stream_handler(pid, name), min(timeout, stall)
             )
             stage = "write"
             writer.write(_HEADER.pack(len(request)) + request)

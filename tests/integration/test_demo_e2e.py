@@ -1,0 +1,295 @@
+"""``swarm demo`` end to end: a real local swarm (coordinator, trainer, three hf nodes, each its own
+process with its own libp2p daemon) trains the embedded default for a few learner steps, and
+``swarm inspect`` reads the nodes' adverts from the DHT while it runs.
+
+The demo is started as a subprocess in its own session; its children are its own business (it
+ends them by PID), and this test only checks afterwards that none of them is left. If the demo
+does not end in time, the test SIGTERMs it (it then stops its children) and, as a last resort,
+SIGKILLs the process groups of the PIDs it recorded in ``demo.json``, and only those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CHILDREN = ("coordinator", "trainer", "node-0", "node-1", "node-2")
+START_LINES = {  # what each process logs once it is up and doing its job
+    "coordinator": r"coordinator up: /ip4/",
+    "trainer": r"published policy v0 ",
+    "node-0": r"joined: backend hf/",
+    "node-1": r"joined: backend hf/",
+    "node-2": r"joined: backend hf/",
+}
+DEMO_TIMEOUT_S = 170.0  # --time-limit 150 plus start-up and shutdown
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+
+def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``swarm ARGS`` in its own session; afterwards nothing of that session may be left
+    (``swarm inspect`` starts a libp2p daemon, which must go away with it)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "swarm.cli", *args], cwd=REPO, env=_env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        deadline = time.monotonic() + 10
+        while (left := _leftovers(None, {proc.pid})) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a no-op unless it hung or left something
+        proc.wait()
+    assert not left, f"swarm {args[0]} left processes behind: {left}"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _status(http_url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(http_url + "/status", timeout=3.0) as resp:
+        doc: dict[str, Any] = json.loads(resp.read())
+    return doc
+
+
+def _wait(what: str, ready: Any, demo: subprocess.Popen[bytes], out: Path, limit: float) -> Any:
+    """Poll ``ready()`` until it returns something truthy; fail if the demo exits meanwhile."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            value = ready()
+            if value:
+                return value
+        if demo.poll() is not None:
+            pytest.fail(
+                f"demo exited ({demo.returncode}) before {what}:\n{out.read_text()[-3000:]}"
+            )
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {limit:.0f}s waiting for {what}:\n{out.read_text()[-3000:]}")
+
+
+def _log(t0: float, what: str) -> None:
+    print(f"[{time.monotonic() - t0:6.1f}s] {what}", flush=True)  # shown with -s or on failure
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of ``/proc/PID/stat`` after the command name (state first), or None if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    """True when ``pid`` exists and is not a zombie."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def _leftovers(run_dir: Path | None, sessions: set[int]) -> dict[int, str]:
+    """Live processes (pid -> command line) in one of ``sessions`` (each child of the demo leads
+    its own session, and its p2pd daemon stays in it) or whose command line names ``run_dir``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        pid = int(entry.name)
+        fields = _stat(pid)
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if fields is None or fields[0] == "Z":
+            continue
+        if int(fields[3]) in sessions or (run_dir is not None and str(run_dir) in cmdline):
+            found[pid] = cmdline[:200]
+    return found
+
+
+def _last_resort_cleanup(run_dir: Path, demo_pid: int) -> None:
+    """SIGKILL the process groups of the demo's children (recorded in demo.json) and of the demo
+    itself. A process group ID is not reused while any member lives, so this ends only ours."""
+    try:
+        groups = [demo_pid, *json.loads((run_dir / "demo.json").read_text())["pids"].values()]
+    except (OSError, ValueError, KeyError):
+        groups = [demo_pid]
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_demo_trains_broadcasts_and_cleans_up(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    run_dir = tmp_path / "run"
+    out = tmp_path / "demo.out"
+    argv = [
+        sys.executable, "-m", "swarm.cli", "demo", "--no-live", "--nodes", "3",
+        "--max-steps", "25", "--time-limit", "150", "--batch-prompts", "96", "--group-size", "8",
+        "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    with open(out, "wb") as fh:
+        demo = subprocess.Popen(
+            argv, cwd=REPO, env=_env(), stdout=fh, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+    try:
+        # --- while it runs: the coordinator is up, all three nodes deliver, inspect sees them.
+        # `swarm inspect` needs ~15 s on a busy 2-core machine (importing hivemind + torch), so
+        # it starts as soon as the nodes have registered, while the first rollouts come in.
+        info_path = run_dir / "coordinator" / "coordinator.json"
+        info = _wait("coordinator.json", lambda: json.loads(info_path.read_text()), demo, out, 90)
+        http_url = info["http_url"]
+        registered = _wait(
+            "three nodes to register",
+            lambda: set(states) if len(states := _status(http_url)["node_states"]) == 3 else None,
+            demo, out, 120,
+        )  # fmt: skip
+        _log(t0, "nodes registered")
+        with ThreadPoolExecutor(1) as pool:
+            inspecting = pool.submit(
+                _cli, "inspect", "--json", "--run-dir", str(run_dir), timeout=60
+            )
+            _wait(
+                "accepted rollouts",
+                lambda: _status(http_url)["rollouts_accepted"] > 0,
+                demo, out, 120,
+            )  # fmt: skip
+            _log(t0, "rollouts accepted")
+            res = inspecting.result()
+        _log(t0, "inspect done")
+        assert res.returncode == 0, f"inspect failed: {res.stdout}\n{res.stderr}"
+        view = json.loads(res.stdout)
+        if not {n["fingerprint"] for n in view["nodes"]} >= registered and demo.poll() is None:
+            # an advert can reach the DHT a moment after its node registered: look once more
+            res = _cli("inspect", "--json", "--run-dir", str(run_dir), timeout=60)
+            assert res.returncode == 0, f"inspect failed: {res.stdout}\n{res.stderr}"
+            view = json.loads(res.stdout)
+        nodes = {n["fingerprint"]: n for n in view["nodes"]}
+        assert set(nodes) == registered, f"inspect listed {sorted(nodes)}, expected {registered}"
+        for n in nodes.values():
+            assert n["backend"] == "hf", n
+            assert n["dtype"] == "float32", n
+            assert n["cpu"] is not None and n["cpu"]["cores"] >= 1, n
+            assert n["cpu"]["memory_bytes"] > 0, n
+            assert n["tokens_per_s"] > 0, n
+            assert n["state"] in ("active", "standby"), n
+            assert n["peer_id"].startswith(("Qm", "12D3")), n
+        assert view["error"] is None, view["error"]
+        assert set(view["coordinator"]["node_states"]) == registered  # status came through too
+
+        # --- the demo ends by itself (25 learner steps)
+        try:
+            rc = demo.wait(timeout=max(DEMO_TIMEOUT_S - (time.monotonic() - t0), 10))
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                f"demo did not end within {DEMO_TIMEOUT_S:.0f}s:\n{out.read_text()[-3000:]}"
+            )
+    finally:
+        if demo.poll() is None:
+            demo.send_signal(signal.SIGTERM)  # the demo stops its children on SIGTERM
+            try:
+                demo.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                demo.kill()
+                demo.wait()
+            _last_resort_cleanup(run_dir, demo.pid)
+
+    _log(t0, f"demo ended ({demo.returncode})")
+
+    # --- the process tree is gone (p2pd daemons included)
+    pids = json.loads((run_dir / "demo.json").read_text())["pids"]
+    sessions = {demo.pid, *pids.values()}
+    deadline = time.monotonic() + 10
+    while True:
+        left = [name for name, pid in pids.items() if _alive(pid)]
+        strays = _leftovers(run_dir, sessions)
+        if (not left and not strays) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if left or strays:
+        _last_resort_cleanup(run_dir, demo.pid)
+    assert not left, f"still running: {left}"
+    assert not strays, f"processes of the demo are still running: {strays}"
+
+    text = out.read_text()
+    assert rc == 0, f"demo exited {rc}:\n{text[-3000:]}"
+    assert "swarm demo ended (trainer finished)" in text or "learner steps done" in text, text
+
+    # --- every process came up
+    assert set(pids) == set(CHILDREN)
+    logs = {name: (run_dir / "logs" / f"{name}.log").read_text() for name in CHILDREN}
+    for name, pattern in START_LINES.items():
+        assert re.search(pattern, logs[name]), f"{name}.log lacks its start line:\n{logs[name]}"
+
+    # --- rollouts were accepted from each of the three nodes (the final /status snapshot)
+    summary = (run_dir / "summary.md").read_text()
+    figures = json.loads(summary.split("```json", 1)[1].split("```", 1)[0])
+    final = figures["final_status"]
+    completed = final["node_leases_completed"]
+    assert len(completed) == 3 and all(v > 0 for v in completed.values()), completed
+    assert final["rollouts_accepted"] > 0
+    assert not final["nodes_banned"], final["nodes_banned"]
+
+    # --- at least two policy versions reached every node through the broadcast
+    for name in ("node-0", "node-1", "node-2"):
+        versions = set(re.findall(r"loaded policy v(\d+) ", logs[name]))
+        assert len(versions) >= 2, f"{name} loaded only {sorted(versions)}"
+
+    # --- the reward rose
+    rows = [json.loads(line) for line in (run_dir / "curve.jsonl").read_text().splitlines()]
+    rewards = [r["reward"] for r in rows if r["reward"] is not None]
+    assert len(rewards) >= 3, rows
+    later = rewards[len(rewards) // 2 :]
+    assert sum(later) / len(later) > rewards[0], f"reward did not rise: {rewards}"
+    assert (run_dir / "demo.png").is_file()
+
+
+def test_demo_refuses_bad_flags_without_starting_anything(tmp_path: Path) -> None:
+    for flags, named in ((["--nodes", "0"], "--nodes"), (["--group-size", "1"], "--group-size")):
+        run_dir = tmp_path / "run"
+        res = _cli("demo", "--no-live", *flags, "--run-dir", str(run_dir), timeout=60)
+        assert res.returncode == 2, res
+        assert res.stdout == "", res.stdout
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], lines
+        assert not run_dir.exists()  # nothing was written, so nothing was started
+
+
+def test_demo_refuses_a_run_dir_that_holds_an_earlier_run(tmp_path: Path) -> None:
+    # Reusing it would hand the old coordinator.json (a dead address) to the new trainer and nodes.
+    old = tmp_path / "run" / "coordinator" / "coordinator.json"
+    old.parent.mkdir(parents=True)
+    old.write_text('{"multiaddrs": ["/ip4/127.0.0.1/tcp/1/p2p/QmOld"]}')
+    res = _cli("demo", "--no-live", "--run-dir", str(tmp_path / "run"), timeout=60)
+    assert res.returncode == 2, res
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--run-dir" in lines[0] and "not empty" in lines[0], lines
+    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == [
+        "coordinator",
+        "coordinator.json",
+    ]
+
+
+def test_inspect_refuses_a_missing_run_dir() -> None:
+    res = _cli("inspect", "--json", "--run-dir", "/nonexistent", timeout=60)
+    assert res.returncode == 2, res
+    assert res.stdout == "", res.stdout  # --json consumers never see the error as output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "/nonexistent" in lines[0], lines
