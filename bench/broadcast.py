@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -91,6 +92,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, float | int | str]]:
                     if p.done_at is None:
                         p.dump_tasks()
                 await asyncio.sleep(2.0)
+                args.keep = True  # keep the peer logs for the post-mortem
                 msg = f"{mode} N={n}: timed out; stuck: {stuck}; logs: {tmp}"
                 raise RuntimeError(msg) from None
             errors = [p.error for p in procs if p.error]
@@ -128,6 +130,8 @@ async def run(args: argparse.Namespace) -> list[dict[str, float | int | str]]:
     finally:
         await seed.close()
         await boot_peer.stop()
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 
@@ -201,6 +205,7 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["star", "peer"], choices=["star", "peer"])
     p.add_argument("--timeout", type=float, default=0.0, help="per-run timeout, s (0: 2·N·M/B+30)")
     p.add_argument("--note", default="", help="free text appended to the report section")
+    p.add_argument("--keep", action="store_true", help="keep the temp dir (stores, peer logs)")
     p.add_argument("--verbose", action="store_true", help="per-receiver figures")
     p.add_argument("--no-report", action="store_true", help="print only, leave docs/ alone")
     args = p.parse_args()

@@ -21,7 +21,11 @@ Modules:
 * :mod:`swarm.peerproc`      -- a broadcast peer as a child process (tests, benchmark)
 * :mod:`swarm.testing`       -- helpers for tests (loopback peers, sample adverts)
 * :mod:`swarm.checkpoint_io` -- torch state_dict <-> safetensors file bytes
+* :mod:`swarm.tasks`         -- bounded cancel-and-wait for owned background tasks
 * :mod:`swarm.cli`           -- the ``swarm`` command line (typer)
+* :mod:`swarm.demo`          -- ``swarm demo``: a local swarm as separate processes
+* :mod:`swarm.demo_report`   -- the demo's live view, plot and summary
+* :mod:`swarm.inspect`       -- ``swarm inspect``: join the DHT as a client, show the swarm
 
 Nothing is imported here, so ``swarm --help`` stays fast (hivemind pulls in torch).
 """

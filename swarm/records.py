@@ -174,3 +174,26 @@ async def find_coordinator(peer: SwarmPeer, pinned_key: bytes) -> CoordinatorAdd
     """Node: where the coordinator with the pinned key is reachable, or None."""
     record = await read_signed(peer, keys.COORDINATOR, pinned_key)
     return record if isinstance(record, CoordinatorAddress) else None
+
+
+async def find_coordinator_key(
+    peer: SwarmPeer, fingerprint: str
+) -> tuple[bytes, CoordinatorAddress] | None:
+    """Node/trainer pinned by *fingerprint*: the coordinator's raw key and address, or None.
+
+    The subkey is the pinned fingerprint and :func:`check_signed_record` requires it to equal the
+    fingerprint of the record's signer, so the returned key is the pinned one.
+    """
+    entry = (await peer.get_subkeys(keys.COORDINATOR)).get(fingerprint)
+    if entry is None:
+        return None
+    try:
+        env, record = check_signed_record(
+            keys.COORDINATOR, fingerprint, entry.value, expiration_time=entry.expiration_time
+        )
+    except ProtocolError as exc:
+        logger.warning("ignoring coordinator record of %s: %s", fingerprint[:20], exc)
+        return None
+    if not isinstance(record, CoordinatorAddress) or record.expires_at < peer.clock():
+        return None
+    return env.signer, record

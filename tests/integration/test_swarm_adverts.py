@@ -19,6 +19,7 @@ from swarm.dht import SwarmPeer
 from swarm.records import (
     PolicyVersionRecord,
     find_coordinator,
+    find_coordinator_key,
     publish_coordinator_address,
     publish_policy_version,
     read_policy_version,
@@ -136,6 +137,9 @@ async def test_policy_version_and_coordinator_records(swarm3: list[SwarmPeer]) -
     address = await find_coordinator(node_peer, coord.public_key)
     assert address is not None and address.peer_id == coord_peer.peer_id
     assert address.maddrs == await coord_peer.visible_maddrs()
+    found = await find_coordinator_key(node_peer, coord.fingerprint)
+    assert found is not None and found[0] == coord.public_key
+    assert await find_coordinator_key(node_peer, mallory.fingerprint) is None
     # Records signed by another key are invisible under the pinned fingerprint ...
     assert await read_policy_version(node_peer, mallory.public_key) is None
     # ... and mallory cannot write a newer version under the coordinator's subkey.
