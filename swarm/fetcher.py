@@ -63,6 +63,7 @@ class DownloadConfig:
     seed_backoff: float = 1.0  # pause before retrying a seed that failed
     max_seed_failures: int = 5  # consecutive seed failures before giving up
     deadline: float = 3600.0  # whole transfer
+    hedge_after: float = 3.0  # end-game: a chunk in flight this long is also asked of another peer
 
 
 class Transfer:
@@ -96,6 +97,8 @@ class Transfer:
         self.backoff: dict[str, float] = {}
         self.load: Counter[str] = Counter()
         self.inflight: dict[asyncio.Task[int], tuple[int, str]] = {}
+        self.started: dict[asyncio.Task[int], float] = {}
+        self.hedged: set[int] = set()  # chunk indices already asked of a second peer
         self.seed_failures = 0
         self.done_bytes = sum(manifest.chunks[i].size for i in store.have(manifest.version))
         self.sources: Counter[str] = Counter()  # chunks received per peer (for stats)
@@ -183,11 +186,41 @@ class Transfer:
                 and self._available(seed, now)
             ):
                 self._launch(self._fetch_any(seed, frozenset(leftover)), -1, seed)
+        if not todo:
+            self._hedge(now, others)
+
+    def _hedge(self, now: float, others: dict[str, frozenset[int]]) -> None:
+        """End-game: every missing chunk is in flight; a request that has been running for
+        ``hedge_after`` seconds (a slow or silently stuck peer) is duplicated to another holder,
+        or to a seed. The first copy to verify wins; the loser is cancelled when the transfer
+        ends. At most one duplicate per chunk, so the extra traffic is bounded by the tail."""
+        me = self.transport.peer_id
+        for task, (index, peer) in list(self.inflight.items()):
+            if index < 0 or index in self.hedged or index not in self.missing:
+                continue
+            if now - self.started.get(task, now) < self.cfg.hedge_after:
+                continue
+            if len(self.inflight) >= self.cfg.max_parallel:
+                return
+            alts = [p for p, s in others.items()
+                    if index in s and p != peer and self._available(p, now)]  # fmt: skip
+            seeds = [p for p in self.seeds - {me, peer} if self._available(p, now)]
+            if alts:
+                alt = self._pick(alts)
+                self._launch(self._fetch(index, alt), index, alt)
+            elif seeds:
+                seed = self._pick(seeds)
+                self._launch(self._fetch_any(seed, frozenset({index})), -1, seed)
+            else:
+                continue
+            self.hedged.add(index)
+            logger.info("chunk %d from %s is slow; also asking another peer", index, peer[:12])
 
     def _launch(self, coro: Coroutine[Any, Any, int], index: int, peer: str) -> None:
         self.load[peer] += 1
         task = asyncio.create_task(coro, name=f"chunk-{index}-{peer[-8:]}")
         self.inflight[task] = (index, peer)
+        self.started[task] = time.monotonic()
 
     async def _fetch(self, index: int, peer: str) -> int:
         """Chunk ``index`` from ``peer``; returns the index."""
@@ -224,6 +257,7 @@ class Transfer:
     # -- outcomes ------------------------------------------------------------------------------
     def _settle(self, task: asyncio.Task[int]) -> None:
         index, peer = self.inflight.pop(task)
+        self.started.pop(task, None)
         self.load[peer] -= 1
         is_seed = peer in self.seeds
         exc = task.exception()

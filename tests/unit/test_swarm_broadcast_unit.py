@@ -13,7 +13,7 @@ import pytest
 from protocol.identity import Identity
 from protocol.manifest import build_manifest, sign_manifest
 from protocol.messages import Manifest, SignedEnvelope
-from swarm.broadcast import BroadcastNode
+from swarm.broadcast import CHUNK_RPC, BroadcastNode
 from swarm.chunks import ChunkStore
 from swarm.errors import ChunkUnavailable, ManifestUnavailable
 from swarm.fetcher import DownloadConfig
@@ -161,3 +161,37 @@ def test_retention_keeps_last_k(tmp_path: Path) -> None:
     assert store.prune() == [1]
     assert store.versions() == [2, 3]
     assert ChunkStore(tmp_path, keep_versions=2).versions() == [2, 3]
+
+
+async def test_endgame_hedges_a_stuck_peer(tmp_path: Path) -> None:
+    """A holder that accepts the request and then says nothing must not hold the download for the
+    whole stall timeout: after ``hedge_after`` the chunk is also asked of the seed."""
+    coord = Identity.generate()
+    files, env, _, chunks = make_version(coord, size=CHUNK // 2)  # a few small chunks
+    net, dirs = InMemoryNetwork(), MemoryHolderDirectory()
+    seed = node(net, dirs, tmp_path, "seed", coord.public_key)
+    stuck = node(net, dirs, tmp_path, "stuck", coord.public_key)
+    for n in (seed, stuck):
+        await n.start()
+    await seed.seed_version(env, chunks)
+    await stuck.seed_version(env, chunks)
+    await stuck.server.transport.register(CHUNK_RPC, _never_answer)  # accepts, never answers
+    cfg = DownloadConfig(holders_refresh=0.01, stall_timeout=30.0, hedge_after=0.2)
+    receiver = BroadcastNode(
+        net.endpoint("r"), ChunkStore(tmp_path / "r"), dirs, coord.public_key, config=cfg
+    )
+    await receiver.start()
+    t0 = time.monotonic()
+    got = await asyncio.wait_for(receiver.download(1, ["seed"]), 10.0)
+    assert got == files
+    assert time.monotonic() - t0 < 5.0, "the stuck peer held the download"
+    transfer = receiver.downloader.last_transfer
+    assert transfer is not None and transfer.hedged, "no chunk was hedged"
+    assert transfer.sources["seed"] >= 1 and transfer.sources["stuck"] == 0
+    for n in (receiver, seed, stuck):
+        await n.stop()
+
+
+async def _never_answer(peer_id: str, request: bytes) -> bytes:
+    await asyncio.sleep(3600)
+    return b""
