@@ -116,6 +116,19 @@ class CoordinatorSource:
         return out
 
 
+    async def report(self) -> None:
+        """Send the current figures without taking rollouts (a fetch past any seq, no wait)."""
+        req = FetchRollouts(
+            after_seq=2**62, max_rollouts=1, min_policy_version=None, wait_s=0.0,
+            trainer_stats=_wire_stats(self.stats),
+        )  # fmt: skip
+        with contextlib.suppress(TransportError):
+            await self.transport.call(
+                self.coordinator_peer, rpc.FETCH, encode(seal(self.identity, req, now=time.time())),
+                timeout=rpc.DEFAULT_TIMEOUTS[rpc.FETCH],
+            )  # fmt: skip
+
+
 class SwarmPublisher:
     """Publishes versions: coordinator signs the manifest, this peer seeds the chunks."""
 
@@ -217,7 +230,6 @@ async def run_trainer(
     from swarm.chunks import ChunkStore
     from swarm.dht import PeerConfig, SwarmPeer
     from swarm.holders import DhtHolderDirectory
-    from swarm.records import find_coordinator
     from swarm.transport import P2PTransport
     from trainer.recipe import Trainer
 
@@ -234,7 +246,7 @@ async def run_trainer(
         transport = P2PTransport(peer.p2p)
         # The pinned key is a fingerprint; the raw key comes from the coordinator's signed
         # address record, accepted only if it hashes to the pinned fingerprint.
-        pinned_key = await _coordinator_public_key(peer, pinned, find_coordinator)
+        pinned_key = await _coordinator_public_key(peer, pinned)
         broadcast = BroadcastNode(
             transport,
             # Seeds keep more than S + 1 versions: receivers may still be fetching older ones.
@@ -266,26 +278,25 @@ async def run_trainer(
             trainer.save_checkpoint()
         else:
             run.result()
+        await source.report()  # the last step's figures reach /status before we leave
         await broadcast.stop()
         return 0
     finally:
         await peer.stop()
 
 
-async def _coordinator_public_key(peer: Any, fingerprint: str, find: Any) -> bytes:
-    """Find the raw public key of the pinned coordinator in the DHT (with a deadline)."""
-    from swarm import keys
-    from swarm.records import check_signed_record
+async def _coordinator_public_key(peer: Any, fingerprint: str) -> bytes:
+    """The raw public key of the pinned coordinator, from its signed DHT address record (the
+    record's signer must hash to the pinned fingerprint); waits up to 30 s for it to appear."""
+    from swarm.errors import DhtError
+    from swarm.records import find_coordinator_key
 
     deadline = time.monotonic() + 30.0
     while time.monotonic() < deadline:
-        entries = await peer.get_subkeys(keys.COORDINATOR, timeout=5.0)
-        entry = entries.get(fingerprint)
-        if entry is not None:
-            env, _record = check_signed_record(
-                keys.COORDINATOR, fingerprint, entry.value, expiration_time=entry.expiration_time
-            )
-            return bytes(env.signer)
+        with contextlib.suppress(DhtError):
+            found = await find_coordinator_key(peer, fingerprint)
+            if found is not None:
+                return found[0]
         await asyncio.sleep(0.5)
     raise CoordinatorError(
         f"no coordinator with key {fingerprint} announced itself in the DHT within 30 s; "
