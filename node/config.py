@@ -58,6 +58,12 @@ class NodeConfig(BaseModel):
     client_mode: bool = Field(
         default=False, description="Dial out only (behind NAT): serve no DHT requests"
     )
+    use_relay: bool = Field(
+        default=True, description="Reach peers behind NAT through libp2p circuit relays"
+    )
+    use_auto_relay: bool = Field(
+        default=False, description="Behind NAT: find relays and become reachable through them"
+    )
     # --- inference -------------------------------------------------------------------------------
     backend: Literal["auto", "hf", "vllm", "fake"] = Field(
         default="auto", description="Inference backend: auto, hf, vllm (fake: tests only)"

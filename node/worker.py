@@ -266,6 +266,8 @@ class NodeWorker:
                 announce_maddrs=list(cfg.announce_maddrs),
                 identity_path=str(state / "libp2p.key"),
                 client_mode=cfg.client_mode,
+                use_relay=cfg.use_relay,
+                use_auto_relay=cfg.use_auto_relay,
                 startup_timeout=cfg.startup_timeout_s,
             ),
             record_validators=swarm_validators(),
