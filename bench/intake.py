@@ -45,10 +45,10 @@ from coordinator.core import Coordinator
 from coordinator.logprobs import InProcessLogprobVerifier
 from coordinator.store import Store
 from coordinator.tasks import make_task
-from node.backends import GenerationRequest, SamplingConfig, sample_seed
+from node.backends import GenerationRequest, SamplingConfig
 from node.backends.hf import HFBackend
 from node.model import CharTokenizer, ModelSpec, build_model
-from node.worker import wire_finish_reason
+from node.worker import wire_samples
 from protocol.codec import decode, encode
 from protocol.envelope import seal
 from protocol.identity import Identity
@@ -64,8 +64,6 @@ from protocol.messages import (
     Sample,
     SignedEnvelope,
     Timings,
-    pack_logprobs,
-    pack_tokens,
     unpack_tokens,
 )
 
@@ -118,15 +116,7 @@ def sample_all_prompts(model: Any) -> dict[tuple[int, ...], list[Sample]]:
     outs = backend.generate(reqs, sampling)
     eos = set(backend.eos_token_ids)
     return {
-        tuple(p): [
-            Sample(
-                token_ids=pack_tokens(s.token_ids),
-                logprobs=pack_logprobs(s.logprobs),
-                finish_reason=wire_finish_reason(s, eos),
-                seed=sample_seed(req.seed, j),
-            )
-            for j, s in enumerate(group)
-        ]
+        tuple(p): wire_samples(req, group, eos)
         for p, req, group in zip(ids, reqs, outs, strict=True)
     }
 

@@ -78,11 +78,14 @@ __all__ = [
     "Backoff",
     "NodeStats",
     "NodeWorker",
+    "build_submission",
+    "lease_requests",
     "make_advert",
     "prompt_seed",
     "software_version",
     "to_sampling_config",
     "wire_finish_reason",
+    "wire_samples",
 ]
 
 log = logging.getLogger(__name__)
@@ -558,11 +561,7 @@ class NodeWorker:
             return
         self._advert_dirty.set()
         loop = asyncio.get_running_loop()
-        base = lease.sampling.seed
-        requests = [
-            GenerationRequest(unpack_tokens(p.token_ids), lease.group_size, prompt_seed(base, i))
-            for i, p in enumerate(lease.prompts)
-        ]
+        requests = lease_requests(lease)
         started = self.clock()
         t0 = time.perf_counter()
         log.debug("generating lease %s", lease.lease_id)
@@ -591,32 +590,17 @@ class NodeWorker:
         started: float,
         gen_s: float,
     ) -> RolloutSubmission:
-        eos = set(self.backend.eos_token_ids)
-        groups = []
-        tokens = 0
-        for prompt, req, samples in zip(lease.prompts, requests, outs, strict=True):
+        for req, samples in zip(requests, outs, strict=True):
             if len(samples) != lease.group_size:
                 raise RuntimeError(f"backend returned {len(samples)} samples, asked {req.n}")
-            rows = []
-            for j, s in enumerate(samples):
-                tokens += len(s.token_ids)
-                rows.append(
-                    Sample(
-                        token_ids=pack_tokens(s.token_ids),
-                        logprobs=pack_logprobs(s.logprobs),
-                        finish_reason=wire_finish_reason(s, eos),
-                        seed=sample_seed(req.seed, j),
-                    )
-                )
-            groups.append(GroupResult(prompt_id=prompt.prompt_id, samples=rows))
-        self._record_throughput(tokens, gen_s)
-        sub = RolloutSubmission(
-            lease_id=lease.lease_id,
-            epoch=lease.epoch,
-            policy_version=lease.policy_version,
+        self._record_throughput(sum(len(s.token_ids) for group in outs for s in group), gen_s)
+        sub = build_submission(
+            lease,
+            requests,
+            outs,
+            set(self.backend.eos_token_ids),
             backend=self.backend.name,
-            dtype=self.backend.dtype,  # type: ignore[arg-type]
-            groups=groups,
+            dtype=self.backend.dtype,
             timings=Timings(started_at=started, finished_at=self.clock(), generate_s=gen_s),
         )
         if self.config.misbehave:
@@ -714,6 +698,56 @@ def make_advert(
         software_version=software_version(),
         expires_at=now + 2 * config.advert_period_s,
         **fields,
+    )
+
+
+def lease_requests(lease: Lease) -> list[GenerationRequest]:
+    """A request per prompt of ``lease``: ``group_size`` samples seeded by :func:`prompt_seed`."""
+    base = lease.sampling.seed
+    return [
+        GenerationRequest(unpack_tokens(p.token_ids), lease.group_size, prompt_seed(base, i))
+        for i, p in enumerate(lease.prompts)
+    ]
+
+
+def wire_samples(
+    request: GenerationRequest, samples: list[SampleOut], eos_token_ids: set[int]
+) -> list[Sample]:
+    """The wire form of one request's samples; sample ``j`` records ``sample_seed(seed, j)``."""
+    return [
+        Sample(
+            token_ids=pack_tokens(s.token_ids),
+            logprobs=pack_logprobs(s.logprobs),
+            finish_reason=wire_finish_reason(s, eos_token_ids),
+            seed=sample_seed(request.seed, j),
+        )
+        for j, s in enumerate(samples)
+    ]
+
+
+def build_submission(
+    lease: Lease,
+    requests: list[GenerationRequest],
+    outs: list[list[SampleOut]],
+    eos_token_ids: set[int],
+    *,
+    backend: str,
+    dtype: str,
+    timings: Timings,
+) -> RolloutSubmission:
+    """The honest submission of ``lease`` from the backend's outputs for :func:`lease_requests`."""
+    groups = [
+        GroupResult(prompt_id=prompt.prompt_id, samples=wire_samples(req, samples, eos_token_ids))
+        for prompt, req, samples in zip(lease.prompts, requests, outs, strict=True)
+    ]
+    return RolloutSubmission(
+        lease_id=lease.lease_id,
+        epoch=lease.epoch,
+        policy_version=lease.policy_version,
+        backend=backend,
+        dtype=dtype,  # type: ignore[arg-type]
+        groups=groups,
+        timings=timings,
     )
 
 

@@ -16,11 +16,14 @@ import asyncio
 
 from swarm.errors import PeerUnreachable, RemoteError, RpcTimeout
 from swarm.transport import (
+    BUSY,
     DEFAULT_MAX_REQUEST,
     DEFAULT_MAX_RESPONSE,
     Handler,
     ProgressFn,
     error_body,
+    request_too_large,
+    unknown_method,
 )
 
 
@@ -86,13 +89,13 @@ class InMemoryTransport:
             raise PeerUnreachable(f"{name} on {peer_id}: no such peer")
         entry = remote._handlers.get(name)
         if entry is None:
-            raise RemoteError("unknown_method", f"peer does not serve {name!r}")
+            raise unknown_method(name)
         handler, max_request, limit = entry
         if len(request) > max_request:
-            raise RemoteError("frame_too_large", f"request of {len(request)} B > {max_request} B")
+            raise RemoteError(*request_too_large(len(request), max_request))
         slot = (name, self._peer_id)
         if limit is not None and remote._active.get(slot, 0) >= limit:
-            raise RemoteError("busy", "too many concurrent streams from this peer")
+            raise RemoteError(*BUSY)
         remote.calls += 1
         remote._active[slot] = remote._active.get(slot, 0) + 1
         try:

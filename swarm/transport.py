@@ -96,6 +96,23 @@ def decode_error(body: bytes) -> RemoteError:
     return RemoteError(code or "internal", detail or "no detail")
 
 
+def encode_error(code: str, detail: str) -> bytes:
+    """The wire body of an error answer; :func:`decode_error` reads it back."""
+    return f"{code}: {detail}".encode()
+
+
+# Refusals a serving peer answers before its handler runs; every transport uses these.
+BUSY = ("busy", "too many concurrent streams from this peer")
+
+
+def request_too_large(size: int, max_request_bytes: int) -> tuple[str, str]:
+    return "frame_too_large", f"request of {size} B > {max_request_bytes} B"
+
+
+def unknown_method(name: str) -> RemoteError:
+    return RemoteError("unknown_method", f"peer does not serve {name!r}")
+
+
 def _translate(exc: BaseException, peer_id: str, name: str, stage: str) -> TransportError:
     """The single boundary mapping foreign exceptions of a call to swarm errors."""
     if isinstance(exc, TransportError):
@@ -105,7 +122,7 @@ def _translate(exc: BaseException, peer_id: str, name: str, stage: str) -> Trans
         return RpcTimeout(f"{where} timed out; the peer is slow or gone, try another peer")
     text = " ".join(str(exc).split())
     if "protocols not supported" in text:
-        return RemoteError("unknown_method", f"peer does not serve {name!r}")
+        return unknown_method(name)
     if isinstance(exc, asyncio.IncompleteReadError):
         return PeerUnreachable(f"{where}: stream closed early; the peer went away")
     return PeerUnreachable(f"{where}: {type(exc).__name__}: {text[:200]}")
@@ -207,7 +224,7 @@ class P2PTransport:
         try:
             deadline = loop.time() + self.io_timeout
             if self._active[slot] > limit:
-                status, body = _ERR, b"busy: too many concurrent streams from this peer"
+                status, body = _ERR, encode_error(*BUSY)
             else:
                 status, body = await self._handle(
                     caller, handler, max_request_bytes, reader, deadline
@@ -233,7 +250,7 @@ class P2PTransport:
         kw: dict[str, Any] = {"stall_timeout": self.io_timeout, "deadline": deadline}
         (size,) = _HEADER.unpack(await _read_exactly(reader, _HEADER.size, **kw))
         if size > max_request_bytes:
-            return _ERR, f"frame_too_large: request of {size} B > {max_request_bytes} B".encode()
+            return _ERR, encode_error(*request_too_large(size, max_request_bytes))
         request = await _read_exactly(reader, size, **kw)
         try:
             return _OK, await handler(caller, request)
@@ -241,7 +258,7 @@ class P2PTransport:
             code, detail = error_body(exc)
             if code == "internal":
                 logger.exception("handler failed for %s", caller)
-            return _ERR, f"{code}: {detail}".encode()
+            return _ERR, encode_error(code, detail)
 
     async def call(
         self,

@@ -115,7 +115,6 @@ class CoordinatorSource:
         self.received += len(out)
         return out
 
-
     async def report(self) -> None:
         """Send the current figures without taking rollouts (a fetch past any seq, no wait)."""
         req = FetchRollouts(

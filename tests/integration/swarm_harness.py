@@ -36,7 +36,6 @@ from protocol.messages import (
     CapabilityAdvert,
     CpuInfo,
     FetchRollouts,
-    GroupResult,
     Lease,
     LeaseRequest,
     ManifestResponse,
@@ -44,13 +43,9 @@ from protocol.messages import (
     Reject,
     RolloutBatch,
     RolloutSubmission,
-    Sample,
     StatusRequest,
     StatusResponse,
     Timings,
-    pack_logprobs,
-    pack_tokens,
-    unpack_tokens,
 )
 from swarm.broadcast import BroadcastNode
 from swarm.chunks import ChunkStore
@@ -84,6 +79,9 @@ class Proc:
     def signal(self, sig: int) -> None:
         if self.popen.poll() is None:
             os.kill(self.popen.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout)
 
     def crash(self) -> None:
         """SIGKILL the process and the helpers it spawned (its own process group), no clean-up."""
@@ -334,41 +332,19 @@ def _backend(version: int) -> Any:
 
 def honest_submission(lease: Lease) -> RolloutSubmission:
     """Sample ``lease`` at its version and package it as the node worker does."""
-    from node.backends import GenerationRequest, sample_seed
-    from node.worker import prompt_seed, to_sampling_config, wire_finish_reason
+    from node.worker import build_submission, lease_requests, to_sampling_config
 
     backend = _backend(lease.policy_version)
-    requests = [
-        GenerationRequest(
-            unpack_tokens(p.token_ids), lease.group_size, prompt_seed(lease.sampling.seed, i)
-        )
-        for i, p in enumerate(lease.prompts)
-    ]
+    requests = lease_requests(lease)
     outs = backend.generate(requests, to_sampling_config(lease))
-    eos = set(backend.eos_token_ids)
-    groups = [
-        GroupResult(
-            prompt_id=prompt.prompt_id,
-            samples=[
-                Sample(
-                    token_ids=pack_tokens(s.token_ids),
-                    logprobs=pack_logprobs(s.logprobs),
-                    finish_reason=wire_finish_reason(s, eos),
-                    seed=sample_seed(req.seed, j),
-                )
-                for j, s in enumerate(samples)
-            ],
-        )
-        for prompt, req, samples in zip(lease.prompts, requests, outs, strict=True)
-    ]
     now = time.time()
-    return RolloutSubmission(
-        lease_id=lease.lease_id,
-        epoch=lease.epoch,
-        policy_version=lease.policy_version,
+    return build_submission(
+        lease,
+        requests,
+        outs,
+        set(backend.eos_token_ids),
         backend="hf",
         dtype="float32",
-        groups=groups,
         timings=Timings(started_at=now, finished_at=now, generate_s=0.01),
     )
 
