@@ -139,9 +139,11 @@ class Coordinator:
             )
         ban = self.reputation.banned(node_key, self.clock())
         if ban is not None:
+            left = max(0.0, ban.until - self.clock())
             raise Rejection(
                 ReasonCode.BANNED,
-                f"banned for {ban.until - self.clock():.0f}s more (ban #{ban.count}: {ban.reason})",
+                f"banned for {left:.0f}s more (ban #{ban.count}: {ban.reason})",
+                retry_after_s=left,
             )
         return node
 
@@ -345,7 +347,7 @@ class Coordinator:
             if exc.strike and self.store.get_node(node_key) is not None:
                 self.reputation.strike(node_key, exc.code.value, exc.detail, now)
         log.info("rejected %s from %s: %s", ref, fingerprint_of(node_key), exc)
-        return Reject(ref=ref, code=exc.code, detail=exc.detail)
+        return Reject(ref=ref, code=exc.code, detail=exc.detail, retry_after_s=exc.retry_after_s)
 
     def fetch_rollouts(
         self, after_seq: int, max_rollouts: int, min_policy_version: int | None = None

@@ -43,9 +43,18 @@ NO_STRIKE: frozenset[ReasonCode] = frozenset(
 class Rejection(ProtocolError):
     """A node's request refused with a reason code; ``strike`` says whether it counts against it."""
 
-    def __init__(self, code: ReasonCode | str, detail: str = "", *, strike: bool | None = None):
+    def __init__(
+        self,
+        code: ReasonCode | str,
+        detail: str = "",
+        *,
+        strike: bool | None = None,
+        retry_after_s: float | None = None,
+    ):
         super().__init__(code, detail)
         self.strike: bool = (self.code not in NO_STRIKE) if strike is None else strike
+        #: when asking again may succeed (e.g. the end of a ban), seconds; None = no hint
+        self.retry_after_s = retry_after_s
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), self.code.value, self.detail, self.strike))

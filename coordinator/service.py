@@ -490,7 +490,11 @@ def _answering(
         try:
             return await handler(caller, request)
         except ProtocolError as exc:  # includes Rejection
-            return encode(Reject(ref="-", code=ReasonCode(exc.code), detail=exc.detail[:200]))
+            retry = getattr(exc, "retry_after_s", None)
+            return encode(
+                Reject(ref="-", code=ReasonCode(exc.code), detail=exc.detail[:200],
+                       retry_after_s=retry)
+            )  # fmt: skip
 
     return wrapped
 

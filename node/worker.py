@@ -411,6 +411,8 @@ class NodeWorker:
             except Rejected as exc:
                 if exc.code is ReasonCode.UNKNOWN_NODE:
                     await self._reregister()
+                elif exc.code is ReasonCode.BANNED:  # said once by the work loop; not every beat
+                    log.debug("heartbeat refused: %s", exc)
                 else:
                     log.warning("heartbeat refused: %s", exc)
             except CoordinatorError as exc:

@@ -166,6 +166,7 @@ async def test_strikes_lead_to_ban(tmp_path: Path) -> None:
     with pytest.raises(Rejection) as e:
         h.lease(node)
     assert e.value.code is ReasonCode.BANNED
+    assert e.value.retry_after_s == pytest.approx(60.0)  # the node is told when to come back
     h.clock.advance(61.0)
     assert h.lease(node).lease_id
 
