@@ -277,7 +277,10 @@ class Transfer:
             logger.warning("bad chunk %d from %s: %s", index, peer, exc)
         elif isinstance(exc, TransportError):
             self.scores.failure(peer)
-            logger.info("chunk %d from %s failed: %s", index, peer, exc)
+            # a seed that does not hold the version yet is routine (it is about to seed it)
+            quiet = isinstance(exc, RemoteError) and exc.code == "not_held"
+            logger.log(logging.DEBUG if quiet else logging.INFO,
+                       "chunk %d from %s failed: %s", index, peer, exc)  # fmt: skip
         else:
             raise exc
         if not is_seed:
