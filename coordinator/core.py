@@ -33,7 +33,7 @@ from coordinator.tasks import Task
 from node.model import Tokenizer
 from protocol.codec import encode
 from protocol.envelope import ReplayGuard, open_envelope
-from protocol.errors import ReasonCode
+from protocol.errors import DecodeError, ReasonCode
 from protocol.identity import fingerprint_of
 from protocol.manifest import verify_manifest
 from protocol.messages import (
@@ -126,7 +126,15 @@ class Coordinator:
     # --- identity and admission ------------------------------------------------------------------
     def open(self, env: SignedEnvelope, type_: type[T]) -> tuple[bytes, T]:
         """Check 2: signature, replay window, and (except for Register) a known, unbanned node."""
-        msg = open_envelope(env, type_, now=self.clock(), replay=self.replay)
+        try:
+            msg = open_envelope(env, type_, now=self.clock(), replay=self.replay)
+        except DecodeError as exc:
+            # The signature verified, so the signer really sent this malformed payload (NaN
+            # log-probs, token/log-prob count mismatch, unknown fields, ...): a strike.
+            if self.store.get_node(env.signer) is not None:
+                with self.store.transaction():
+                    self.reputation.strike(env.signer, exc.code.value, exc.detail, self.clock())
+            raise
         if not isinstance(msg, Register):
             self._admit(env.signer)
         return env.signer, msg

@@ -156,7 +156,9 @@ class CoordinatorService:
         await self.peer.start()
         rate = cfg.network.upload_rate_mb_s
         limiter = TokenBucket(rate * 1e6) if rate else None
-        self.transport = P2PTransport(self.peer.p2p, upload_limiter=limiter)
+        self.transport = P2PTransport(
+            self.peer.p2p, upload_limiter=limiter, io_timeout=cfg.network.request_timeout_s
+        )
         self.broadcast = BroadcastNode(
             self.transport,
             ChunkStore(self.state_dir / "checkpoints", keep_versions=cfg.staleness_bound + 1),

@@ -62,7 +62,8 @@ def parse_fingerprint(text: str) -> str:
     if len(body) != _FP_BODY_LEN or not set(body) <= _B32_ALPHABET:
         raise ValueError(
             f"{text.strip()!r} is not a node fingerprint: expected 'ed25519:' followed by "
-            f"{_FP_BODY_LEN} base32 characters (a-z, 2-7), as shown by `swarm status`"
+            f"{_FP_BODY_LEN} base32 characters (a-z, 2-7), as printed by `swarm keygen` or "
+            "`swarm coordinator launch`"
         )
     return FINGERPRINT_PREFIX + body
 

@@ -358,7 +358,7 @@ class PublishVersion(MessageBase):
     """Trainer -> coordinator: a new checkpoint version is ready to be signed and seeded."""
 
     manifest: Blob  # msgpack bytes of the unsigned Manifest
-    source: Text  # where the coordinator reads the files (a local directory path)
+    source: Text  # the publishing trainer's libp2p peer id (informational; it seeds the chunks)
 
 
 # --- trainer feed ------------------------------------------------------------------------------

@@ -208,7 +208,7 @@ def trainer_run(
 @app.command()
 def inspect(
     peer: Annotated[
-        str | None, typer.Option(help="Multiaddr of any peer of the swarm (e.g. the coordinator).")
+        str | None, typer.Option(help="Coordinator multiaddr (any peer works for the DHT part).")
     ] = None,
     run_dir: Annotated[
         Path | None, typer.Option(help="A `swarm demo` run folder: read the peer address from it.")

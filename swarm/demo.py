@@ -8,7 +8,7 @@ so it can end exactly its own process trees by PID), watches the coordinator's `
 stops everything on Ctrl-C, on reaching the target, or at the time limit.
 
 Run folder (``runs/demo-TIME``): ``coordinator/`` ``trainer/`` ``node-*/`` state, ``logs/*.log``,
-``curve.jsonl`` (one status sample per second), ``demo.png`` and ``summary.md``.
+``curve.jsonl`` (one row per learner step seen on ``/status``), ``demo.png`` and ``summary.md``.
 """
 
 from __future__ import annotations

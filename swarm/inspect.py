@@ -183,13 +183,14 @@ def run_inspect(
                 return 0
             from rich.live import Live
 
-            with Live(refresh_per_second=1) as live:
+            if json_out:  # one JSON document per line, nothing else on stdout
                 while True:
                     view = await snapshot(swarm_peer, coordinator_peer, timeout)
-                    if json_out:
-                        print(json.dumps(view, default=str), flush=True)
-                    else:
-                        live.update(render(view))
+                    print(json.dumps(view, default=str), flush=True)
+                    await asyncio.sleep(interval)
+            with Live(refresh_per_second=1) as live:
+                while True:
+                    live.update(render(await snapshot(swarm_peer, coordinator_peer, timeout)))
                     await asyncio.sleep(interval)
         finally:
             await swarm_peer.stop()

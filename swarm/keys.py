@@ -10,15 +10,15 @@ key                        subkey                        value
 ``ADVERTS``                node key fingerprint          encoded ``SignedEnvelope`` of a
                                                          ``CapabilityAdvert`` signed by that node
 ``POLICY_VERSION``         coordinator fingerprint       encoded ``SignedEnvelope`` of a
-                                                         ``PublishVersion`` (or compatible) signed
-                                                         by the coordinator
+                                                         ``PolicyVersionRecord`` (swarm.records)
+                                                         signed by the coordinator
 ``holders_key(v)``         libp2p peer id (base58)       bitmap (bytes, bit i = chunk i verified)
 ``COORDINATOR``            coordinator fingerprint       encoded ``SignedEnvelope`` of a
-                                                         ``CoordinatorAddress`` (swarm.adverts)
+                                                         ``CoordinatorAddress`` (swarm.records)
 =========================  ============================  ==========================================
 
 Signed keys (``ADVERTS``, ``POLICY_VERSION``, ``COORDINATOR``) are checked by
-:class:`swarm.adverts.SignedRecordValidator` on every honest peer: the subkey must equal the
+:func:`swarm.records.signed_record_validator` on every honest peer: the subkey must equal the
 fingerprint of the envelope's signer, so nobody can overwrite another node's record.
 """
 

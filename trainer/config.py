@@ -96,10 +96,12 @@ class TrainerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _cross_field(self) -> TrainerConfig:
-        if self.publish_every is not None and self.publish_every > max(1, self.max_staleness):
+        limit = max(1, self.max_staleness - 1)  # same rule as the coordinator's config
+        if self.publish_every is not None and self.publish_every > limit:
             raise ValueError(
-                f"publish_every={self.publish_every} exceeds max_staleness={self.max_staleness}: "
-                "rollouts of a version would all be too stale; lower publish_every or raise S"
+                f"publish_every={self.publish_every} must be <= max(1, max_staleness − 1) = "
+                f"{limit}: results generated on a version must still be usable when the next one "
+                "lands; lower publish_every or raise S"
             )
         if self.minibatches > self.batch_prompts:
             raise ValueError(

@@ -213,3 +213,30 @@ def test_deviation_metrics() -> None:
     rel = deviation("median_rel", [[-1.0, -1.0, -1.0]], [[-1.0, -1.05, -1.2]])
     assert rel == pytest.approx(2.718281828**0.05 - 1)
     assert deviation("max_abs", [[-1.0]], [[float("-inf")]]) == float("inf")
+
+
+def test_malformed_payload_from_a_registered_node_is_a_strike(h: Harness) -> None:
+    """The signature verifies, so the signer really sent the garbage: refused *and* struck.
+    A forged envelope (bad signature) is refused without striking the claimed signer."""
+    import os
+
+    from protocol.envelope import signed_bytes
+
+    node = h.node()
+    lease = h.lease(node)
+    good = msgspec.msgpack.decode(encode(submission(lease)))
+    good["reward"] = 1.0  # a field the wire format does not have: nodes never send rewards
+    payload = msgspec.msgpack.encode(good)
+    nonce, ts = os.urandom(16), h.clock()
+    sig = node.sign(signed_bytes(node.public_key, nonce, ts, payload))
+    env = seal(node, submission(lease), now=ts)
+    bad = msgspec.structs.replace(env, nonce=nonce, ts=ts, payload=payload, signature=sig)
+    with pytest.raises(ProtocolError) as e:
+        h.core.open(bad, RolloutSubmission)
+    assert e.value.code is ReasonCode.UNKNOWN_FIELD
+    assert h.core.reputation.strikes(node.public_key) == {"unknown_field": 1}
+    forged = msgspec.structs.replace(bad, nonce=os.urandom(16))  # signature no longer matches
+    with pytest.raises(ProtocolError) as e:
+        h.core.open(forged, RolloutSubmission)
+    assert e.value.code is ReasonCode.BAD_SIGNATURE
+    assert h.core.reputation.strikes(node.public_key) == {"unknown_field": 1}
