@@ -367,7 +367,7 @@ def run_demo(opts: DemoOptions) -> int:
         signal.signal(signal.SIGTERM, previous)
         demo.stop()
     text = demo.summary(reason)
-    print(text, flush=True)
+    print("\n" + text, flush=True)
     if interrupted:
         return 130
     ok = (
