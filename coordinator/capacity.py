@@ -162,7 +162,8 @@ def plan_activation(
     # Free volunteers (price 0 or unpriced) are always active: standing one down saves nothing and
     # only adds staleness. The paid nodes cover what the free ones leave of the target.
     free = tuple(n for n in nodes if n.price <= 0.0 and n.effective_rate > 0)
-    paid = [n for n in nodes if n not in free]
+    free_ids = {n.node_id for n in free}  # sets: these lines run on every tick for every node
+    paid = [n for n in nodes if n.node_id not in free_ids]
     residual = target - sum(n.effective_rate for n in free)
     picked = () if _meets(0.0, residual) else choose_active(paid, residual, exact_limit=exact_limit)
     chosen = None if picked is None else free + picked
@@ -177,7 +178,8 @@ def plan_activation(
         )
     active = tuple(sorted(n.node_id for n in chosen))
     rate = sum(n.effective_rate for n in chosen)
-    standby = tuple(i for i in ids if i not in set(active))
+    active_ids = set(active)
+    standby = tuple(i for i in ids if i not in active_ids)
     cost = _cost(chosen)
     note = "" if staleness_ok is not False else "; WARNING: staleness bound S cannot be met"
     return Plan(

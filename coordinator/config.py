@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from coordinator.errors import ConfigError
+from protocol.limits import DEFAULT_LIMITS, worst_case_submission_bytes
 
 
 class _Section(BaseModel):
@@ -67,6 +68,11 @@ class LeaseSection(_Section):
     )
     max_prompts_per_lease: int = Field(
         default=64, ge=1, description="Upper bound on prompts in one lease"
+    )
+    max_active_per_node: int = Field(
+        default=4,
+        ge=1,
+        description="Active leases one node may hold; beyond it the node is told to stand by",
     )
     default_tokens_per_s: float = Field(
         default=50.0, gt=0, description="Assumed throughput (tokens/s) of a node not yet measured"
@@ -148,7 +154,10 @@ class NetworkSection(_Section):
         default=None, gt=0, description="Cap on this peer's checkpoint upload rate (MB/s)"
     )
     request_timeout_s: float = Field(
-        default=30.0, gt=0, description="Deadline of one incoming RPC (read + handle + write)"
+        default=30.0,
+        gt=0,
+        description="An incoming request must arrive within this (seconds); each 64 KiB of the "
+        "answer must be taken within it too",
     )
 
 
@@ -179,6 +188,12 @@ class CoordinatorConfig(_Section):
     )
     heartbeat_misses: int = Field(
         default=3, ge=1, description="A node missing this many heartbeats counts as gone"
+    )
+    max_nodes: int = Field(
+        default=10_000,
+        ge=1,
+        description="Node identities remembered at most; when full, the longest-gone node with "
+        "no active lease and no ban is forgotten, else a new registration is refused",
     )
     sampling: SamplingSection = Field(
         default_factory=lambda: SamplingSection(), description="Sampling"
@@ -219,6 +234,13 @@ class CoordinatorConfig(_Section):
                 f"leases.min_deadline_s={self.leases.min_deadline_s} must be >= "
                 f"heartbeat_interval_s={self.heartbeat_interval_s}"
             )
+        worst = worst_case_submission_bytes(1, self.group_size, self.sampling.max_new_tokens)
+        if worst > DEFAULT_LIMITS.bulk_frame:
+            raise ValueError(
+                f"sampling.max_new_tokens={self.sampling.max_new_tokens} with group_size="
+                f"{self.group_size}: the results of one prompt can reach {worst / 2**20:.0f} MiB, "
+                f"more than one {DEFAULT_LIMITS.bulk_frame // 2**20} MiB submission; lower either"
+            )
         for key in self.intake.tolerances:
             if key.count("/") != 1:
                 raise ValueError(f'intake.tolerances key {key!r} must look like "backend/dtype"')
@@ -232,6 +254,12 @@ def load_config(path: str | Path) -> CoordinatorConfig:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise ConfigError(f"{p}: no such config file; copy coordinator.example.toml") from exc
+    except IsADirectoryError as exc:
+        raise ConfigError(f"{p}: is a directory; give the TOML config file itself") from exc
+    except OSError as exc:  # permissions, I/O error, ...
+        raise ConfigError(f"{p}: cannot read config file: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not a text file (not UTF-8): is it the TOML config?") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
     return parse_config(data, source=str(p))

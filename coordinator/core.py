@@ -61,6 +61,9 @@ from protocol.messages import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+#: Distinct submissions (by digest) whose verdicts one lease stores; more are refused unstored.
+MAX_VERDICTS_PER_LEASE = 8
+
 
 class Coordinator:
     """Core state machine of the control plane (no sockets)."""
@@ -114,6 +117,7 @@ class Coordinator:
         #: T_train estimate: the configured value until the trainer reports its step time.
         self.t_train_s = config.capacity.t_train_s
         self.plan: Plan | None = None
+        self._standby: frozenset[str] = frozenset()
         self.leases.expire_due()
         outstanding = self.leases.outstanding()
         if outstanding:
@@ -129,9 +133,10 @@ class Coordinator:
         try:
             msg = open_envelope(env, type_, now=self.clock(), replay=self.replay)
         except DecodeError as exc:
-            # The signature verified, so the signer really sent this malformed payload (NaN
-            # log-probs, token/log-prob count mismatch, unknown fields, ...): a strike.
-            if self.store.get_node(env.signer) is not None:
+            # Only a payload that came with a valid signature (NaN log-probs, token/log-prob
+            # count mismatch, unknown fields, ...) is the signer's fault: a strike. Size and
+            # version refusals precede the signature check, so anyone could forge those.
+            if exc.authenticated and self.store.get_node(env.signer) is not None:
                 with self.store.transaction():
                     self.reputation.strike(env.signer, exc.code.value, exc.detail, self.clock())
             raise
@@ -162,31 +167,59 @@ class Coordinator:
         if self.reputation.banned(node_key, now) is not None:
             self._admit(node_key)  # raises banned
         old = self.store.get_node(node_key)
-        self.store.upsert_node(
-            NodeRecord(
-                node_key=node_key,
-                fingerprint=fingerprint_of(node_key),
-                advert=encode(advert),
-                registered_at=old.registered_at if old else now,
-                last_seen=now,
-                tokens_per_s=old.tokens_per_s
-                if old and old.tokens_per_s
-                else advert.tokens_per_s or None,
-                rollouts_per_s=old.rollouts_per_s if old and old.rollouts_per_s else None,
-                price_per_hour=advert.price_per_hour,
-                backend=advert.backend,
-                dtype=advert.dtype,
-                leases_completed=old.leases_completed if old else 0,
-                leases_expired=old.leases_expired if old else 0,
-            )
+        if old is None:
+            self._make_room(now)
+        record = NodeRecord(
+            node_key=node_key,
+            fingerprint=fingerprint_of(node_key),
+            advert=encode(advert),
+            registered_at=old.registered_at if old else now,
+            last_seen=now,
+            tokens_per_s=old.tokens_per_s
+            if old and old.tokens_per_s
+            else advert.tokens_per_s or None,
+            rollouts_per_s=old.rollouts_per_s if old and old.rollouts_per_s else None,
+            price_per_hour=advert.price_per_hour,
+            backend=advert.backend,
+            dtype=advert.dtype,
+            leases_completed=old.leases_completed if old else 0,
+            leases_expired=old.leases_expired if old else 0,
         )
-        self.replan()
+        self.store.upsert_node(record)
+        # Re-planning scans the whole swarm: only when the plan's inputs changed (a new or
+        # returning node, another price or throughput), so repeated re-registrations stay cheap.
+        horizon = now - self.config.heartbeat_interval_s * self.config.heartbeat_misses
+        if (
+            old is None
+            or old.last_seen < horizon
+            or old.price_per_hour != record.price_per_hour
+            or old.tokens_per_s != record.tokens_per_s
+        ):
+            self.replan()
         return RegisterAck(
             node_fingerprint=fingerprint_of(node_key),
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             current_policy_version=self.store.latest_version(),
             server_time=now,
         )
+
+    def _make_room(self, now: float) -> None:
+        """Keep the node table within ``max_nodes``: forget the longest-gone node that holds
+        nothing (no active lease, no ban in force), or refuse the newcomer if there is none."""
+        cap = self.config.max_nodes
+        if self.store.node_count() < cap:
+            return
+        horizon = self.config.heartbeat_interval_s * self.config.heartbeat_misses
+        victim = self.store.evictable_node(now - horizon, now)
+        if victim is None:
+            raise Rejection(
+                ReasonCode.SWARM_FULL,
+                f"the swarm is full ({cap} registered nodes, all alive, holding leases or banned);"
+                " try again later",
+                retry_after_s=horizon,
+            )
+        self.store.delete_node(victim)
+        log.info("node table full (%d): forgot %s, gone the longest", cap, fingerprint_of(victim))
 
     def heartbeat(self, node_key: bytes, hb: Heartbeat) -> HeartbeatAck:
         self._admit(node_key)
@@ -210,6 +243,12 @@ class Coordinator:
             return Standby(
                 retry_after_s=self.config.heartbeat_interval_s,
                 reason="standby: the active set covers the learner's demand",
+            )
+        held, cap = self.store.active_lease_count(node_key), self.config.leases.max_active_per_node
+        if held >= cap:  # no hoarding of prompts (and no unbounded lease rows) by one node
+            return Standby(
+                retry_after_s=min(self.config.heartbeat_interval_s, 86400.0),
+                reason=f"you hold {held} active leases (limit {cap}); submit or release them",
             )
         lease = self.leases.issue(
             node_key, version=version, tokens_per_s=node.tokens_per_s, max_prompts=req.max_prompts
@@ -262,6 +301,16 @@ class Coordinator:
         stored = self.store.get_verdict(lease.lease_id, digest)
         if stored is not None:
             return _message(lease.lease_id, stored)
+        if self.store.verdict_count(lease.lease_id) >= MAX_VERDICTS_PER_LEASE:
+            # An honest node sends one submission per lease (re-sends are the same bytes); a
+            # stream of variants would otherwise add a stored verdict each. Refused unstored.
+            flood = Rejection(
+                ReasonCode.DUPLICATE,
+                f"lease {lease.lease_id} already has {MAX_VERDICTS_PER_LEASE} different "
+                "submissions; re-send the same bytes to learn a verdict",
+                strike=True,
+            )
+            return self._refuse(node_key, lease.lease_id, flood)
         open_prompts = self.leases.open_prompts(lease)
         if not open_prompts:
             return self._closed(node_key, lease, digest)
@@ -406,12 +455,13 @@ class Coordinator:
 
     # --- capacity --------------------------------------------------------------------------------
     def alive_nodes(self) -> list[NodeRecord]:
-        horizon = self.clock() - self.config.heartbeat_interval_s * self.config.heartbeat_misses
+        """Registered, heard from within the heartbeat horizon, not banned (two queries)."""
         now = self.clock()
+        horizon = now - self.config.heartbeat_interval_s * self.config.heartbeat_misses
+        banned = self.store.banned_keys(now)
         return [
-            n for n in self.store.nodes()
-            if n.last_seen >= horizon and self.reputation.banned(n.node_key, now) is None
-        ]  # fmt: skip
+            n for n in self.store.nodes() if n.last_seen >= horizon and n.node_key not in banned
+        ]
 
     def replan(self) -> Plan:
         """Recompute the active set (call when nodes join/leave or their μ changes)."""
@@ -438,6 +488,7 @@ class Coordinator:
             t_gen=t_gen,
         )
         self.plan = plan
+        self._standby = frozenset(plan.standby)
         self._g_active.set(len(plan.active) + len(nodes) - len(measured))
         return plan
 
@@ -445,7 +496,7 @@ class Coordinator:
         """Unmeasured nodes are always active (they must run a lease to be measured)."""
         if not self.config.capacity.activation or self.plan is None:
             return True
-        return node_key.hex() not in self.plan.standby
+        return node_key.hex() not in self._standby
 
     def tick(self) -> None:
         """Periodic upkeep: expire overdue leases, re-plan the active set."""
@@ -461,13 +512,10 @@ class Coordinator:
 
     def status(self) -> dict[str, Any]:
         """Snapshot for ``/status`` (scalars, lists and flat maps only)."""
-        leases = self.store.leases()
-        by_state: dict[str, int] = {}
-        for lease in leases:
-            by_state[lease.state] = by_state.get(lease.state, 0) + 1
+        by_state = self.store.lease_counts()  # every tick: never load the whole lease history
         nodes = self.store.nodes()
-        now = self.clock()
-        banned = [n.fingerprint for n in nodes if self.reputation.banned(n.node_key, now)]
+        banned_keys = self.store.banned_keys(self.clock())
+        banned = [n.fingerprint for n in nodes if n.node_key in banned_keys]
         return {
             "policy_version": self.store.latest_version(),
             "versions": self.store.versions()[-(self.config.staleness_bound + 1) :],

@@ -33,6 +33,7 @@ NO_STRIKE: frozenset[ReasonCode] = frozenset(
         ReasonCode.TIMEOUT,
         ReasonCode.CLOSED,
         ReasonCode.INTERNAL,
+        ReasonCode.SWARM_FULL,
         ReasonCode.BAD_SIGNATURE,  # cannot be attributed: the signer is not proven
         ReasonCode.REPLAYED,
         ReasonCode.CLOCK_SKEW,

@@ -19,7 +19,8 @@ group**, whichever valid result arrives first from a lease that was issued that 
 * an identical re-sent submission gets the stored verdict (see :mod:`coordinator.core`).
 
 Lease size follows the node's measured throughput: ``n = target_lease_s · tokens_per_s / (G · L)``
-prompts (L = max_new_tokens), clamped to [1, max_prompts_per_lease], and the deadline is
+prompts (L = max_new_tokens), clamped to [1, max_prompts_per_lease] and to what one submission
+frame can carry if every sample runs to L tokens, and the deadline is
 ``now + max(min_deadline_s, deadline_slack · n · G · L / tokens_per_s)``. Everything lives in
 SQLite, so a coordinator killed with SIGKILL resumes: outstanding leases are honoured until their
 deadline.
@@ -36,6 +37,7 @@ from coordinator.config import LeaseSection
 from coordinator.errors import Rejection
 from coordinator.store import LeaseRecord, Store
 from protocol.errors import ReasonCode
+from protocol.limits import DEFAULT_LIMITS, SUBMISSION_OVERHEAD, worst_case_submission_bytes
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,12 @@ class LeaseManager:
         cap = self.config.max_prompts_per_lease
         if max_prompts is not None:
             cap = min(cap, max_prompts)
+        # never more than one submission frame can carry in the worst case (nodes refuse that)
+        per_prompt_bytes = (
+            worst_case_submission_bytes(1, self.group_size, self.max_new_tokens)
+            - SUBMISSION_OVERHEAD
+        )
+        cap = min(cap, (DEFAULT_LIMITS.bulk_frame - SUBMISSION_OVERHEAD) // per_prompt_bytes)
         return max(1, min(n, cap))
 
     def deadline_s(self, n_prompts: int, tokens_per_s: float | None) -> float:

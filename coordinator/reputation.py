@@ -4,6 +4,7 @@ A failed check that is the node's fault (see :data:`coordinator.errors.NO_STRIKE
 are not) adds a strike. ``strikes_to_ban`` live strikes (newer than ``strike_window_s``, not
 consumed by an earlier ban) ban the identity for ``ban_s = base · 2^(bans − 1)``, capped at
 ``ban_max_s``; the strikes are consumed, so the next ban needs fresh ones and lasts twice as long.
+While a ban is in force no strikes are recorded (the node is refused anyway).
 """
 
 from __future__ import annotations
@@ -42,7 +43,12 @@ class Reputation:
         self.config = config
 
     def strike(self, node_key: bytes, reason: str, detail: str, now: float) -> Ban | None:
-        """Add a strike; returns the ban it triggered, if any."""
+        """Add a strike; returns the ban it triggered, if any.
+
+        A node under a ban in force gets no further strikes: it is refused anyway, and its
+        messages must not grow the strike table (at most ``strikes_to_ban`` rows per ban)."""
+        if self.banned(node_key, now) is not None:
+            return None
         with self.store.transaction():
             self.store.add_strike(node_key, reason, detail, now)
             live = self.store.live_strikes(node_key, now - self.config.strike_window_s)

@@ -40,6 +40,7 @@ from protocol.codec import decode, encode
 from protocol.envelope import open_envelope
 from protocol.errors import ProtocolError, ReasonCode
 from protocol.identity import Identity, fingerprint_of, parse_fingerprint
+from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.manifest import check_manifest, sign_manifest
 from protocol.messages import (
     FetchRollouts,
@@ -63,7 +64,7 @@ from swarm.dht import PeerConfig, SwarmPeer
 from swarm.holders import DhtHolderDirectory
 from swarm.ratelimit import TokenBucket
 from swarm.records import publish_coordinator_address, publish_policy_version
-from swarm.transport import P2PTransport
+from swarm.transport import P2PTransport, Transport
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=msgspec.Struct)
@@ -167,6 +168,20 @@ class CoordinatorService:
         )
         await self.broadcast.start()
         self._resume_versions()
+        await self.register_handlers(self.transport)
+        self.multiaddrs = await self.peer.visible_maddrs()
+        self.http = StatusHttpServer(
+            cfg.network.http_host, cfg.network.http_port, core_registry=self.core.registry
+        )
+        self.http.start()
+        self._refresh_snapshot()
+        self._upkeep = asyncio.create_task(self._upkeep_loop(), name="coordinator-upkeep")
+        (self.state_dir / "coordinator.json").write_text(json.dumps(self.address_info(), indent=2))
+        log.info("coordinator up: %s key %s", self.multiaddrs[0], self.fingerprint)
+
+    async def register_handlers(self, transport: Transport) -> None:
+        """Serve the ``rswarm/*`` methods on ``transport``, each with the request size its
+        message type can legitimately have (a control request is not buffered up to 16 MiB)."""
         handlers: dict[str, Callable[[str, bytes], Awaitable[bytes]]] = {
             rpc.REGISTER: self._on_register,
             rpc.HEARTBEAT: self._on_heartbeat,
@@ -177,17 +192,9 @@ class CoordinatorService:
             rpc.FETCH: self._on_fetch,
             rpc.STATUS: self._on_status,
         }
+        limits = request_limits()
         for name, handler in handlers.items():
-            await self.transport.register(name, _answering(handler), max_request_bytes=16 << 20)
-        self.multiaddrs = await self.peer.visible_maddrs()
-        self.http = StatusHttpServer(
-            cfg.network.http_host, cfg.network.http_port, core_registry=self.core.registry
-        )
-        self.http.start()
-        self._refresh_snapshot()
-        self._upkeep = asyncio.create_task(self._upkeep_loop(), name="coordinator-upkeep")
-        (self.state_dir / "coordinator.json").write_text(json.dumps(self.address_info(), indent=2))
-        log.info("coordinator up: %s key %s", self.multiaddrs[0], self.fingerprint)
+            await transport.register(name, _answering(handler), max_request_bytes=limits[name])
 
     def address_info(self) -> dict[str, Any]:
         """What nodes, trainers and ``swarm inspect`` need to reach this coordinator."""
@@ -254,6 +261,9 @@ class CoordinatorService:
         snap = self.core.status()
         now = time.time()
         nodes = self.core.store.nodes()
+        # one query each for the whole swarm: this runs every tick and on every status request
+        alive = {n.node_key for n in self.core.alive_nodes()}
+        banned = self.core.store.banned_keys(self.core.clock())
         states: dict[str, str] = {}
         last_seen: dict[str, float] = {}
         tokens_per_s: dict[str, float | None] = {}
@@ -261,9 +271,9 @@ class CoordinatorService:
         for n in nodes:
             tokens_per_s[n.fingerprint] = n.tokens_per_s
             leases_done[n.fingerprint] = n.leases_completed
-            if self.core.reputation.banned(n.node_key, now) is not None:
+            if n.node_key in banned:
                 states[n.fingerprint] = "banned"
-            elif n not in self.core.alive_nodes():
+            elif n.node_key not in alive:
                 states[n.fingerprint] = "gone"
             else:
                 states[n.fingerprint] = "active" if self.core.is_active(n.node_key) else "standby"
@@ -301,7 +311,8 @@ class CoordinatorService:
     def _open_trainer(self, request: bytes, type_: type[M]) -> M:
         env = decode(request, SignedEnvelope)
         assert self.core is not None
-        msg = open_envelope(env, type_, now=time.time(), replay=self.core.replay)
+        # Who signed is checked before the signature: any other signer is refused without
+        # costing a verification or a slot in the replay window.
         if self.trainer_fingerprint is None:
             raise Rejection(
                 ReasonCode.UNKNOWN_NODE,
@@ -309,7 +320,7 @@ class CoordinatorService:
             )
         if fingerprint_of(env.signer) != self.trainer_fingerprint:
             raise Rejection(ReasonCode.UNKNOWN_NODE, "signer is not the configured trainer key")
-        return msg
+        return open_envelope(env, type_, now=time.time(), replay=self.core.replay)
 
     async def _on_register(self, caller: str, request: bytes) -> bytes:
         assert self.core is not None
@@ -483,6 +494,27 @@ class CoordinatorService:
         return encode(StatusResponse(status=_wire_status(self.status())))
 
 
+#: Room for a SignedEnvelope's own fields around its payload (keys, nonce, signature, tags).
+ENVELOPE_OVERHEAD = 1024
+
+
+def request_limits(limits: Limits = DEFAULT_LIMITS) -> dict[str, int]:
+    """Largest request accepted per method: the frame limit of its payload type, plus the
+    envelope around it (``rswarm/status`` is unsigned)."""
+    signed: dict[str, type[msgspec.Struct]] = {
+        rpc.REGISTER: Register,
+        rpc.HEARTBEAT: Heartbeat,
+        rpc.LEASE: LeaseRequest,
+        rpc.SUBMIT: RolloutSubmission,
+        rpc.RELEASE: ReleaseLease,
+        rpc.PUBLISH: PublishVersion,
+        rpc.FETCH: FetchRollouts,
+    }
+    out = {name: limits.max_frame(t) + ENVELOPE_OVERHEAD for name, t in signed.items()}
+    out[rpc.STATUS] = limits.max_frame(StatusRequest)
+    return out
+
+
 def _answering(
     handler: Callable[[str, bytes], Awaitable[bytes]],
 ) -> Callable[[str, bytes], Awaitable[bytes]]:
@@ -546,46 +578,65 @@ def launch_from_cli(
     state_dir: Path | None,
     trainer_key: str | None = None,
 ) -> int:
-    """``swarm coordinator launch``: run until SIGINT/SIGTERM. Exit 0 clean, 2 bad input."""
+    """``swarm coordinator launch``: run until SIGINT/SIGTERM.
+
+    Exit 0 clean, 2 bad input (config, flags, state dir, key file), 1 runtime failure (a port
+    already in use, the peer failed to start). Every error is one ``error:`` line on stderr.
+    """
     import signal
 
-    from coordinator.config import load_config, parse_config
     from coordinator.errors import ConfigError
+    from protocol.errors import KeyFileError
+    from swarm.cli import install_fork_signal_reset
     from swarm.errors import SwarmError
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        cfg = load_config(config) if config is not None else parse_config({})
-        net = cfg.network.model_copy(
-            update={
-                k: v
-                for k, v in {
-                    "host": host,
-                    "port": port,
-                    "http_port": http_port,
-                    "trainer_key": trainer_key,
-                }.items()
-                if v is not None
-            }
-        )
-        cfg = cfg.model_copy(update={"network": net})
-        if cfg.network.trainer_key is not None:
-            parse_fingerprint(cfg.network.trainer_key)
-    except (ConfigError, ValueError) as exc:
-        print(f"error: {exc}")
+        cfg = _launch_config(config, host=host, port=port, http_port=http_port,
+                             trainer_key=trainer_key)  # fmt: skip
+    except ConfigError as exc:
+        _cli_error(str(exc))
+        return 2
+    net = cfg.network
+    for what, flag, bind_host, bind_port in (
+        ("libp2p", "--port", net.host, net.port),
+        ("/status", "--http-port", net.http_host, net.http_port),
+    ):
+        problem = _cannot_bind(bind_host, bind_port)
+        if problem is not None:
+            in_use, reason = problem
+            if in_use:
+                _cli_error(
+                    f"{what} port {bind_port} on {bind_host} is already in use (another "
+                    f"coordinator?); stop that process or pick another {flag} (0 = any free port)"
+                )
+                return 1
+            _cli_error(f"cannot listen for {what} on {bind_host}:{bind_port}: {reason}")
+            return 2
+    state = Path(state_dir or "coordinator-data")
+    try:
+        _check_writable(state)
+        service = CoordinatorService(cfg, state)
+    except KeyFileError as exc:
+        _cli_error(str(exc))
+        return 2
+    except OSError as exc:
+        if isinstance(exc, FileExistsError | NotADirectoryError):
+            reason = "a file is in the way of the directory"
+        else:
+            reason = str(exc.strerror or exc)
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(state) else ""
+        _cli_error(f"state dir {state} is not usable: {reason}{where}; pass a writable --state-dir")
+        return 2
+    except ValueError as exc:
+        _cli_error(str(exc))
         return 2
     import torch
 
     torch.set_num_threads(1)
-    from protocol.errors import KeyFileError
-
-    try:
-        service = CoordinatorService(cfg, state_dir or Path("coordinator-data"))
-    except (KeyFileError, OSError, ValueError) as exc:
-        print(f"error: {exc}")
-        return 2
+    install_fork_signal_reset()  # the DHT process forks after the signal handlers are set
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -594,9 +645,14 @@ def launch_from_cli(
             loop.add_signal_handler(sig, stop.set)
         try:
             await service.start()
-        except SwarmError as exc:
-            print(f"error: {exc}")
+        except Exception as exc:  # whatever failed, stop what did start so the process can exit
+            if isinstance(exc, SwarmError | OSError):
+                message = str(exc)
+            else:
+                log.exception("coordinator failed to start")
+                message = f"{type(exc).__name__}: {exc}"
             await service.stop()
+            _cli_error(f"coordinator failed to start: {message}")
             return 1
         for maddr in service.multiaddrs:
             print(f"multiaddr: {maddr}", flush=True)
@@ -608,6 +664,92 @@ def launch_from_cli(
         return 0
 
     return asyncio.run(main())
+
+
+def _cli_error(message: str) -> None:
+    import sys
+
+    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+
+
+def _launch_config(
+    config: Path | None,
+    *,
+    host: str | None,
+    port: int | None,
+    http_port: int | None,
+    trainer_key: str | None,
+) -> CoordinatorConfig:
+    """The config file (or defaults) with the flags applied; :class:`ConfigError` names the flag."""
+    import ipaddress
+
+    from pydantic import ValidationError
+
+    from coordinator.config import NetworkSection, load_config, parse_config
+    from coordinator.errors import ConfigError
+
+    cfg = load_config(config) if config is not None else parse_config({})
+    flags = {"host": host, "port": port, "http_port": http_port, "trainer_key": trainer_key}
+    overrides = {k: v for k, v in flags.items() if v is not None}
+
+    def name(key: str) -> str:
+        if key in overrides:
+            return f"--{key.replace('_', '-')} {overrides[key]}"
+        return f"{config}: network.{key}"
+
+    try:
+        net = NetworkSection.model_validate({**cfg.network.model_dump(), **overrides})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = str(first["loc"][0]) if first["loc"] else "network"
+        raise ConfigError(f"{name(key)}: {first['msg'].removeprefix('Value error, ')}") from exc
+    try:
+        ipaddress.IPv4Address(net.host)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{name('host')}: not an IPv4 address; use e.g. 127.0.0.1, or 0.0.0.0 for all "
+            "interfaces"
+        ) from exc
+    if net.trainer_key is not None:
+        try:
+            parse_fingerprint(net.trainer_key)
+        except ValueError as exc:
+            raise ConfigError(f"{name('trainer_key')}: {exc}") from exc
+    return cfg.model_copy(update={"network": net})
+
+
+def _cannot_bind(host: str, port: int) -> tuple[bool, str] | None:
+    """None if ``host:port`` can be listened on now, else (address in use?, reason).
+
+    A plain bind without SO_REUSEPORT: libp2p sets that option, so a second coordinator on the
+    same port would otherwise start "successfully" and share the port with the first one.
+    """
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        return False, f"cannot resolve {host!r}: {getattr(exc, 'strerror', None) or exc}"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict
+        try:
+            sock.bind(address)
+            sock.listen(1)
+        except OverflowError as exc:
+            return False, str(exc)
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE, exc.strerror or str(exc)
+    return None
+
+
+def _check_writable(state: Path) -> None:
+    """Create ``state`` and write a probe file in it; raises OSError when that fails."""
+    state.mkdir(parents=True, exist_ok=True)
+    probe = state / ".write-test"
+    probe.write_bytes(b"ok")
+    probe.unlink()
 
 
 def _finite(value: Any) -> Any:

@@ -223,6 +223,26 @@ class Store:
             node_from_row(r) for r in self._all(f"SELECT {NODE_COLS} FROM nodes ORDER BY node_key")
         ]
 
+    def node_count(self) -> int:
+        return int(self._all("SELECT COUNT(*) FROM nodes")[0][0])
+
+    def evictable_node(self, seen_before: float, now: float) -> bytes | None:
+        """The longest-silent node last seen before ``seen_before`` that holds no active lease
+        and has no ban in force at ``now`` (forgetting it loses nothing still needed)."""
+        rows = self._all(
+            "SELECT node_key FROM nodes WHERE last_seen < ?"
+            " AND node_key NOT IN (SELECT node_key FROM leases WHERE state = 'active')"
+            " AND node_key NOT IN (SELECT node_key FROM bans WHERE banned_until > ?)"
+            " ORDER BY last_seen, node_key LIMIT 1",
+            (seen_before, now),
+        )
+        return bytes(rows[0][0]) if rows else None
+
+    def delete_node(self, node_key: bytes) -> None:
+        """Forget a node row (its strikes, bans and past leases and rollouts stay)."""
+        with self.transaction():
+            self._exec("DELETE FROM nodes WHERE node_key = ?", (node_key,))
+
     # --- leases and prompts ----------------------------------------------------------------------
     def insert_lease(self, lease: LeaseRecord) -> None:
         with self.transaction():
@@ -253,6 +273,15 @@ class Store:
             sql = f"SELECT {LEASE_COLS} FROM leases WHERE state = ? ORDER BY epoch"
             rows = self._all(sql, (state,))
         return [lease_from_row(r) for r in rows]
+
+    def lease_counts(self) -> dict[str, int]:
+        """``{state: number of leases}`` (one aggregate query, however long the history)."""
+        rows = self._all("SELECT state, COUNT(*) FROM leases GROUP BY state")
+        return {str(state): int(n) for state, n in rows}
+
+    def active_lease_count(self, node_key: bytes) -> int:
+        sql = "SELECT COUNT(*) FROM leases WHERE state = 'active' AND node_key = ?"
+        return int(self._all(sql, (node_key,))[0][0])
 
     def due_leases(self, now: float) -> list[LeaseRecord]:
         sql = (
@@ -344,6 +373,9 @@ class Store:
         code, detail, accepted, duplicates = rows[0]
         return Verdict(str(code), str(detail), int(accepted), int(duplicates))
 
+    def verdict_count(self, lease_id: str) -> int:
+        return int(self._all("SELECT COUNT(*) FROM verdicts WHERE lease_id = ?", (lease_id,))[0][0])
+
     def put_verdict(self, lease_id: str, digest: bytes, verdict: Verdict, now: float) -> None:
         with self.transaction():
             self._exec(
@@ -381,6 +413,11 @@ class Store:
         sql = "SELECT bans, banned_until, reason FROM bans WHERE node_key=?"
         rows = self._all(sql, (node_key,))
         return (int(rows[0][0]), float(rows[0][1]), str(rows[0][2])) if rows else None
+
+    def banned_keys(self, now: float) -> set[bytes]:
+        """Keys with a ban in force at ``now`` (one query for the whole swarm)."""
+        rows = self._all("SELECT node_key FROM bans WHERE banned_until > ?", (now,))
+        return {bytes(r[0]) for r in rows}
 
     def put_ban(self, node_key: bytes, bans: int, until: float, reason: str) -> None:
         with self.transaction():

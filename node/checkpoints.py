@@ -250,6 +250,11 @@ class CheckpointManager:
             raise CheckpointUnavailable(str(exc)) from exc
         except ProtocolError as exc:
             raise CheckpointRefused(exc.code, exc.detail) from exc
+        except OSError as exc:  # disk full or unwritable while storing chunks: retry later
+            raise CheckpointUnavailable(
+                f"v{version}: cannot store the checkpoint under {self.broadcast.store.root}: "
+                f"{exc}; free disk space or fix the state directory"
+            ) from exc
         finally:
             if progress is not None:
                 progress.close()

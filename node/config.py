@@ -96,7 +96,10 @@ class NodeConfig(BaseModel):
         default=5, ge=1, description="Checkpoint versions kept on disk (S + 1)"
     )
     min_free_disk_mb: int = Field(
-        default=256, ge=0, description="Refuse to start with less free space in state_dir (MiB)"
+        default=256,
+        ge=0,
+        description="Free space kept in state_dir (MiB): refuse to start, or to download a "
+        "checkpoint version, that would leave less",
     )
     # --- work loop -------------------------------------------------------------------------------
     max_prompts: int = Field(default=64, ge=1, le=1024, description="Most prompts per lease asked")

@@ -6,7 +6,8 @@
 :class:`~node.checkpoints.CheckpointManager`, the registration with the coordinator, and four
 named tasks:
 
-* ``work``      pull a lease -> make ``lease.policy_version`` the loaded weights -> generate each
+* ``work``      pull a lease (one over local limits, :func:`lease_problem`, is released unrun)
+                -> make ``lease.policy_version`` the loaded weights -> generate each
                 prompt ``group_size`` times (prompt ``i`` seeded with
                 :func:`prompt_seed` ``(lease.sampling.seed, i)``; sample ``j`` with
                 :func:`~node.backends.base.sample_seed` ``(prompt seed, j)``, recorded in
@@ -50,6 +51,7 @@ from node.client import CoordinatorClient, CoordinatorError, CoordinatorUnavaila
 from node.config import NodeConfig
 from protocol.errors import ReasonCode
 from protocol.identity import Identity, short_fingerprint
+from protocol.limits import DEFAULT_LIMITS, worst_case_submission_bytes
 from protocol.messages import (
     Ack,
     CapabilityAdvert,
@@ -79,6 +81,7 @@ __all__ = [
     "NodeStats",
     "NodeWorker",
     "build_submission",
+    "lease_problem",
     "lease_requests",
     "make_advert",
     "prompt_seed",
@@ -224,7 +227,9 @@ class NodeWorker:
             ChunkStore(state / "checkpoints", keep_versions=cfg.keep_versions),
             self._directory,
             bytes(32),  # replaced by the pinned key once resolved (node.checkpoints)
-            config=DownloadConfig(deadline=cfg.download_timeout_s),
+            config=DownloadConfig(
+                deadline=cfg.download_timeout_s, reserve_bytes=cfg.min_free_disk_mb << 20
+            ),
         )
         await self.broadcast.start()
         self.checkpoints = CheckpointManager(
@@ -546,6 +551,12 @@ class NodeWorker:
             lease.policy_version,
             lease.deadline - self.clock(),
         )
+        problem = lease_problem(lease, self.config.max_prompts)
+        if problem is not None:  # a broken coordinator must not make this node run out of memory
+            log.error("lease %s refused: %s; giving it back", lease.lease_id, problem)
+            await self._release(lease, f"lease exceeds local limits: {problem}")
+            await self._sleep(self.backoff.next_delay())
+            return
         try:
             sampling = to_sampling_config(lease)
         except ValueError as exc:
@@ -701,6 +712,22 @@ def make_advert(
         expires_at=now + 2 * config.advert_period_s,
         **fields,
     )
+
+
+def lease_problem(lease: Lease, max_prompts: int) -> str | None:
+    """Why this node must not run ``lease`` (None: run it): more prompts than it asked for, or
+    results that could outgrow one submission frame (and the node's memory) before they are sent.
+    """
+    n, g, length = len(lease.prompts), lease.group_size, lease.sampling.max_new_tokens
+    if n > max_prompts:
+        return f"{n} prompts, this node asked for at most {max_prompts}"
+    worst = worst_case_submission_bytes(n, g, length)
+    if worst > DEFAULT_LIMITS.bulk_frame:
+        return (
+            f"{n} prompts x {g} samples x {length} tokens could need {worst / 2**20:.0f} MiB, "
+            f"one submission carries {DEFAULT_LIMITS.bulk_frame // 2**20} MiB"
+        )
+    return None
 
 
 def lease_requests(lease: Lease) -> list[GenerationRequest]:

@@ -121,7 +121,8 @@ def open_envelope(
     ``max_skew_s`` bounds ``|now - env.ts|``; it defaults to the replay guard's window (or
     :data:`DEFAULT_WINDOW_S` without a guard) and may not exceed the guard's window, since nonces
     are only remembered that long. Raises ProtocolError: ``frame_too_large``, ``bad_signature``,
-    ``clock_skew``, ``replayed``, or any decode code for the payload.
+    ``clock_skew``, ``replayed``, or any decode code for the payload (then with
+    ``DecodeError.authenticated`` set: only those may be held against the signer).
     """
     window = replay.window_s if replay is not None else DEFAULT_WINDOW_S
     skew = window if max_skew_s is None else max_skew_s
@@ -136,7 +137,11 @@ def open_envelope(
     verify_envelope(env, expected_signer)
     if replay is not None:
         replay.check(env.signer, env.nonce, env.ts, now)
-    return decode(env.payload, type_, limits)
+    try:
+        return decode(env.payload, type_, limits)
+    except DecodeError as exc:
+        exc.authenticated = True  # past the signature: the signer really sent these bytes
+        raise
 
 
 def _check_clock(ts: float, now: float, skew: float) -> None:

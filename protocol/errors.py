@@ -70,6 +70,7 @@ class ReasonCode(StrEnum):
     # transport and catch-all
     TIMEOUT = "timeout"
     CLOSED = "closed"
+    SWARM_FULL = "swarm_full"
     INTERNAL = "internal"
 
 
@@ -87,6 +88,11 @@ class ProtocolError(Exception):
 
 class DecodeError(ProtocolError):
     """The bytes are not a well-formed, schema-valid, supported message."""
+
+    #: True only when the bytes were the payload of an envelope whose signature and nonce had
+    #: verified (set by :func:`protocol.envelope.open_envelope`): the signer provably sent them.
+    #: Size and version refusals come before the signature check and stay False.
+    authenticated: bool = False
 
 
 class SchemaViolation(DecodeError, ValueError):

@@ -100,3 +100,17 @@ _BULK = frozenset(
 )
 
 DEFAULT_LIMITS = Limits()
+
+# --- what one lease can produce ---------------------------------------------------------------
+BYTES_PER_COMPLETION_TOKEN = 8  # packed uint32 token id + packed float32 log-prob
+SAMPLE_OVERHEAD = 128  # bytes of one encoded Sample besides its packed arrays (keys, headers)
+GROUP_OVERHEAD = 256  # bytes of one GroupResult besides its samples (prompt id, keys)
+SUBMISSION_OVERHEAD = 4 * KIB  # bytes of a RolloutSubmission besides its groups
+
+
+def worst_case_submission_bytes(prompts: int, group_size: int, max_new_tokens: int) -> int:
+    """Upper bound of the encoded RolloutSubmission of a lease whose every sample runs to
+    ``max_new_tokens``. A lease above ``Limits.bulk_frame`` may produce results that cannot be
+    submitted: the coordinator does not size one, a node does not run one."""
+    per_sample = max_new_tokens * BYTES_PER_COMPLETION_TOKEN + SAMPLE_OVERHEAD
+    return prompts * (group_size * per_sample + GROUP_OVERHEAD) + SUBMISSION_OVERHEAD

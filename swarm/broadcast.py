@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from protocol.codec import decode, encode
 from protocol.errors import ProtocolError
@@ -33,7 +34,7 @@ from protocol.messages import (
 )
 from swarm import keys
 from swarm.chunks import ChunkStore
-from swarm.errors import ManifestUnavailable, TransportError
+from swarm.errors import ManifestUnavailable, NoDiskSpace, TransportError
 from swarm.fetcher import DownloadConfig, ProgressFn, Transfer
 from swarm.holders import HolderAnnouncer, HolderDirectory
 from swarm.scoring import PeerScores
@@ -104,6 +105,13 @@ class ChunkServer:
             # Every wanted chunk left moments ago; its recipient will relay it. Saves the uplink.
             raise HandlerError("busy", "all wanted chunks were just sent; fetch them from peers")
         return self._serve(req.version, index)
+
+    def forget_except(self, versions: Iterable[int]) -> None:
+        """Drop the send counters of versions no longer held (they would pile up forever)."""
+        keep = set(versions)
+        for key in [k for k in self._last_sent if k[0] not in keep]:
+            self._sent.pop(key, None)
+            del self._last_sent[key]
 
     def _serve(self, version: int, index: int) -> bytes:
         data = self.load_chunk(version, index)
@@ -189,10 +197,11 @@ class Downloader:
     ) -> dict[str, bytes]:
         """Fetch ``version`` (None = newest the seeds have) and return ``{file name: bytes}``.
 
-        Resumes from verified chunks already on disk. Raises ``ManifestUnavailable`` or
-        ``ChunkUnavailable``.
+        Resumes from verified chunks already on disk. Raises ``ManifestUnavailable``,
+        ``ChunkUnavailable`` or ``NoDiskSpace`` (checked before any chunk is fetched).
         """
         env, manifest = await self.fetch_manifest(version, seeds)
+        self._check_disk(manifest)
         self.store.put_manifest(env, manifest)
         transfer = Transfer(
             manifest,
@@ -211,6 +220,18 @@ class Downloader:
         await transfer.run()
         self.store.prune(protect={manifest.version})
         return self.store.load_files(manifest.version)
+
+    def _check_disk(self, manifest: Manifest) -> None:
+        """Refuse up front a version that cannot fit (rather than fill the disk chunk by chunk)."""
+        held = self.store.have(manifest.version)
+        needed = manifest.total_size - sum(manifest.chunks[i].size for i in held)
+        free = shutil.disk_usage(self.store.root).free
+        if needed + self.config.reserve_bytes > free:
+            raise NoDiskSpace(
+                f"v{manifest.version} needs {needed / 1e6:.1f} MB more on disk, "
+                f"{free / 1e6:.1f} MB free in {self.store.root} (keeping "
+                f"{self.config.reserve_bytes / 1e6:.0f} MB free); free space or keep fewer versions"
+            )
 
 
 class BroadcastNode:
@@ -279,6 +300,7 @@ class BroadcastNode:
         await self.announcer.flush()
         for dropped in self.store.prune(protect={manifest.version}):
             self.announcer.forget(dropped)
+        self.server.forget_except(self.store.versions())
         return manifest
 
     async def download(
@@ -289,4 +311,5 @@ class BroadcastNode:
         for v in self.announcer.versions():
             if v not in self.store.versions():
                 self.announcer.forget(v)
+        self.server.forget_except(self.store.versions())
         return files

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -39,7 +39,7 @@ app.add_typer(node_app, name="node")
 app.add_typer(trainer_app, name="trainer")
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2) -> NoReturn:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
 
@@ -241,19 +241,82 @@ def keygen(path: Annotated[Path, typer.Argument(help="Key file to create or read
     from protocol.errors import KeyFileError
     from protocol.identity import Identity
 
+    if path.is_dir():
+        _fail(f"{path} is a directory; give the key file's path, e.g. {path / 'node.key'}")
     try:
         ident = Identity.load_or_create(path)
-    except (KeyFileError, OSError, ValueError) as exc:
+    except (KeyFileError, ValueError) as exc:
         _fail(str(exc))
+    except OSError as exc:
+        _fail(
+            f"cannot create key file {path}: {exc.strerror or exc}"
+            + (f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else "")
+            + "; give a path in a writable directory"
+        )
     typer.echo(ident.fingerprint)
 
 
-def main() -> None:
-    """Console-script entry point."""
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _reset_signals_in_child() -> None:
+    """After ``fork``: drop the parent's asyncio signal set-up in the child.
+
+    ``loop.add_signal_handler`` installs a no-op Python handler for SIGTERM/SIGINT plus a wakeup
+    fd shared with the parent's loop. A child forked afterwards (hivemind's DHT process) inherits
+    both: it shrugs off ``terminate()`` (so the parent hangs joining it at exit) and its signals
+    would wake the parent's loop. Restore what a fresh Python process has.
+    """
+    import contextlib
+    import signal
+
+    with contextlib.suppress(ValueError, OSError):
+        signal.set_wakeup_fd(-1)
+    defaults = ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.default_int_handler))
+    for sig, default in defaults:
+        with contextlib.suppress(ValueError, OSError):
+            if signal.getsignal(sig) not in (signal.SIG_IGN, default):
+                signal.signal(sig, default)
+
+
+_FORK_HOOK: list[bool] = []
+
+
+def install_fork_signal_reset() -> None:
+    """Register :func:`_reset_signals_in_child` as an after-fork hook (once per process).
+
+    Entry points that call ``loop.add_signal_handler`` before starting a swarm peer (coordinator,
+    node, trainer) call this, so the DHT process stays killable by SIGTERM.
+    """
+    import os
+
+    if not _FORK_HOOK:
+        os.register_at_fork(after_in_child=_reset_signals_in_child)
+        _FORK_HOOK.append(True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: usage errors as one ``error:`` line (exit 2), no traceback."""
+    install_fork_signal_reset()
     try:
-        app()
+        rc = app(args=argv, prog_name="swarm", standalone_mode=False)
     except KeyboardInterrupt:
         sys.exit(130)
+    except typer.Abort:
+        sys.exit(1)
+    except Exception as exc:
+        # click's (vendored by typer) ClickException family: bad flag, missing argument, ...
+        fmt, code = getattr(exc, "format_message", None), getattr(exc, "exit_code", None)
+        if not callable(fmt) or not isinstance(code, int):
+            raise
+        message = _one_line(str(fmt())).rstrip(".")
+        if message:  # empty for "no arguments": the help was printed instead
+            ctx = getattr(exc, "ctx", None)
+            where = getattr(ctx, "command_path", None) or "swarm"
+            typer.secho(f"error: {message} (see `{where} --help`)", fg=typer.colors.RED, err=True)
+        sys.exit(code)
+    sys.exit(rc if isinstance(rc, int) else 0)
 
 
 if __name__ == "__main__":

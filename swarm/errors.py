@@ -22,7 +22,8 @@ Hierarchy::
     │   └── RemoteError              the remote handler answered with an error (``.code``)
     └── BroadcastError               a checkpoint version could not be obtained
         ├── ManifestUnavailable      no peer returned a manifest that verifies
-        └── ChunkUnavailable         a chunk could not be fetched from any peer (seed included)
+        ├── ChunkUnavailable         a chunk could not be fetched from any peer (seed included)
+        └── NoDiskSpace              the version does not fit on the local disk
 """
 
 from __future__ import annotations
@@ -99,3 +100,7 @@ class ManifestUnavailable(BroadcastError):
 
 class ChunkUnavailable(BroadcastError):
     """A chunk could not be fetched from any peer, the seed included."""
+
+
+class NoDiskSpace(BroadcastError):
+    """The free space where chunks are stored is smaller than what the version still needs."""

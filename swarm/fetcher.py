@@ -14,7 +14,9 @@ Policy (DESIGN.md §5):
 * a peer that serves a bad chunk, stalls or breaks the stream is dropped for this transfer and
   scored down; the chunk goes back to the pool and is fetched elsewhere. A seed is never dropped,
   only backed off; after ``max_seed_failures`` consecutive seed failures with nowhere else to go the
-  transfer fails with ``ChunkUnavailable``.
+  transfer fails with ``ChunkUnavailable``;
+* a peer that answers ``not_held`` for a chunk it announced is not asked for that chunk again in
+  this transfer (re-reading the holder records must not restore a false claim).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class DownloadConfig:
     max_seed_failures: int = 5  # consecutive seed failures before giving up
     deadline: float = 3600.0  # whole transfer
     hedge_after: float = 3.0  # end-game: a chunk in flight this long is also asked of another peer
+    reserve_bytes: int = 0  # free disk space a download must leave (bytes)
 
 
 class Transfer:
@@ -93,6 +96,8 @@ class Transfer:
         self.n = len(manifest.chunks)
         self.missing = set(range(self.n)) - store.have(manifest.version)
         self.holders: dict[str, frozenset[int]] = {}
+        #: chunks a peer announced but answered "not_held" for: its claim is ignored from then on
+        self.denied: dict[str, set[int]] = {}
         self.dropped: set[str] = set()
         self.backoff: dict[str, float] = {}
         self.load: Counter[str] = Counter()
@@ -137,7 +142,9 @@ class Transfer:
         with contextlib.suppress(SwarmError):
             found = await self.directory.lookup(self.m.version)
             self.holders = {
-                p: keys.indices_from_bitmap(b, self.n) for p, b in found.items() if p != me
+                p: keys.indices_from_bitmap(b, self.n) - self.denied.get(p, set())
+                for p, b in found.items()
+                if p != me
             }
 
     async def _refresh_loop(self) -> None:
@@ -270,6 +277,9 @@ class Transfer:
             self.backoff[peer] = time.monotonic() + self.cfg.busy_backoff
             return
         if isinstance(exc, RemoteError) and exc.code == "not_held" and index >= 0:
+            # Remembered for the whole transfer: a re-read holder record (or a liar) would
+            # otherwise restore the claim and the peer would be asked again and again.
+            self.denied.setdefault(peer, set()).add(index)
             self.holders[peer] = self.holders.get(peer, frozenset()) - {index}
             return
         if isinstance(exc, ProtocolError):
