@@ -618,6 +618,13 @@ def launch_from_cli(
     state = Path(state_dir or "coordinator-data")
     try:
         _check_writable(state)
+        lock = _lock_state_dir(state)  # held (open) until this function returns
+        if isinstance(lock, str):
+            _cli_error(
+                f"state dir {state} is in use by another running coordinator ({lock}); stop it "
+                "or pass another --state-dir"
+            )
+            return 1
         service = CoordinatorService(cfg, state)
     except KeyFileError as exc:
         _cli_error(str(exc))
@@ -715,6 +722,25 @@ def _launch_config(
             parse_fingerprint(net.trainer_key)
         except ValueError as exc:
             raise ConfigError(f"{name('trainer_key')}: {exc}") from exc
+    source = str(config) if config is not None else "defaults"
+    model_dir = None if cfg.model_path is None else Path(cfg.model_path).expanduser()
+    if model_dir is not None and not (model_dir / "config.json").is_file():
+        raise ConfigError(
+            f"{source}: model_path {cfg.model_path!r} is not a local HF model directory (no "
+            "config.json); fix the path or unset it for the embedded default"
+        )
+    try:
+        task = make_task(cfg.task, seed=cfg.task_seed)
+    except OSError as exc:
+        raise ConfigError(
+            f"{source}: task {cfg.task!r}: cannot read {exc.filename or 'the file'}: "
+            f"{exc.strerror or exc}"
+        ) from exc
+    except ValueError as exc:
+        raise ConfigError(f"{source}: task: {exc}") from exc
+    close = getattr(task, "close", None)
+    if callable(close):
+        close()
     return cfg.model_copy(update={"network": net})
 
 
@@ -744,10 +770,38 @@ def _cannot_bind(host: str, port: int) -> tuple[bool, str] | None:
     return None
 
 
+def _lock_state_dir(state: Path) -> Any:
+    """An exclusive lock on ``state/coordinator.lock`` (the open file), or who holds it (str).
+
+    Two coordinators on one state dir would share the SQLite state, the keys and the libp2p
+    identity; nothing else stops the second one from starting.
+    """
+    import fcntl
+    import os
+
+    fh = open(state / "coordinator.lock", "a+")  # noqa: SIM115 (held for the process's life)
+    try:
+        # a POSIX record lock: held by this process only (a forked child does not inherit it)
+        # and released when it exits, however it exits
+        fcntl.lockf(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.seek(0)
+        holder = fh.read().strip()
+        fh.close()
+        return f"pid {holder}" if holder.isdigit() else "lock file held"
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"{os.getpid()}\n")
+    fh.flush()
+    return fh
+
+
 def _check_writable(state: Path) -> None:
     """Create ``state`` and write a probe file in it; raises OSError when that fails."""
+    import os
+
     state.mkdir(parents=True, exist_ok=True)
-    probe = state / ".write-test"
+    probe = state / f".write-test-{os.getpid()}"
     probe.write_bytes(b"ok")
     probe.unlink()
 

@@ -111,8 +111,9 @@ def run_from_cli(
         cfg = load_node_config(config, overrides)
         if not dry_run:
             _require_coordinator(cfg)
+            _check_multiaddrs(cfg, from_flag=coordinator is not None)
     except ConfigError as exc:
-        _error(str(exc))
+        _error(_flag_message(exc, overrides))
         return EXIT_BAD_INPUT
     _setup_logging(cfg.log_level)
     backend_obj: InferenceBackend | None = None
@@ -141,6 +142,38 @@ def run_from_cli(
         sys.stderr.flush()
         os._exit(rc)
     return rc
+
+
+def _flag_message(exc: ConfigError, overrides: dict[str, Any]) -> str:
+    """Name the flag, not the config file, when a command-line value is the bad one."""
+    from pydantic import ValidationError
+
+    cause = exc.__cause__
+    if isinstance(cause, ValidationError):
+        first = cause.errors()[0]
+        key = str(first["loc"][0]) if first["loc"] else ""
+        if overrides.get(key) is not None:
+            msg = first["msg"].removeprefix("Value error, ")
+            return f"--{key.replace('_', '-')} {overrides[key]}: {msg}"
+    return str(exc)
+
+
+def _check_multiaddrs(cfg: NodeConfig, *, from_flag: bool) -> None:
+    """The coordinator address and initial_peers must parse (bad input, caught before start-up)."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    named = [("--coordinator" if from_flag else "coordinator", cfg.coordinator)]
+    named += [("initial_peers", addr) for addr in cfg.initial_peers]
+    for name, addr in named:
+        if addr is None:
+            continue
+        try:
+            Multiaddr(addr)
+        except Exception as exc:  # the multiaddr library raises several unrelated types
+            raise ConfigError(
+                f"{name} {addr!r} is not a valid multiaddr ({exc}); expected "
+                "/ip4/HOST/tcp/PORT/p2p/PEER_ID, as printed by `swarm coordinator launch`"
+            ) from exc
 
 
 def _require_coordinator(cfg: NodeConfig) -> None:
@@ -280,8 +313,10 @@ async def _serve(
     """Run the worker until a signal; (exit code, whether a generation thread is abandoned)."""
     from node.client import CoordinatorError, CoordinatorUnavailable, Rejected
     from node.worker import NodeWorker
+    from swarm.cli import install_fork_signal_reset
     from swarm.errors import BootstrapUnreachable, StartupError
 
+    install_fork_signal_reset()  # the DHT process forks after the signal handlers are set
     worker = NodeWorker(cfg, backend, identity, capability=capability, tokenizer=tokenizer)
     loop = asyncio.get_running_loop()
     signals = 0

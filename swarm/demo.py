@@ -67,20 +67,43 @@ class DemoOptions:
             raise ValueError(f"--byzantine must be between 0 and 16, got {self.byzantine}")
         if not 0 < self.target <= 1:
             raise ValueError(f"--target must be in (0, 1], got {self.target}")
-        if self.time_limit <= 0:
+        if not self.time_limit > 0:  # NaN too: it would never stop
             raise ValueError(f"--time-limit must be positive, got {self.time_limit}")
-        if self.run_dir is not None and self.run_dir.is_dir() and any(self.run_dir.iterdir()):
-            # its coordinator.json, SQLite state and checkpoints would be taken for this run's
-            raise ValueError(
-                f"--run-dir {self.run_dir} is not empty (an earlier run?); give a new folder"
-            )
-        if self.model_dir is not None and not (self.model_dir / "config.json").is_file():
-            raise ValueError(
-                f"--model-dir {self.model_dir} has no config.json (a local HF model dir)"
-            )
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"--max-steps must be at least 1, got {self.max_steps}")
+        if self.run_dir is not None:
+            if self.run_dir.exists() and not self.run_dir.is_dir():
+                raise ValueError(f"--run-dir {self.run_dir} is a file; give a new folder")
+            try:
+                not_empty = self.run_dir.is_dir() and any(self.run_dir.iterdir())
+            except OSError as exc:
+                raise ValueError(
+                    f"--run-dir {self.run_dir}: cannot read it ({exc.strerror})"
+                ) from exc
+            if not_empty:
+                # its coordinator.json, SQLite state and checkpoints would be taken for this run's
+                raise ValueError(
+                    f"--run-dir {self.run_dir} is not empty (an earlier run?); give a new folder"
+                )
+        if self.model_dir is not None:
+            if not self.model_dir.is_dir():
+                raise ValueError(f"--model-dir {self.model_dir}: no such directory")
+            if not (self.model_dir / "config.json").is_file():
+                raise ValueError(
+                    f"--model-dir {self.model_dir} has no config.json (a local HF model dir)"
+                )
         from coordinator.tasks import make_task
 
-        make_task(self.task)  # raises ValueError naming the task
+        try:
+            task = make_task(self.task)  # raises ValueError naming the task
+        except OSError as exc:
+            raise ValueError(
+                f"--task {self.task}: cannot read {exc.filename or 'the file'} "
+                f"({exc.strerror or exc})"
+            ) from exc
+        close = getattr(task, "close", None)
+        if callable(close):
+            close()
 
 
 def _max_new_tokens(task: str) -> int:
@@ -338,6 +361,19 @@ def run_demo(opts: DemoOptions) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     demo = Demo(opts)
+    try:  # fail here, in one line, rather than half-way through start()
+        demo.logs.mkdir(parents=True, exist_ok=True)
+        probe = demo.logs / ".write-test"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        print(
+            f"error: cannot create the run folder {demo.run_dir} ({exc.strerror or exc}); "
+            "pass --run-dir with a new folder in a writable place",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     interrupted = False
 
     def on_term(signum: int, frame: Any) -> None:
@@ -361,7 +397,7 @@ def run_demo(opts: DemoOptions) -> int:
     except KeyboardInterrupt:
         interrupted = True
         reason = "interrupted (Ctrl-C)"
-    except DemoError as exc:
+    except (DemoError, OSError) as exc:
         reason = f"failed: {exc}"
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -370,6 +406,10 @@ def run_demo(opts: DemoOptions) -> int:
     print("\n" + text, flush=True)
     if interrupted:
         return 130
+    if reason.startswith("failed"):
+        first = " ".join(reason.splitlines()[0].split())
+        print(f"error: demo {first}; logs in {demo.logs}", file=sys.stderr, flush=True)
+        return 1
     ok = (
         demo.reached_at is not None or reason.endswith("steps done") or reason == "trainer finished"
     )

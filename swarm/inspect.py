@@ -8,6 +8,7 @@ coordinator's ``rswarm/status`` RPC. ``--json`` prints one machine-readable docu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -150,14 +151,38 @@ def run_inspect(
     from swarm.errors import SwarmError
 
     logging.basicConfig(level=logging.WARNING)
+
+    def error(message: str, code: int) -> int:
+        print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+        return code
+
+    if not timeout > 0:
+        return error(f"--timeout must be a positive number of seconds, got {timeout}", 2)
+    if watch and not interval > 0:
+        return error(f"--interval must be a positive number of seconds, got {interval}", 2)
     try:
         maddr = _resolve_peer(peer, run_dir)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return error(str(exc), 2)
+    except (OSError, KeyError, IndexError, TypeError) as exc:
+        info = (
+            run_dir / "coordinator" / "coordinator.json"
+            if run_dir is not None
+            else "the newest runs/demo-*/coordinator/coordinator.json"
+        )
+        return error(f"{info}: no coordinator multiaddr in it ({exc!r}); use --peer", 2)
     if "/p2p/" not in maddr:
-        print("error: --peer must be a full multiaddr ending in /p2p/<peer id>", file=sys.stderr)
-        return 2
+        return error("--peer must be a full multiaddr ending in /p2p/<peer id>", 2)
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        Multiaddr(maddr)
+    except Exception as exc:  # the multiaddr library raises several unrelated types
+        return error(
+            f"--peer {maddr!r} is not a valid multiaddr ({exc}); expected "
+            "/ip4/HOST/tcp/PORT/p2p/PEER_ID, as printed by `swarm coordinator launch`",
+            2,
+        )
     # Status is asked of the peer we joined through; for a non-coordinator peer it fails politely.
     coordinator_peer = maddr.rsplit("/p2p/", 1)[-1]
 
@@ -169,8 +194,10 @@ def run_inspect(
         try:
             await asyncio.wait_for(swarm_peer.start(), timeout)
         except (SwarmError, TimeoutError) as exc:
-            print(f"error: could not join the swarm through {maddr}: {exc}", file=sys.stderr)
-            return 1
+            with contextlib.suppress(Exception):
+                await swarm_peer.stop()
+            why = str(exc) or f"no answer within {timeout:g} s"
+            return error(f"could not join the swarm through {maddr}: {why}", 1)
         try:
             if not watch:
                 view = await snapshot(swarm_peer, coordinator_peer, timeout)
@@ -199,3 +226,5 @@ def run_inspect(
         return asyncio.run(main())
     except KeyboardInterrupt:
         return 0
+    except SwarmError as exc:  # the DHT or the peer failed after joining
+        return error(f"lost the swarm through {maddr}: {exc}", 1)

@@ -336,39 +336,81 @@ def run_from_cli(
     state_dir: Path | None,
     max_steps: int | None = None,
 ) -> int:
-    """``swarm trainer run``. Exit 0 clean (SIGINT/SIGTERM or max_steps), 2 bad input, 1 failure."""
-    from pydantic import ValidationError
+    """``swarm trainer run``. Exit 0 clean (SIGINT/SIGTERM or max_steps), 2 bad input, 1 failure.
 
+    Every error is one ``error:`` line on stderr.
+    """
+    import os
+    import sys
+
+    from protocol.errors import KeyFileError
     from protocol.identity import parse_fingerprint
-    from swarm.errors import SwarmError
-    from trainer.config import TrainerConfig
+    from swarm.errors import BootstrapUnreachable, SwarmError
+
+    def error(message: str, code: int) -> int:
+        print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+        return code
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if coordinator is None or coordinator_key is None:
-        print("error: --coordinator MULTIADDR and --coordinator-key FINGERPRINT are required")
-        return 2
-    if "/p2p/" not in coordinator:
-        print("error: --coordinator must be a full multiaddr ending in /p2p/<peer id>")
-        return 2
+        missing = " and ".join(
+            flag
+            for flag, value in (
+                ("--coordinator MULTIADDR", coordinator),
+                ("--coordinator-key FINGERPRINT", coordinator_key),
+            )
+            if value is None
+        )
+        return error(
+            f"{missing} required; `swarm coordinator launch` prints both (lines 'multiaddr:' "
+            "and 'coordinator key:')",
+            2,
+        )
+    if not coordinator.startswith("/") or "/p2p/" not in coordinator:
+        return error(
+            f"--coordinator {coordinator!r} must be a full multiaddr "
+            "/ip4/HOST/tcp/PORT/p2p/PEER_ID, as printed by `swarm coordinator launch`",
+            2,
+        )
     try:
         parse_fingerprint(coordinator_key)
-        overrides: dict[str, Any] = {"max_steps": max_steps}
-        if state_dir is not None:
-            overrides["out_dir"] = str(state_dir)
-        cfg = (
-            TrainerConfig.from_toml(config, **overrides)
-            if config is not None
-            else TrainerConfig(**{k: v for k, v in overrides.items() if v is not None})
+    except ValueError as exc:
+        return error(f"--coordinator-key: {exc}", 2)
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        Multiaddr(coordinator)
+    except Exception as exc:  # the multiaddr library raises several unrelated types
+        return error(f"--coordinator {coordinator!r} is not a valid multiaddr ({exc})", 2)
+    try:
+        cfg = _cli_config(config, state_dir=state_dir, max_steps=max_steps)
+    except ValueError as exc:
+        return error(str(exc), 2)
+    out = Path(cfg.out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+        ident = Identity.load_or_create(out / "trainer.key")
+    except KeyFileError as exc:
+        return error(str(exc), 2)
+    except OSError as exc:
+        where = "--state-dir" if state_dir is not None else "out_dir"
+        why = (
+            "a file is in the way of the directory"
+            if isinstance(exc, FileExistsError | NotADirectoryError)
+            else exc.strerror or exc
         )
-    except (ValueError, ValidationError, OSError) as exc:
-        print(f"error: {' '.join(str(exc).split())[:300]}")
-        return 2
+        return error(f"{where} {out} is not usable: {why}; pass a writable --state-dir", 2)
     import torch
 
+    from swarm.cli import install_fork_signal_reset
+
     torch.set_num_threads(1)
-    out = Path(cfg.out_dir)
+    install_fork_signal_reset()  # the DHT process forks after the signal handlers are set
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -380,16 +422,63 @@ def run_from_cli(
             stop=stop,
         )  # fmt: skip
 
-    from protocol.errors import KeyFileError
-
-    try:
-        ident = Identity.load_or_create(out / "trainer.key")
-    except (KeyFileError, OSError, ValueError) as exc:
-        print(f"error: {exc}")
-        return 2
     print(f"trainer key: {ident.fingerprint}", flush=True)
     try:
         return asyncio.run(main())
+    except BootstrapUnreachable as exc:
+        return error(f"cannot reach the coordinator at {coordinator}: {exc}", 1)
     except (SwarmError, CoordinatorError) as exc:
-        print(f"error: {exc}")
-        return 1
+        return error(str(exc), 1)
+    except Exception as exc:  # last resort: the traceback goes to the log, one line to the user
+        log.exception("trainer failed")
+        return error(f"trainer failed: {type(exc).__name__}: {exc}", 1)
+
+
+def _cli_config(config: Path | None, *, state_dir: Path | None, max_steps: int | None) -> Any:
+    """The TrainerConfig of the TOML file (if any) and the flags; ValueError with one line."""
+    import tomllib
+
+    from pydantic import ValidationError
+
+    from trainer.config import TrainerConfig
+
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if config is not None:
+        source = str(config)
+        try:
+            data = tomllib.loads(config.read_text(encoding="utf-8"))
+        except FileNotFoundError as exc:
+            raise ValueError(f"{config}: no such config file") from exc
+        except IsADirectoryError as exc:
+            raise ValueError(f"{config}: is a directory; give the TOML config file") from exc
+        except OSError as exc:
+            raise ValueError(f"{config}: cannot read config file: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{config}: not a text file (not UTF-8)") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{config}: not valid TOML: {exc}") from exc
+    flags: dict[str, tuple[str, Any]] = {"max_steps": ("--max-steps", max_steps)}
+    if state_dir is not None:
+        flags["out_dir"] = ("--state-dir", str(state_dir))
+    for key, (_, value) in flags.items():
+        if value is not None:
+            data[key] = value
+    try:
+        cfg = TrainerConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = str(first["loc"][0]) if first["loc"] else ""
+        msg = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            msg = "unknown option; see trainer/trainer.example.toml for the valid ones"
+        more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        flag, value = flags.get(key, (None, None))
+        where = f"{flag} {value}" if flag is not None and value is not None else f"{source}: {key}"
+        raise ValueError(f"{where}: {msg}{more}") from exc
+    model = getattr(cfg, "model_path", None)
+    if model is not None and not (Path(model).expanduser() / "config.json").is_file():
+        raise ValueError(
+            f"{source}: model_path {model!r} is not a local HF model directory (no config.json)"
+        )
+    return cfg
