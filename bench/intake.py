@@ -48,7 +48,7 @@ from coordinator.tasks import make_task
 from node.backends import GenerationRequest, SamplingConfig
 from node.backends.hf import HFBackend
 from node.model import CharTokenizer, ModelSpec, build_model
-from node.worker import wire_samples
+from node.rollouts import wire_samples
 from protocol.codec import decode, encode
 from protocol.envelope import seal
 from protocol.identity import Identity

@@ -17,4 +17,13 @@ Modules (transport-independent core; the network service is built on :class:`cor
 - :mod:`coordinator.logprobs`   ``LogprobVerifier`` protocol, ``InProcessLogprobVerifier``
 - :mod:`coordinator.reputation` strikes and bans with growing back-off
 - :mod:`coordinator.capacity`   overlap rule, staleness feasibility, cost-aware activation (pure)
+
+The network process on top of it:
+
+- :mod:`coordinator.service`    ``CoordinatorService``: the core on libp2p (RPC handlers, DHT
+                                records, holding published versions, upkeep)
+- :mod:`coordinator.status`     the ``/status`` document, its wire form, the trainer gauges
+- :mod:`coordinator.http`       ``StatusHttpServer``: ``/status`` JSON and ``/metrics``
+- :mod:`coordinator.launch`     ``swarm coordinator launch``: flag checks, port test-binds,
+                                state-dir lock, signal handling
 """

@@ -11,6 +11,9 @@
 
 Every RPC answer is a protocol message; refusals are ``Reject(code, detail)``, never a dropped
 stream, so a node always learns why.
+
+The command line launcher is :mod:`coordinator.launch`, the status document
+:mod:`coordinator.status`.
 """
 
 from __future__ import annotations
@@ -19,20 +22,19 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
-from prometheus_client import Gauge
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core import Coordinator
 from coordinator.errors import Rejection
 from coordinator.http import StatusHttpServer
 from coordinator.logprobs import InProcessLogprobVerifier, VerifierUnavailable
+from coordinator.status import TrainerGauges, build_status, wire_status
 from coordinator.store import Store
 from coordinator.tasks import make_task
 from protocol import rpc
@@ -105,8 +107,7 @@ class CoordinatorService:
         self.trainer_stats: dict[str, Any] = {}
         self._new_rollouts = asyncio.Event()
         self._records_soon = asyncio.Event()
-        self._trainer_gauge: Gauge | None = None
-        self._staleness_gauge: Gauge | None = None
+        self._trainer_gauges: TrainerGauges | None = None
         self._version_tasks: dict[int, asyncio.Task[None]] = {}
         self._seeders: dict[int, str] = {}
         self._upkeep: asyncio.Task[None] | None = None
@@ -258,49 +259,14 @@ class CoordinatorService:
     def status(self) -> dict[str, Any]:
         """The ``/status`` document (also served over ``rswarm/status``)."""
         assert self.core is not None
-        snap = self.core.status()
-        now = time.time()
-        nodes = self.core.store.nodes()
-        # one query each for the whole swarm: this runs every tick and on every status request
-        alive = {n.node_key for n in self.core.alive_nodes()}
-        banned = self.core.store.banned_keys(self.core.clock())
-        states: dict[str, str] = {}
-        last_seen: dict[str, float] = {}
-        tokens_per_s: dict[str, float | None] = {}
-        leases_done: dict[str, int] = {}
-        for n in nodes:
-            tokens_per_s[n.fingerprint] = n.tokens_per_s
-            leases_done[n.fingerprint] = n.leases_completed
-            if n.node_key in banned:
-                states[n.fingerprint] = "banned"
-            elif n.node_key not in alive:
-                states[n.fingerprint] = "gone"
-            else:
-                states[n.fingerprint] = "active" if self.core.is_active(n.node_key) else "standby"
-            last_seen[n.fingerprint] = round(now - n.last_seen, 1)
-        rejected = _counter_by_label(self.core.metrics.rejected, "reason")
-        plan = self.core.plan
-        snap.update(
-            {
-                "coordinator_fingerprint": self.fingerprint,
-                "peer_id": self.peer_id,
-                "uptime_s": round(now - self._started_at, 1),
-                "node_states": states,
-                "node_last_seen_s": last_seen,
-                "node_tokens_per_s": tokens_per_s,
-                "node_leases_completed": leases_done,
-                "rejected_by_reason": rejected,
-                "queue_depth": self.core.store.rollout_count()
-                - int(self.trainer_stats.get("rollout_cursor", 0) or 0),
-                "plan_available_rollouts_per_s": plan.available if plan else None,
-                "plan_meets_rule": plan.meets_rule if plan else None,
-                "versions_held": self.broadcast.store.versions() if self.broadcast else [],
-            }
+        return build_status(
+            self.core,
+            fingerprint=self.fingerprint,
+            peer_id=self.peer_id,
+            started_at=self._started_at,
+            trainer_stats=self.trainer_stats,
+            broadcast=self.broadcast,
         )
-        for key, value in self.trainer_stats.items():
-            snap[f"trainer_{key}"] = value
-        finite: dict[str, Any] = _finite(snap)
-        return finite
 
     # --- handlers --------------------------------------------------------------------------------
     def _open(self, request: bytes, type_: type[M]) -> tuple[bytes, M]:
@@ -467,31 +433,13 @@ class CoordinatorService:
     def _export_trainer_gauges(self) -> None:
         """Learner figures on /metrics: one gauge per scalar, the staleness histogram by label."""
         assert self.core is not None
-        if self._trainer_gauge is None:
-            self._trainer_gauge = Gauge(
-                "swarm_trainer", "Learner figures reported with each fetch (docs/operations.md)",
-                ["figure"], registry=self.core.registry,
-            )  # fmt: skip
-            self._staleness_gauge = Gauge(
-                "swarm_trainer_staleness_rollouts",
-                "Rollouts of the learner's last step by staleness (versions behind)",
-                ["staleness"], registry=self.core.registry,
-            )  # fmt: skip
-        for key, value in self.trainer_stats.items():
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                continue
-            if math.isfinite(value):
-                self._trainer_gauge.labels(figure=key).set(value)
-        hist = self.trainer_stats.get("staleness_hist")
-        if isinstance(hist, dict) and self._staleness_gauge is not None:
-            self._staleness_gauge.clear()
-            for k, v in hist.items():
-                if isinstance(v, int | float):
-                    self._staleness_gauge.labels(staleness=str(k)).set(v)
+        if self._trainer_gauges is None:
+            self._trainer_gauges = TrainerGauges(self.core.registry)
+        self._trainer_gauges.export(self.trainer_stats)
 
     async def _on_status(self, caller: str, request: bytes) -> bytes:
         decode(request, StatusRequest)
-        return encode(StatusResponse(status=_wire_status(self.status())))
+        return encode(StatusResponse(status=wire_status(self.status())))
 
 
 #: Room for a SignedEnvelope's own fields around its payload (keys, nonce, signature, tags).
@@ -537,281 +485,3 @@ def _model_spec(cfg: CoordinatorConfig) -> Any:
     from node.model import ModelSpec
 
     return ModelSpec(path=cfg.model_path)
-
-
-def _counter_by_label(counter: Any, label: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for metric in counter.collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_total") and label in sample.labels:
-                out[sample.labels[label]] = sample.value
-    return out
-
-
-def _wire_status(status: dict[str, Any]) -> dict[str, Any]:
-    """Fit the status document into StatusResponse's bounded shape (depth <= 2, scalars)."""
-    out: dict[str, Any] = {}
-    for key, value in status.items():
-        if isinstance(value, dict):
-            out[key] = {str(k): _scalar(v) for k, v in list(value.items())[:256]}
-        elif isinstance(value, list | tuple):
-            out[key] = [_scalar(v) for v in list(value)[:256]]
-        else:
-            out[key] = _scalar(value)
-    return out
-
-
-def _scalar(value: Any) -> Any:
-    if value is None or isinstance(value, bool | int | float | str):
-        if isinstance(value, float) and not math.isfinite(value):  # NaN/inf: not on the wire
-            return None
-        return value[:1000] if isinstance(value, str) else value
-    return str(value)[:1000]
-
-
-def launch_from_cli(
-    *,
-    config: Path | None,
-    host: str | None,
-    port: int | None,
-    http_port: int | None,
-    state_dir: Path | None,
-    trainer_key: str | None = None,
-) -> int:
-    """``swarm coordinator launch``: run until SIGINT/SIGTERM.
-
-    Exit 0 clean, 2 bad input (config, flags, state dir, key file), 1 runtime failure (a port
-    already in use, the peer failed to start). Every error is one ``error:`` line on stderr.
-    """
-    import signal
-
-    from coordinator.errors import ConfigError
-    from protocol.errors import KeyFileError
-    from swarm.cli import install_fork_signal_reset
-    from swarm.errors import SwarmError
-
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        cfg = _launch_config(config, host=host, port=port, http_port=http_port,
-                             trainer_key=trainer_key)  # fmt: skip
-    except ConfigError as exc:
-        _cli_error(str(exc))
-        return 2
-    net = cfg.network
-    for what, flag, bind_host, bind_port in (
-        ("libp2p", "--port", net.host, net.port),
-        ("/status", "--http-port", net.http_host, net.http_port),
-    ):
-        problem = _cannot_bind(bind_host, bind_port)
-        if problem is not None:
-            in_use, reason = problem
-            if in_use:
-                _cli_error(
-                    f"{what} port {bind_port} on {bind_host} is already in use (another "
-                    f"coordinator?); stop that process or pick another {flag} (0 = any free port)"
-                )
-                return 1
-            _cli_error(f"cannot listen for {what} on {bind_host}:{bind_port}: {reason}")
-            return 2
-    state = Path(state_dir or "coordinator-data")
-    try:
-        _check_writable(state)
-        lock = _lock_state_dir(state)  # held (open) until this function returns
-        if isinstance(lock, str):
-            _cli_error(
-                f"state dir {state} is in use by another running coordinator ({lock}); stop it "
-                "or pass another --state-dir"
-            )
-            return 1
-        service = CoordinatorService(cfg, state)
-    except KeyFileError as exc:
-        _cli_error(str(exc))
-        return 2
-    except OSError as exc:
-        if isinstance(exc, FileExistsError | NotADirectoryError):
-            reason = "a file is in the way of the directory"
-        else:
-            reason = str(exc.strerror or exc)
-        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(state) else ""
-        _cli_error(f"state dir {state} is not usable: {reason}{where}; pass a writable --state-dir")
-        return 2
-    except ValueError as exc:
-        _cli_error(str(exc))
-        return 2
-    import torch
-
-    torch.set_num_threads(1)
-    install_fork_signal_reset()  # the DHT process forks after the signal handlers are set
-
-    async def main() -> int:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            await service.start()
-        except Exception as exc:  # whatever failed, stop what did start so the process can exit
-            if isinstance(exc, SwarmError | OSError):
-                message = str(exc)
-            else:
-                log.exception("coordinator failed to start")
-                message = f"{type(exc).__name__}: {exc}"
-            await service.stop()
-            _cli_error(f"coordinator failed to start: {message}")
-            return 1
-        for maddr in service.multiaddrs:
-            print(f"multiaddr: {maddr}", flush=True)
-        print(f"coordinator key: {service.fingerprint}", flush=True)
-        print(f"status: {service.http_url}/status  metrics: {service.http_url}/metrics", flush=True)
-        await stop.wait()
-        log.info("shutting down")
-        await service.stop()
-        return 0
-
-    return asyncio.run(main())
-
-
-def _cli_error(message: str) -> None:
-    import sys
-
-    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
-
-
-def _launch_config(
-    config: Path | None,
-    *,
-    host: str | None,
-    port: int | None,
-    http_port: int | None,
-    trainer_key: str | None,
-) -> CoordinatorConfig:
-    """The config file (or defaults) with the flags applied; :class:`ConfigError` names the flag."""
-    import ipaddress
-
-    from pydantic import ValidationError
-
-    from coordinator.config import NetworkSection, load_config, parse_config
-    from coordinator.errors import ConfigError
-
-    cfg = load_config(config) if config is not None else parse_config({})
-    flags = {"host": host, "port": port, "http_port": http_port, "trainer_key": trainer_key}
-    overrides = {k: v for k, v in flags.items() if v is not None}
-
-    def name(key: str) -> str:
-        if key in overrides:
-            return f"--{key.replace('_', '-')} {overrides[key]}"
-        return f"{config}: network.{key}"
-
-    try:
-        net = NetworkSection.model_validate({**cfg.network.model_dump(), **overrides})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        key = str(first["loc"][0]) if first["loc"] else "network"
-        raise ConfigError(f"{name(key)}: {first['msg'].removeprefix('Value error, ')}") from exc
-    try:
-        ipaddress.IPv4Address(net.host)
-    except ValueError as exc:
-        raise ConfigError(
-            f"{name('host')}: not an IPv4 address; use e.g. 127.0.0.1, or 0.0.0.0 for all "
-            "interfaces"
-        ) from exc
-    if net.trainer_key is not None:
-        try:
-            parse_fingerprint(net.trainer_key)
-        except ValueError as exc:
-            raise ConfigError(f"{name('trainer_key')}: {exc}") from exc
-    source = str(config) if config is not None else "defaults"
-    model_dir = None if cfg.model_path is None else Path(cfg.model_path).expanduser()
-    if model_dir is not None and not (model_dir / "config.json").is_file():
-        raise ConfigError(
-            f"{source}: model_path {cfg.model_path!r} is not a local HF model directory (no "
-            "config.json); fix the path or unset it for the embedded default"
-        )
-    try:
-        task = make_task(cfg.task, seed=cfg.task_seed)
-    except OSError as exc:
-        raise ConfigError(
-            f"{source}: task {cfg.task!r}: cannot read {exc.filename or 'the file'}: "
-            f"{exc.strerror or exc}"
-        ) from exc
-    except ValueError as exc:
-        raise ConfigError(f"{source}: task: {exc}") from exc
-    close = getattr(task, "close", None)
-    if callable(close):
-        close()
-    return cfg.model_copy(update={"network": net})
-
-
-def _cannot_bind(host: str, port: int) -> tuple[bool, str] | None:
-    """None if ``host:port`` can be listened on now, else (address in use?, reason).
-
-    A plain bind without SO_REUSEPORT: libp2p sets that option, so a second coordinator on the
-    same port would otherwise start "successfully" and share the port with the first one.
-    """
-    import errno
-    import socket
-
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
-        return False, f"cannot resolve {host!r}: {getattr(exc, 'strerror', None) or exc}"
-    family, _, _, _, address = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict
-        try:
-            sock.bind(address)
-            sock.listen(1)
-        except OverflowError as exc:
-            return False, str(exc)
-        except OSError as exc:
-            return exc.errno == errno.EADDRINUSE, exc.strerror or str(exc)
-    return None
-
-
-def _lock_state_dir(state: Path) -> Any:
-    """An exclusive lock on ``state/coordinator.lock`` (the open file), or who holds it (str).
-
-    Two coordinators on one state dir would share the SQLite state, the keys and the libp2p
-    identity; nothing else stops the second one from starting.
-    """
-    import fcntl
-    import os
-
-    fh = open(state / "coordinator.lock", "a+")  # noqa: SIM115 (held for the process's life)
-    try:
-        # a POSIX record lock: held by this process only (a forked child does not inherit it)
-        # and released when it exits, however it exits
-        fcntl.lockf(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        fh.seek(0)
-        holder = fh.read().strip()
-        fh.close()
-        return f"pid {holder}" if holder.isdigit() else "lock file held"
-    fh.seek(0)
-    fh.truncate()
-    fh.write(f"{os.getpid()}\n")
-    fh.flush()
-    return fh
-
-
-def _check_writable(state: Path) -> None:
-    """Create ``state`` and write a probe file in it; raises OSError when that fails."""
-    import os
-
-    state.mkdir(parents=True, exist_ok=True)
-    probe = state / f".write-test-{os.getpid()}"
-    probe.write_bytes(b"ok")
-    probe.unlink()
-
-
-def _finite(value: Any) -> Any:
-    """Replace NaN/inf anywhere in a status document with None (JSON and the wire refuse them)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value

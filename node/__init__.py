@@ -6,6 +6,10 @@ Modules:
 * :mod:`node.main`        -- ``swarm node run``: preflight, ``--dry-run``, signals, exit codes
 * :mod:`node.worker`      -- :class:`NodeWorker`: join the DHT, advertise, register, heartbeat;
                              lease -> load version -> generate -> sign and submit, with back-off
+* :mod:`node.rollouts`    -- pure lease -> generation requests -> wire samples -> submission helpers
+                             (prompt seeds, local lease limits, sampling config, finish reasons)
+* :mod:`node.status`      -- the capability advert (``make_advert``), ``NodeStats`` counters,
+                             ``Backoff`` (exponential, with jitter)
 * :mod:`node.client`      -- typed async client of the coordinator RPCs (``protocol.rpc``)
 * :mod:`node.checkpoints` -- policy versions: download, verify against the pinned key, load,
                              never roll back (highest accepted version persisted on disk)

@@ -285,7 +285,7 @@ def _advert_json(
 
     import msgspec
 
-    from node.worker import make_advert
+    from node.status import make_advert
 
     advert = make_advert(
         cfg,

@@ -6,10 +6,10 @@
 :class:`~node.checkpoints.CheckpointManager`, the registration with the coordinator, and four
 named tasks:
 
-* ``work``      pull a lease (one over local limits, :func:`lease_problem`, is released unrun)
-                -> make ``lease.policy_version`` the loaded weights -> generate each
-                prompt ``group_size`` times (prompt ``i`` seeded with
-                :func:`prompt_seed` ``(lease.sampling.seed, i)``; sample ``j`` with
+* ``work``      pull a lease (one over local limits, :func:`~node.rollouts.lease_problem`, is
+                released unrun) -> make ``lease.policy_version`` the loaded weights -> generate
+                each prompt ``group_size`` times (prompt ``i`` seeded with
+                :func:`~node.rollouts.prompt_seed` ``(lease.sampling.seed, i)``; sample ``j`` with
                 :func:`~node.backends.base.sample_seed` ``(prompt seed, j)``, recorded in
                 ``Sample.seed``) -> sign and submit -> repeat. ``Standby`` waits ``retry_after_s``;
                 coordinator or network errors back off exponentially with jitter and the loop
@@ -29,44 +29,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from node.backends.base import (
-    GenerationRequest,
-    InferenceBackend,
-    SampleOut,
-    SamplingConfig,
-    sample_seed,
-)
+from node.backends.base import GenerationRequest, InferenceBackend, SampleOut
 from node.checkpoints import CheckpointError, CheckpointManager
 from node.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable, Rejected
 from node.config import NodeConfig
+from node.rollouts import build_submission, lease_problem, lease_requests, to_sampling_config
+from node.status import Backoff, NodeStats, make_advert
 from protocol.errors import ReasonCode
 from protocol.identity import Identity, short_fingerprint
-from protocol.limits import DEFAULT_LIMITS, worst_case_submission_bytes
 from protocol.messages import (
     Ack,
     CapabilityAdvert,
-    CpuInfo,
-    GroupResult,
     Heartbeat,
     Lease,
     LeaseRequest,
     RolloutSubmission,
-    Sample,
     Standby,
     Timings,
-    pack_logprobs,
-    pack_tokens,
-    unpack_tokens,
 )
 
 if TYPE_CHECKING:
@@ -76,76 +63,10 @@ if TYPE_CHECKING:
     from swarm.holders import HolderDirectory
     from swarm.transport import Transport
 
-__all__ = [
-    "Backoff",
-    "NodeStats",
-    "NodeWorker",
-    "build_submission",
-    "lease_problem",
-    "lease_requests",
-    "make_advert",
-    "prompt_seed",
-    "software_version",
-    "to_sampling_config",
-    "wire_finish_reason",
-    "wire_samples",
-]
+__all__ = ["NodeWorker"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-def prompt_seed(base_seed: int, index: int) -> int:
-    """Seed of prompt ``index`` of a lease whose sampling seed is ``base_seed`` (63-bit, stable)."""
-    digest = hashlib.blake2b(
-        f"rollout-swarm/prompt/{base_seed}/{index}".encode(), digest_size=8
-    ).digest()
-    return int.from_bytes(digest, "big") >> 1
-
-
-def software_version() -> str:
-    """The installed rollout-swarm version ("0+unknown" from a bare checkout)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return f"rollout-swarm/{version('rollout-swarm')}"
-    except PackageNotFoundError:
-        return "rollout-swarm/0+unknown"
-
-
-class Backoff:
-    """Exponential back-off with "equal jitter": delay n is uniform in [d/2, d], d = min(max,
-    initial * 2**n)."""
-
-    def __init__(self, initial: float, maximum: float, rng: random.Random | None = None) -> None:
-        self.initial = initial
-        self.maximum = maximum
-        self.rng = rng or random.Random()
-        self.failures = 0
-
-    def next_delay(self) -> float:
-        d = min(self.maximum, self.initial * 2 ** min(self.failures, 30))
-        self.failures += 1
-        return self.rng.uniform(d / 2, d)
-
-    def reset(self) -> None:
-        self.failures = 0
-
-
-@dataclass
-class NodeStats:
-    """Counters of this node process (``statistics()`` snapshot)."""
-
-    leases_done: int = 0  # leases whose results were submitted and got a verdict
-    leases_accepted: int = 0  # ... of which acknowledged
-    leases_rejected: int = 0  # ... of which answered with Reject
-    leases_released: int = 0  # leases given back unfinished
-    samples_accepted: int = 0  # samples in acknowledged submissions
-    tokens_generated: int = 0  # completion tokens generated (EOS included)
-    generate_s: float = 0.0  # seconds spent inside backend.generate
-    coordinator_errors: int = 0  # RPCs that found the coordinator unreachable or failing
-    tokens_per_s: float | None = None  # EWMA of generation throughput
-    last_reject: str | None = None  # "code: detail" of the latest Reject
 
 
 class NodeWorker:
@@ -675,127 +596,3 @@ class NodeWorker:
             log.info("released lease %s (%s)", lease.lease_id, reason)
         except CoordinatorError as exc:
             log.warning("could not release lease %s (%s): %s", lease.lease_id, reason, exc)
-
-
-def make_advert(
-    config: NodeConfig,
-    identity: Identity,
-    backend: InferenceBackend,
-    capability: Capability | None,
-    *,
-    peer_id: str,
-    tokens_per_s: float | None,
-    now: float,
-) -> CapabilityAdvert:
-    """The advert a node publishes: probe results, backend, price, loaded version, expiry."""
-    fields: dict[str, Any]
-    if capability is not None:
-        fields = capability.to_advert_fields()
-    else:
-        fields = {
-            "gpus": [],
-            "cpu": CpuInfo(cores=1, memory_bytes=0),
-            "tokens_per_s": 0.0,
-            "rollouts_per_s": 0.0,
-        }
-    if tokens_per_s is not None:
-        fields["tokens_per_s"] = float(tokens_per_s)
-    fields["backend"] = backend.name
-    fields["dtype"] = backend.dtype
-    return CapabilityAdvert(
-        peer_id=peer_id,
-        node_key=identity.public_key,
-        price_per_hour=config.price_per_hour,
-        policy_version=backend.loaded_version,
-        reachability="public" if config.announce_maddrs else "unknown",
-        software_version=software_version(),
-        expires_at=now + 2 * config.advert_period_s,
-        **fields,
-    )
-
-
-def lease_problem(lease: Lease, max_prompts: int) -> str | None:
-    """Why this node must not run ``lease`` (None: run it): more prompts than it asked for, or
-    results that could outgrow one submission frame (and the node's memory) before they are sent.
-    """
-    n, g, length = len(lease.prompts), lease.group_size, lease.sampling.max_new_tokens
-    if n > max_prompts:
-        return f"{n} prompts, this node asked for at most {max_prompts}"
-    worst = worst_case_submission_bytes(n, g, length)
-    if worst > DEFAULT_LIMITS.bulk_frame:
-        return (
-            f"{n} prompts x {g} samples x {length} tokens could need {worst / 2**20:.0f} MiB, "
-            f"one submission carries {DEFAULT_LIMITS.bulk_frame // 2**20} MiB"
-        )
-    return None
-
-
-def lease_requests(lease: Lease) -> list[GenerationRequest]:
-    """A request per prompt of ``lease``: ``group_size`` samples seeded by :func:`prompt_seed`."""
-    base = lease.sampling.seed
-    return [
-        GenerationRequest(unpack_tokens(p.token_ids), lease.group_size, prompt_seed(base, i))
-        for i, p in enumerate(lease.prompts)
-    ]
-
-
-def wire_samples(
-    request: GenerationRequest, samples: list[SampleOut], eos_token_ids: set[int]
-) -> list[Sample]:
-    """The wire form of one request's samples; sample ``j`` records ``sample_seed(seed, j)``."""
-    return [
-        Sample(
-            token_ids=pack_tokens(s.token_ids),
-            logprobs=pack_logprobs(s.logprobs),
-            finish_reason=wire_finish_reason(s, eos_token_ids),
-            seed=sample_seed(request.seed, j),
-        )
-        for j, s in enumerate(samples)
-    ]
-
-
-def build_submission(
-    lease: Lease,
-    requests: list[GenerationRequest],
-    outs: list[list[SampleOut]],
-    eos_token_ids: set[int],
-    *,
-    backend: str,
-    dtype: str,
-    timings: Timings,
-) -> RolloutSubmission:
-    """The honest submission of ``lease`` from the backend's outputs for :func:`lease_requests`."""
-    groups = [
-        GroupResult(prompt_id=prompt.prompt_id, samples=wire_samples(req, samples, eos_token_ids))
-        for prompt, req, samples in zip(lease.prompts, requests, outs, strict=True)
-    ]
-    return RolloutSubmission(
-        lease_id=lease.lease_id,
-        epoch=lease.epoch,
-        policy_version=lease.policy_version,
-        backend=backend,
-        dtype=dtype,  # type: ignore[arg-type]
-        groups=groups,
-        timings=timings,
-    )
-
-
-def to_sampling_config(lease: Lease) -> SamplingConfig:
-    """The backend's :class:`SamplingConfig` for a lease (``ValueError`` if unsupported)."""
-    s = lease.sampling
-    return SamplingConfig(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        max_new_tokens=s.max_new_tokens,
-        stop_token_ids=tuple(s.stop_token_ids),
-    )
-
-
-def wire_finish_reason(sample: SampleOut, eos_token_ids: set[int]) -> Any:
-    """Backend "stop" -> wire "eos" (last token is EOS) or "stop" (another stop token)."""
-    if sample.finish_reason == "length":
-        return "length"
-    if sample.token_ids and sample.token_ids[-1] in eos_token_ids:
-        return "eos"
-    return "stop"

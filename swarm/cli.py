@@ -113,7 +113,7 @@ def coordinator_launch(
     ] = None,
 ) -> None:
     """Start the control plane and print the multiaddr and key fingerprint nodes need."""
-    from coordinator.service import launch_from_cli
+    from coordinator.launch import launch_from_cli
 
     raise typer.Exit(
         launch_from_cli(

@@ -332,7 +332,7 @@ def _backend(version: int) -> Any:
 
 def honest_submission(lease: Lease) -> RolloutSubmission:
     """Sample ``lease`` at its version and package it as the node worker does."""
-    from node.worker import build_submission, lease_requests, to_sampling_config
+    from node.rollouts import build_submission, lease_requests, to_sampling_config
 
     backend = _backend(lease.policy_version)
     requests = lease_requests(lease)

@@ -25,7 +25,9 @@ from coordinator.tasks import ReverseTask
 from node.backends.base import GenerationRequest, SampleOut, SamplingConfig, sample_seed
 from node.backends.fake import FakeBackend
 from node.config import NodeConfig
-from node.worker import Backoff, NodeWorker, prompt_seed, wire_finish_reason
+from node.rollouts import prompt_seed, wire_finish_reason
+from node.status import Backoff
+from node.worker import NodeWorker
 from protocol import rpc
 from protocol.codec import decode, encode
 from protocol.errors import ProtocolError, ReasonCode

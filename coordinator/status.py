@@ -1,0 +1,142 @@
+"""The coordinator's status document: ``/status`` JSON, ``rswarm/status`` and the learner gauges.
+
+:func:`build_status` merges :meth:`~coordinator.core.Coordinator.status` with the service's own
+figures (per-node states, rejections by reason, queue depth, plan, versions held, the trainer's
+last report); :func:`wire_status` fits it into :class:`~protocol.messages.StatusResponse`'s bounded
+shape; :class:`TrainerGauges` exports the trainer's figures on ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from coordinator.core import Coordinator
+from swarm.broadcast import BroadcastNode
+
+
+def build_status(
+    core: Coordinator,
+    *,
+    fingerprint: str,
+    peer_id: str,
+    started_at: float,
+    trainer_stats: dict[str, Any],
+    broadcast: BroadcastNode | None,
+) -> dict[str, Any]:
+    """The ``/status`` document (also served over ``rswarm/status``)."""
+    snap = core.status()
+    now = time.time()
+    nodes = core.store.nodes()
+    # one query each for the whole swarm: this runs every tick and on every status request
+    alive = {n.node_key for n in core.alive_nodes()}
+    banned = core.store.banned_keys(core.clock())
+    states: dict[str, str] = {}
+    last_seen: dict[str, float] = {}
+    tokens_per_s: dict[str, float | None] = {}
+    leases_done: dict[str, int] = {}
+    for n in nodes:
+        tokens_per_s[n.fingerprint] = n.tokens_per_s
+        leases_done[n.fingerprint] = n.leases_completed
+        if n.node_key in banned:
+            states[n.fingerprint] = "banned"
+        elif n.node_key not in alive:
+            states[n.fingerprint] = "gone"
+        else:
+            states[n.fingerprint] = "active" if core.is_active(n.node_key) else "standby"
+        last_seen[n.fingerprint] = round(now - n.last_seen, 1)
+    rejected = _counter_by_label(core.metrics.rejected, "reason")
+    plan = core.plan
+    snap.update(
+        {
+            "coordinator_fingerprint": fingerprint,
+            "peer_id": peer_id,
+            "uptime_s": round(now - started_at, 1),
+            "node_states": states,
+            "node_last_seen_s": last_seen,
+            "node_tokens_per_s": tokens_per_s,
+            "node_leases_completed": leases_done,
+            "rejected_by_reason": rejected,
+            "queue_depth": core.store.rollout_count()
+            - int(trainer_stats.get("rollout_cursor", 0) or 0),
+            "plan_available_rollouts_per_s": plan.available if plan else None,
+            "plan_meets_rule": plan.meets_rule if plan else None,
+            "versions_held": broadcast.store.versions() if broadcast else [],
+        }
+    )
+    for key, value in trainer_stats.items():
+        snap[f"trainer_{key}"] = value
+    finite: dict[str, Any] = _finite(snap)
+    return finite
+
+
+class TrainerGauges:
+    """Learner figures on /metrics: one gauge per scalar, the staleness histogram by label."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._trainer_gauge = Gauge(
+            "swarm_trainer", "Learner figures reported with each fetch (docs/operations.md)",
+            ["figure"], registry=registry,
+        )  # fmt: skip
+        self._staleness_gauge = Gauge(
+            "swarm_trainer_staleness_rollouts",
+            "Rollouts of the learner's last step by staleness (versions behind)",
+            ["staleness"], registry=registry,
+        )  # fmt: skip
+
+    def export(self, trainer_stats: dict[str, Any]) -> None:
+        for key, value in trainer_stats.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if math.isfinite(value):
+                self._trainer_gauge.labels(figure=key).set(value)
+        hist = trainer_stats.get("staleness_hist")
+        if isinstance(hist, dict):
+            self._staleness_gauge.clear()
+            for k, v in hist.items():
+                if isinstance(v, int | float):
+                    self._staleness_gauge.labels(staleness=str(k)).set(v)
+
+
+def _counter_by_label(counter: Any, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for metric in counter.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total") and label in sample.labels:
+                out[sample.labels[label]] = sample.value
+    return out
+
+
+def wire_status(status: dict[str, Any]) -> dict[str, Any]:
+    """Fit the status document into StatusResponse's bounded shape (depth <= 2, scalars)."""
+    out: dict[str, Any] = {}
+    for key, value in status.items():
+        if isinstance(value, dict):
+            out[key] = {str(k): _scalar(v) for k, v in list(value.items())[:256]}
+        elif isinstance(value, list | tuple):
+            out[key] = [_scalar(v) for v in list(value)[:256]]
+        else:
+            out[key] = _scalar(value)
+    return out
+
+
+def _scalar(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | float | str):
+        if isinstance(value, float) and not math.isfinite(value):  # NaN/inf: not on the wire
+            return None
+        return value[:1000] if isinstance(value, str) else value
+    return str(value)[:1000]
+
+
+def _finite(value: Any) -> Any:
+    """Replace NaN/inf anywhere in a status document with None (JSON and the wire refuse them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
