@@ -28,29 +28,17 @@ sys.path.insert(0, str(ROOT))
 
 from node.backends import GenerationRequest, SamplingConfig  # noqa: E402
 from node.backends.hf import HFBackend  # noqa: E402
-from node.model import CharTokenizer, ModelSpec, build_model, tiny_config  # noqa: E402
+from node.model import CharTokenizer, ModelSpec, build_model, scaled_config  # noqa: E402
 from node.scoring import cache_kwarg, left_pad  # noqa: E402
 
 SECTION = "generate"
 
 
 def bigger_model() -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
-    base = tiny_config().to_dict()
-    for key in ("layer_types", "transformers_version", "model_type", "architectures"):
-        base.pop(key, None)
-    base.update(
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=128,
-    )
-    cfg = Qwen2Config(**base)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).eval()
+    return AutoModelForCausalLM.from_config(scaled_config()).eval()
 
 
 def prompts(count: int) -> list[list[int]]:

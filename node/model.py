@@ -164,6 +164,27 @@ def tiny_config() -> PretrainedConfig:
     )
 
 
+def scaled_config(
+    *, hidden_size: int = 256, layers: int = 4, heads: int = 4, max_positions: int = 128
+) -> PretrainedConfig:
+    """A bigger Qwen2 config over the embedded tokenizer (benchmarks and GPU tests); intermediate
+    size is 4 × hidden as usual."""
+    from transformers import Qwen2Config
+
+    base = tiny_config().to_dict()
+    for key in ("layer_types", "transformers_version", "model_type", "architectures"):
+        base.pop(key, None)
+    base.update(
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_positions,
+    )
+    return Qwen2Config(**base)
+
+
 def config_fingerprint(config: PretrainedConfig) -> str:
     """Stable hash of a model config (goes into checkpoint manifests)."""
     data = config.to_dict()

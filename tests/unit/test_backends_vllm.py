@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 
 from node.backends import GenerationRequest, SamplingConfig, make_backend  # noqa: E402
 from node.backends.base import InferenceBackend, SampleOut  # noqa: E402
-from node.model import CharTokenizer, ModelSpec, tiny_config  # noqa: E402
+from node.model import CharTokenizer, ModelSpec, scaled_config  # noqa: E402
 from node.scoring import score_logprobs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -32,21 +32,10 @@ PROMPTS = ["abc", "a", "dcbadcba", "bd", "abcdabcda", "cab"]
 
 
 def small_qwen(seed: int) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
-    base = tiny_config().to_dict()
-    for key in ("layer_types", "transformers_version", "model_type", "architectures"):
-        base.pop(key, None)
-    base.update(
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=128,
-    )
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(Qwen2Config(**base)).half().eval()
+    return AutoModelForCausalLM.from_config(scaled_config()).half().eval()
 
 
 @pytest.fixture(scope="module")
