@@ -28,8 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _report import markers, write_section  # noqa: E402
+
 MIB = 1 << 20
-START, END = "<!-- bench:broadcast:start -->", "<!-- bench:broadcast:end -->"
+START, END = markers("broadcast")
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, float | int | str]]:
@@ -184,16 +186,7 @@ def write_report(rows: list[dict[str, float | int | str]], args: argparse.Namesp
         if args.note
         else ["", "![broadcast](broadcast.png)", END]
     )
-    path = docs / "benchmarks.md"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = "\n".join(lines)
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        tail = rest.split(END, 1)[1]
-        text = head + section + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
+    write_section("broadcast", "\n".join(lines), docs / "benchmarks.md")
 
 
 def main() -> None:

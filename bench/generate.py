@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -25,6 +24,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _report import write_section  # noqa: E402
 
 from node.backends import GenerationRequest, SamplingConfig  # noqa: E402
 from node.backends.hf import HFBackend  # noqa: E402
@@ -184,20 +185,6 @@ def render(results: list[dict[str, float | str]]) -> str:
     return "\n".join(lines)
 
 
-def write_section(text: str, path: Path, section: str = SECTION) -> None:
-    """Replace (or append) this script's section; re-read right before writing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    current = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(
-        rf"<!-- bench:{section}:start -->.*?<!-- bench:{section}:end -->", re.DOTALL
-    )
-    if pattern.search(current):
-        updated = pattern.sub(lambda _m: text, current)
-    else:
-        updated = current.rstrip("\n") + "\n\n" + text + "\n"
-    path.write_text(updated)
-
-
 def run_gpu(repeats: int) -> str:
     """vLLM vs the hf backend on CUDA (fp16, h256/4-layer random model, 64 prompts x 8 x 64)."""
     import tempfile
@@ -257,7 +244,7 @@ def main() -> None:
         text = run_gpu(args.repeats)
         print(text)
         if not args.no_write:
-            write_section(text, ROOT / "docs" / "benchmarks.md", "generate_gpu")
+            write_section("generate_gpu", text)
         return
     torch.set_num_threads(1)
     results = [
@@ -268,7 +255,7 @@ def main() -> None:
     text = render(results)
     print(text)
     if not args.no_write:
-        write_section(text, ROOT / "docs" / "benchmarks.md")
+        write_section(SECTION, text)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import asyncio
 import itertools
 import os
 import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from _report import write_section
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core import Coordinator
@@ -258,20 +258,6 @@ def render(benches: list[Bench], fractions: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def write_section(text: str, path: Path = DOC) -> None:
-    """Replace (or append) this script's section; re-read right before writing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    current = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(
-        rf"<!-- bench:{SECTION}:start -->.*?<!-- bench:{SECTION}:end -->", re.DOTALL
-    )
-    if pattern.search(current):
-        updated = pattern.sub(lambda _m: text, current)
-    else:
-        updated = current.rstrip("\n") + "\n\n" + text + "\n"
-    path.write_text(updated)
-
-
 async def amain(args: argparse.Namespace) -> str:
     model = build_model(ModelSpec(), seed=VERSION)
     groups = sample_all_prompts(model)
@@ -308,7 +294,7 @@ def main() -> None:
     text = asyncio.run(amain(args))
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section(SECTION, text)
         print(f"\nwrote {DOC} (bench:{SECTION} section)")
 
 

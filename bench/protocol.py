@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _report import write_section
 
 from protocol.codec import decode, encode, frame
 from protocol.envelope import ReplayGuard, open_envelope, seal, verify_envelope
@@ -103,19 +104,8 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        _write_section(text)
+        write_section("protocol", text)
         print(f"\nwrote {DOC}")
-
-
-def _write_section(text: str) -> None:
-    block = f"{START}\n{text}\n{END}"
-    old = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
-    new = (
-        pattern.sub(lambda _: block, old) if pattern.search(old) else f"{old.rstrip()}\n\n{block}\n"
-    )
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(new)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 import sys
 import time
 from collections import deque
@@ -28,6 +27,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _report import write_section  # noqa: E402
 
 from coordinator.tasks import ReverseTask  # noqa: E402
 from node.backends.base import GenerationRequest, SamplingConfig  # noqa: E402
@@ -193,19 +194,6 @@ def default_settings() -> list[Setting]:
     ]
 
 
-def write_section(text: str, path: Path) -> None:
-    """Replace (or append) this script's section of ``path``; other sections are left alone."""
-    start, end = f"<!-- bench:{SECTION}:start -->", f"<!-- bench:{SECTION}:end -->"
-    block = f"{start}\n{text.rstrip()}\n{end}"
-    current = path.read_text() if path.exists() else "# Benchmarks\n"
-    if start in current and end in current:
-        pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
-        current = pattern.sub(lambda _m: block, current)
-    else:
-        current = current.rstrip() + "\n\n" + block + "\n"
-    path.write_text(current)
-
-
 def plot(results: list[Result], path: Path, target: float) -> None:
     import matplotlib
 
@@ -276,7 +264,7 @@ def main() -> None:
     docs = ROOT / "docs"
     docs.mkdir(exist_ok=True)
     plot(results, docs / "staleness.png", args.target)
-    write_section(report(results, args), docs / "benchmarks.md")
+    write_section(SECTION, report(results, args), docs / "benchmarks.md")
 
 
 def report(results: list[Result], args: argparse.Namespace) -> str:
