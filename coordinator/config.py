@@ -7,7 +7,6 @@ Every field has a description (it becomes ``--help`` text); unknown keys are rej
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Literal
 
@@ -249,20 +248,13 @@ class CoordinatorConfig(_Section):
 
 def load_config(path: str | Path) -> CoordinatorConfig:
     """Read and validate a coordinator TOML file; raises :class:`ConfigError` naming the field."""
-    p = Path(path)
+    from swarm.configfile import ConfigFileError, read_toml
+
     try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise ConfigError(f"{p}: no such config file; copy coordinator.example.toml") from exc
-    except IsADirectoryError as exc:
-        raise ConfigError(f"{p}: is a directory; give the TOML config file itself") from exc
-    except OSError as exc:  # permissions, I/O error, ...
-        raise ConfigError(f"{p}: cannot read config file: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{p}: not a text file (not UTF-8): is it the TOML config?") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
-    return parse_config(data, source=str(p))
+        data = read_toml(path, example="coordinator/coordinator.example.toml")
+    except ConfigFileError as exc:
+        raise ConfigError(str(exc)) from exc
+    return parse_config(data, source=str(path))
 
 
 def parse_config(data: dict[str, object], *, source: str = "<config>") -> CoordinatorConfig:

@@ -9,7 +9,6 @@ cross-field rules fail at load with the field named. :func:`load_node_config` ra
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from protocol.identity import parse_fingerprint
+from swarm.configfile import ConfigFileError, read_toml
 
 __all__ = ["MISBEHAVIOURS", "ConfigError", "NodeConfig", "load_node_config", "parse_node_config"]
 
@@ -210,13 +210,9 @@ def load_node_config(
         p = Path(path)
         source = str(p)
         try:
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
-        except FileNotFoundError as exc:
-            raise ConfigError(f"{p}: no such config file; copy node/node.example.toml") from exc
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{p}: cannot read: {exc}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
+            data = read_toml(p, example="node/node.example.toml")
+        except ConfigFileError as exc:
+            raise ConfigError(str(exc)) from exc
     for key, value in (overrides or {}).items():
         if value is not None:
             data[key] = value

@@ -436,28 +436,16 @@ def run_from_cli(
 
 def _cli_config(config: Path | None, *, state_dir: Path | None, max_steps: int | None) -> Any:
     """The TrainerConfig of the TOML file (if any) and the flags; ValueError with one line."""
-    import tomllib
-
     from pydantic import ValidationError
 
+    from swarm.configfile import read_toml
     from trainer.config import TrainerConfig
 
     data: dict[str, Any] = {}
     source = "defaults"
     if config is not None:
         source = str(config)
-        try:
-            data = tomllib.loads(config.read_text(encoding="utf-8"))
-        except FileNotFoundError as exc:
-            raise ValueError(f"{config}: no such config file") from exc
-        except IsADirectoryError as exc:
-            raise ValueError(f"{config}: is a directory; give the TOML config file") from exc
-        except OSError as exc:
-            raise ValueError(f"{config}: cannot read config file: {exc.strerror or exc}") from exc
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{config}: not a text file (not UTF-8)") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"{config}: not valid TOML: {exc}") from exc
+        data = read_toml(config, example="trainer/trainer.example.toml")  # ValueError subclass
     flags: dict[str, tuple[str, Any]] = {"max_steps": ("--max-steps", max_steps)}
     if state_dir is not None:
         flags["out_dir"] = ("--state-dir", str(state_dir))
