@@ -115,6 +115,9 @@ def init_distributed(backend: str | None = None) -> DistContext:
 
 
 def shutdown_distributed() -> None:
-    """Leave the process group (idempotent)."""
+    """Leave the process group (idempotent). All ranks meet at a barrier first: a rank that tears
+    down gloo while a peer still has collectives in flight makes that peer abort (SIGABRT,
+    "terminate called without an active exception")."""
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
