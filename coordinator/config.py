@@ -100,6 +100,23 @@ class IntakeSection(_Section):
         default_factory=_default_tolerances,
         description='Per "backend/dtype" tolerance ("*" matches any backend)',
     )
+    replay_backends: list[str] = Field(
+        default_factory=lambda: ["hf"],
+        description="Backends whose sampler is the reference inverse-CDF sampler: spot checks "
+        "replay each sample's seeded uniforms and refuse tokens they do not give",
+    )
+    sampling_z_max: float = Field(
+        default=6.0,
+        gt=0,
+        description="Refuse spot-checked samples whose summed log-prob lies more than this many "
+        "standard deviations from what sampling at the lease's temperature gives (greedy or "
+        "low-temperature decoding, another sampler)",
+    )
+    suspect_full_check: bool = Field(
+        default=True,
+        description="Check every lease (every sample) of a node with a strike on record, so "
+        "nothing bad of it is accepted after its first detection",
+    )
 
 
 class ReputationSection(_Section):

@@ -105,6 +105,7 @@ class Coordinator:
             secret=store.secret(),
             spot_check_fraction=config.intake.spot_check_fraction,
             spot_check_max_samples=config.intake.spot_check_max_samples,
+            replay_backends=config.intake.replay_backends,
             metrics=self.metrics,
         )
         self._g_active = Gauge(
@@ -282,10 +283,10 @@ class Coordinator:
 
     def _slots(self, lease: LeaseRecord) -> dict[str, PromptSlot]:
         slots = {}
-        for index in lease.prompts:
+        for position, index in enumerate(lease.prompts):
             problem = self.task.problem(index)
             ids = tuple(self.tokenizer.encode_prompt(problem.prompt))
-            slots[problem.prompt_id] = PromptSlot(index, problem, ids)
+            slots[problem.prompt_id] = PromptSlot(index, problem, ids, position)
         return slots
 
     # --- rollouts --------------------------------------------------------------------------------
@@ -378,11 +379,19 @@ class Coordinator:
             vocab_size=self.tokenizer.vocab_size,
             eos_token_id=self.tokenizer.eos_token_id,
             stop_token_ids=frozenset(self.config.sampling.stop_token_ids),
+            suspect=self.config.intake.suspect_full_check and self.reputation.suspect(node_key),
         )
 
     def _closed(self, node_key: bytes, lease: LeaseRecord, digest: bytes) -> Reject:
-        """Every prompt of the lease is already done: duplicate (or late, for an expired lease)."""
-        if lease.state == "expired":
+        """No prompt of the lease is open any more: duplicate (completed lease), or, for an
+        expired lease, stale_epoch (re-issued under a newer epoch) or lease_expired (done)."""
+        if lease.state == "expired" and self.leases.fenced_prompts(lease):
+            exc = Rejection(
+                ReasonCode.STALE_EPOCH,
+                f"lease {lease.lease_id} (epoch {lease.epoch}) expired and its prompts were "
+                "re-issued under a newer epoch; request a new lease",
+            )
+        elif lease.state == "expired":
             exc = Rejection(
                 ReasonCode.LEASE_EXPIRED,
                 f"lease {lease.lease_id} expired and its prompts were completed by other leases",

@@ -5,15 +5,20 @@ before a submission reaches this module (codec, :func:`protocol.envelope.open_en
 :meth:`coordinator.core.Coordinator.open`). This module runs checks 3–7 as small functions, each
 raising :class:`~coordinator.errors.IntakeRejection` with a protocol reason code:
 
-3. :func:`check_groups`      group belongs to the lease, is complete (G samples), no duplicates
-4. :func:`check_version`     claimed policy version published and within S of the current one
+3. :func:`check_groups`      group belongs to the lease, is complete (G samples), no duplicates,
+                             and the submission answers every prompt of the lease
+4. :func:`check_version`     claimed policy version published and within S of the current one;
+   :func:`check_seeds`       every sample names the seed the lease assigns it
 5. :func:`check_sample`      token ids in vocabulary, length within limits, log-probs <= 0,
                              termination legitimate (EOS / stop token last iff "eos"/"stop",
                              length == max_new_tokens iff "length")
 6. :func:`score_rewards`     reward recomputed by the task verifier from the decoded completion
                              (the wire has no reward field at all: a node cannot even claim one)
 7. :meth:`Intake.spot_check` behaviour log-probs of a sampled fraction re-scored at the claimed
-                             version (:class:`LogprobVerifier`), tolerance per (backend, dtype)
+                             version (:class:`LogprobVerifier`), tolerance per (backend, dtype);
+                             the sampling statistic, and for backends with the reference sampler
+                             each token replayed from its seed (``sampling_mismatch``). A node
+                             with a strike on record is checked on every lease, every sample.
 
 A lease is spot-checked when ``HMAC(secret, lease_id) < fraction``: deterministic (a re-sent
 submission gets the same verdict) yet unpredictable for a node, which does not know the secret.
@@ -35,7 +40,9 @@ from coordinator.errors import IntakeRejection
 from coordinator.logprobs import LogprobVerifier, VerifierUnavailable
 from coordinator.store import LeaseRecord
 from coordinator.tasks import Problem, Task
+from node.backends.base import sample_seed
 from node.model import Tokenizer
+from node.rollouts import prompt_seed
 from protocol.errors import ReasonCode
 from protocol.messages import RolloutSubmission, Sample, unpack_logprobs, unpack_tokens
 
@@ -52,6 +59,8 @@ class PromptSlot:
     index: int
     problem: Problem
     token_ids: tuple[int, ...]
+    #: place of the prompt in the lease (seeds are derived from it)
+    position: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,8 @@ class IntakeContext:
     vocab_size: int
     eos_token_id: int
     stop_token_ids: frozenset[int]
+    #: the node has a strike on record: every lease and every sample is re-scored
+    suspect: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,7 @@ class AcceptedSample:
     finish_reason: str
     reward: float
     exact: bool
+    seed: int = 0
 
 
 def _reject(code: ReasonCode, detail: str) -> IntakeRejection:
@@ -109,6 +121,14 @@ def check_groups(sub: RolloutSubmission, ctx: IntakeContext) -> None:
                 f"prompt {group.prompt_id!r}: {len(group.samples)} samples, the lease asks for "
                 f"{ctx.lease.group_size} (send whole groups only)",
             )
+    if len(seen) != len(ctx.slots):
+        # A node answers the whole lease: dropping the prompts it finds hard (and keeping the
+        # easy ones) would bias what the learner sees.
+        raise _reject(
+            ReasonCode.INCOMPLETE_GROUP,
+            f"the submission answers {len(seen)} of the {len(ctx.slots)} prompts of lease "
+            f"{ctx.lease.lease_id}; send every prompt of the lease",
+        )
 
 
 # --- check 4 ----------------------------------------------------------------------------------
@@ -129,6 +149,27 @@ def check_version(sub: RolloutSubmission, ctx: IntakeContext) -> None:
             f"lease {ctx.lease.lease_id} is for policy version {ctx.lease.version}, "
             f"the submission claims {v}",
         )
+
+
+# --- check 4b ---------------------------------------------------------------------------------
+def check_seeds(sub: RolloutSubmission, ctx: IntakeContext) -> None:
+    """Every sample names the seed the lease assigns it (the spot check replays those seeds)."""
+    for group in sub.groups:
+        position = ctx.slots[group.prompt_id].position
+        for j, sample in enumerate(group.samples):
+            want = expected_seed(ctx.lease.epoch, position, j)
+            if sample.seed != want:
+                raise _reject(
+                    ReasonCode.SAMPLING_MISMATCH,
+                    f"prompt {group.prompt_id!r} sample {j}: seed {sample.seed}, the lease "
+                    f"assigns {want} (samples are drawn from the lease's seeds, not chosen)",
+                )
+
+
+def expected_seed(lease_seed: int, position: int, sample_index: int) -> int:
+    """The seed the lease assigns to sample ``sample_index`` of its ``position``-th prompt
+    (the node derives it the same way: :func:`node.rollouts.lease_requests`)."""
+    return sample_seed(prompt_seed(lease_seed, position), sample_index)
 
 
 # --- check 5 ----------------------------------------------------------------------------------
@@ -215,6 +256,7 @@ class Intake:
         secret: bytes,
         spot_check_fraction: float,
         spot_check_max_samples: int,
+        replay_backends: Sequence[str] = ("hf",),
         metrics: IntakeMetrics | None = None,
     ) -> None:
         self.task = task
@@ -223,6 +265,7 @@ class Intake:
         self.secret = secret
         self.fraction = spot_check_fraction
         self.max_samples = spot_check_max_samples
+        self.replay_backends = frozenset(replay_backends)
         self.metrics = metrics or IntakeMetrics()
 
     def _u(self, label: str) -> float:
@@ -236,6 +279,7 @@ class Intake:
     async def verify(self, sub: RolloutSubmission, ctx: IntakeContext) -> list[AcceptedSample]:
         check_groups(sub, ctx)
         check_version(sub, ctx)
+        check_seeds(sub, ctx)
         Row = tuple[list[int], list[float], str]
         unpacked: list[list[Row]] = []
         for group in sub.groups:
@@ -269,21 +313,32 @@ class Intake:
                         finish,
                         reward,
                         exact,
+                        expected_seed(ctx.lease.epoch, slot.position, j),
                     )
                 )
-        if accepted and self.spot_checked(ctx.lease.lease_id):
-            await self.spot_check(sub, ctx.lease.lease_id, accepted)
+        suspect = ctx.suspect and self.verifier is not None
+        if accepted and (suspect or self.spot_checked(ctx.lease.lease_id)):
+            await self.spot_check(sub, ctx.lease, accepted, every_sample=suspect)
         return accepted
 
     async def spot_check(
-        self, sub: RolloutSubmission, lease_id: str, samples: Sequence[AcceptedSample]
+        self,
+        sub: RolloutSubmission,
+        lease: LeaseRecord,
+        samples: Sequence[AcceptedSample],
+        *,
+        every_sample: bool = False,
     ) -> None:
-        """Check 7: re-score a deterministic, secret-keyed subset of ``samples``."""
+        """Check 7: re-score a deterministic, secret-keyed subset of ``samples`` (all of them for
+        a suspect node): claimed log-probs, the sampling statistic and, for replayable
+        backends, each token against the sample's seeded uniform."""
         assert self.verifier is not None
+        lease_id = lease.lease_id
         ranked = sorted(
             samples, key=lambda s: self._u(f"pick:{lease_id}:{s.prompt_index}:{s.sample_index}")
         )
-        picked = [s for s in ranked[: self.max_samples] if s.completion_tokens]
+        chosen = ranked if every_sample else ranked[: self.max_samples]
+        picked = [s for s in chosen if s.completion_tokens]
         if not picked:
             return
         try:
@@ -294,6 +349,8 @@ class Intake:
                 [s.logprobs for s in picked],
                 backend=sub.backend,
                 dtype=sub.dtype,
+                seeds=[s.seed for s in picked] if sub.backend in self.replay_backends else None,
+                steps=lease.max_new_tokens,
             )
         except VerifierUnavailable as exc:
             # The reference weights are not here (yet): the node is not at fault, so the lease is
@@ -303,4 +360,4 @@ class Intake:
             return
         self.metrics.spot_checks.labels(result="pass" if verdict.ok else "fail").inc()
         if not verdict.ok:
-            raise _reject(ReasonCode.LOGPROB_MISMATCH, verdict.detail)
+            raise _reject(verdict.code, verdict.detail)

@@ -13,8 +13,11 @@ Prompt choice is the coordinator's: re-queued prompts first (lowest index first)
 from a persistent, monotonically increasing cursor. A prompt index yields **at most one accepted
 group**, whichever valid result arrives first from a lease that was issued that prompt:
 
-* a late result of an *expired* lease is accepted for the prompts nobody has completed yet (once:
-  the prompts are then marked done); prompts already completed elsewhere answer ``duplicate``;
+* a late result of an *expired* lease is accepted for the prompts nobody has completed yet and
+  that were not re-issued (once: the prompts are then marked done). A prompt re-issued to a newer
+  lease is fenced: the newer lease's epoch holds it, and the late result for it is refused with
+  ``stale_epoch`` (no strike: a slow node is not a dishonest one). Prompts completed elsewhere
+  answer ``lease_expired``;
 * a *released* lease's results are refused (``lease_expired``): the node gave the work back;
 * an identical re-sent submission gets the stored verdict (see :mod:`coordinator.core`).
 
@@ -172,11 +175,25 @@ class LeaseManager:
         return lease
 
     def open_prompts(self, lease: LeaseRecord) -> set[int]:
-        """Prompts of ``lease`` for which a result is still accepted (nobody completed them yet)."""
+        """Prompts of ``lease`` for which a result is still accepted: nobody completed them yet
+        and (for an expired lease) they were not re-issued to a newer lease (the fence)."""
         if lease.state == "released":
             return set()
         states = self.store.prompt_states(lease.prompts)
-        return {p for p in lease.prompts if states.get(p, ("done", ""))[0] != "done"}
+        return {
+            p
+            for p in lease.prompts
+            if (st := states.get(p, ("done", "")))[0] != "done" and st[1] == lease.lease_id
+        }
+
+    def fenced_prompts(self, lease: LeaseRecord) -> set[int]:
+        """Prompts of an expired ``lease`` not done yet but re-issued to a newer lease."""
+        states = self.store.prompt_states(lease.prompts)
+        return {
+            p
+            for p in lease.prompts
+            if (st := states.get(p, ("done", "")))[0] != "done" and st[1] != lease.lease_id
+        }
 
     def record_result(
         self, lease: LeaseRecord, prompts: Sequence[int], *, tokens: int, samples: int

@@ -1,7 +1,7 @@
 """Behaviour log-prob spot check (DESIGN.md §7, check 7): the interface and an in-process verifier.
 
 :class:`LogprobVerifier` is what the intake calls; :class:`InProcessLogprobVerifier` re-scores with
-:func:`node.scoring.score_logprobs` on a model held by the coordinator (a cache of the last
+:func:`node.scoring.audit_samples` on a model held by the coordinator (a cache of the last
 ``S + 1`` versions) and compares with a tolerance chosen per ``(backend, dtype)``:
 
 * ``max_abs``: largest ``|Δ|`` over all tokens (fp32 on CPU is near exact: 1e-3);
@@ -16,13 +16,16 @@ import math
 import statistics
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from coordinator.config import Tolerance
+from protocol.errors import ReasonCode
 
-ScoreFn = Callable[..., list[list[float]]]
+if TYPE_CHECKING:
+    from node.scoring import SampleAudit
+
 ModelLoader = Callable[[int], Any]
 
 
@@ -37,6 +40,8 @@ class LogprobVerdict:
     value: float
     threshold: float
     detail: str
+    #: the reason code of a failed check (``logprob_mismatch`` or ``sampling_mismatch``)
+    code: ReasonCode = ReasonCode.LOGPROB_MISMATCH
 
 
 class LogprobVerifier(Protocol):
@@ -51,6 +56,8 @@ class LogprobVerifier(Protocol):
         *,
         backend: str = "hf",
         dtype: str = "float32",
+        seeds: list[int] | None = None,
+        steps: int | None = None,
     ) -> LogprobVerdict: ...
 
 
@@ -76,8 +83,38 @@ def deviation(metric: str, claimed: list[list[float]], reference: list[list[floa
     return statistics.median(math.exp(min(d, 700.0)) for d in deltas) - 1.0
 
 
+#: Probability mass by which a replayed token's CDF interval is widened (float rounding between
+#: the node's forward pass and ours), and the share of replayed tokens allowed to miss, per dtype.
+REPLAY_SLACK: dict[str, tuple[float, float]] = {
+    "float32": (1e-3, 0.0),
+    "bfloat16": (2e-2, 0.02),
+    "float16": (1e-2, 0.02),
+}
+
+
+def sampling_z(audits: Sequence[SampleAudit]) -> float:
+    """How many standard deviations Σ log p(token) lies from its expectation under honest
+    sampling (positive: likelier tokens than sampling gives, as greedy decoding produces)."""
+    total = sum(sum(a.logprobs) for a in audits)
+    mean = -sum(a.entropy for a in audits)
+    var = sum(a.variance for a in audits)
+    if var <= 1e-12:
+        return 0.0
+    return (total - mean) / math.sqrt(var)
+
+
 class InProcessLogprobVerifier:
-    """Scores on a CPU/GPU model in this process; models are loaded on demand and cached."""
+    """Scores on a CPU/GPU model in this process; models are loaded on demand and cached.
+
+    One forward pass per check gives three tests, cheapest verdict first:
+
+    1. claimed vs re-scored log-probs within the ``(backend, dtype)`` tolerance
+       (``logprob_mismatch``: fabricated log-probs, another model or version);
+    2. the sampling statistic :func:`sampling_z` within ``±z_max`` (``sampling_mismatch``: greedy
+       or low-temperature decoding, another sampler — the log-probs alone can be honest);
+    3. with ``seeds`` (backends with the reference inverse-CDF sampler), every token is the draw
+       of its seeded uniform (``sampling_mismatch``: re-drawn or cherry-picked samples).
+    """
 
     def __init__(
         self,
@@ -89,14 +126,14 @@ class InProcessLogprobVerifier:
         top_p: float = 1.0,
         top_k: int = 0,
         pad_id: int = 0,
-        score_fn: ScoreFn | None = None,
+        z_max: float = 6.0,
     ) -> None:
         self.model_loader = model_loader
         self.tolerances = dict(tolerances)
         self.cache_size = max(1, cache_size)
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.pad_id = pad_id
-        self._score_fn = score_fn
+        self.z_max = z_max
         self._models: OrderedDict[int, Any] = OrderedDict()
         self._lock = threading.Lock()  # one scoring at a time; torch threads are set by the caller
 
@@ -113,23 +150,32 @@ class InProcessLogprobVerifier:
     def cached_versions(self) -> list[int]:
         return list(self._models)
 
-    def _score(
-        self, version: int, prompt_ids: list[list[int]], completions: list[list[int]]
-    ) -> list[list[float]]:
-        score = self._score_fn
-        if score is None:
-            from node.scoring import score_logprobs
+    def _audit(
+        self,
+        version: int,
+        prompt_ids: list[list[int]],
+        completions: list[list[int]],
+        seeds: list[int] | None,
+        steps: int | None,
+        slack: float,
+    ) -> list[SampleAudit]:
+        from node.scoring import audit_samples, sample_uniforms
 
-            score = score_logprobs
+        uniforms = None
+        if seeds is not None:
+            width = max([steps or 0, *map(len, completions)])
+            uniforms = [sample_uniforms(seed, width) for seed in seeds]
         with self._lock:
             model = self._model(version)
-            return score(
+            return audit_samples(
                 model,
                 prompt_ids,
                 completions,
                 self.temperature,
                 top_p=self.top_p,
                 top_k=self.top_k,
+                uniforms=uniforms,
+                slack=slack,
                 pad_id=self.pad_id,
             )
 
@@ -142,14 +188,46 @@ class InProcessLogprobVerifier:
         *,
         backend: str = "hf",
         dtype: str = "float32",
+        seeds: list[int] | None = None,
+        steps: int | None = None,
     ) -> LogprobVerdict:
-        reference = await asyncio.to_thread(self._score, version, prompt_ids, completions)
-        tol = tolerance_for(self.tolerances, backend, dtype)
-        value = deviation(tol.metric, claimed_logprobs, reference)
-        ok = value <= tol.threshold
-        detail = (
-            f"{tol.metric}={value:.3g} over {sum(map(len, completions))} tokens of "
-            f"{len(completions)} samples at version {version} ({backend}/{dtype} limit "
-            f"{tol.threshold:g})"
+        if seeds is not None and len(seeds) != len(completions):
+            raise ValueError(f"{len(seeds)} seeds for {len(completions)} completions")
+        slack, miss_share = REPLAY_SLACK.get(dtype, REPLAY_SLACK["bfloat16"])
+        audits = await asyncio.to_thread(
+            self._audit, version, prompt_ids, completions, seeds, steps, slack
         )
-        return LogprobVerdict(ok, tol.metric, value, tol.threshold, detail)
+        n_tokens = sum(map(len, completions))
+        where = f"{n_tokens} tokens of {len(completions)} samples at version {version}"
+        tol = tolerance_for(self.tolerances, backend, dtype)
+        value = deviation(tol.metric, claimed_logprobs, [a.logprobs for a in audits])
+        if value > tol.threshold:
+            return LogprobVerdict(
+                False, tol.metric, value, tol.threshold,
+                f"{tol.metric}={value:.3g} over {where} ({backend}/{dtype} limit "
+                f"{tol.threshold:g})",
+            )  # fmt: skip
+        z = sampling_z(audits)
+        if abs(z) > self.z_max:
+            what = "likelier" if z > 0 else "less likely"
+            return LogprobVerdict(
+                False, "sampling_z", z, self.z_max,
+                f"the tokens are {what} than sampling at temperature {self.temperature:g} gives "
+                f"(z={z:.1f}, limit ±{self.z_max:g}) over {where}: greedy or another sampler",
+                ReasonCode.SAMPLING_MISMATCH,
+            )  # fmt: skip
+        if seeds is not None:
+            misses = sum(a.replay_misses or 0 for a in audits)
+            allowed = math.floor(miss_share * n_tokens)
+            if misses > allowed:
+                return LogprobVerdict(
+                    False, "replay_misses", float(misses), float(allowed),
+                    f"{misses} of {n_tokens} tokens are not the draws of the lease's seeds "
+                    f"(limit {allowed}) at version {version}: samples re-drawn, chosen or "
+                    "decoded another way",
+                    ReasonCode.SAMPLING_MISMATCH,
+                )  # fmt: skip
+        return LogprobVerdict(
+            True, tol.metric, value, tol.threshold,
+            f"{tol.metric}={value:.3g}, z={z:.1f} over {where} ({backend}/{dtype})",
+        )  # fmt: skip

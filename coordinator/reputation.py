@@ -4,7 +4,9 @@ A failed check that is the node's fault (see :data:`coordinator.errors.NO_STRIKE
 are not) adds a strike. ``strikes_to_ban`` live strikes (newer than ``strike_window_s``, not
 consumed by an earlier ban) ban the identity for ``ban_s = base · 2^(bans − 1)``, capped at
 ``ban_max_s``; the strikes are consumed, so the next ban needs fresh ones and lasts twice as long.
-While a ban is in force no strikes are recorded (the node is refused anyway).
+While a ban is in force no strikes are recorded (the node is refused anyway). A node with any
+strike or ban on record is a *suspect*: the intake re-scores every sample of every lease it
+submits (``intake.suspect_full_check``), so nothing bad of it is accepted after its first detection.
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ class Reputation:
         if row is None or row[1] <= now:
             return None
         return Ban(until=row[1], count=row[0], reason=row[2])
+
+    def suspect(self, node_key: bytes) -> bool:
+        """Has the node ever been struck or banned? (Its work is then checked in full.)"""
+        return self.store.has_record(node_key)
 
     def strikes(self, node_key: bytes) -> dict[str, int]:
         """All strikes ever recorded for the node, per reason code."""

@@ -109,6 +109,10 @@ class CoordinatorService:
         self._records_soon = asyncio.Event()
         self._trainer_gauges: TrainerGauges | None = None
         self._version_tasks: dict[int, asyncio.Task[None]] = {}
+        self.verifier: InProcessLogprobVerifier | None = None
+        #: version -> model built for spot checks before the first one needs it (see _preload)
+        self._preloaded: dict[int, Any] = {}
+        self._preload_tasks: set[asyncio.Task[None]] = set()
         self._seeders: dict[int, str] = {}
         self._upkeep: asyncio.Task[None] | None = None
         self._started_at = time.time()
@@ -146,7 +150,9 @@ class CoordinatorService:
             top_p=cfg.sampling.top_p,
             top_k=cfg.sampling.top_k,
             pad_id=tokenizer.pad_token_id,
+            z_max=cfg.intake.sampling_z_max,
         )
+        self.verifier = verifier
         self.core = Coordinator(
             cfg,
             store=store,
@@ -169,6 +175,7 @@ class CoordinatorService:
         )
         await self.broadcast.start()
         self._resume_versions()
+        await self._warm_verifier()
         await self.register_handlers(self.transport)
         self.multiaddrs = await self.peer.visible_maddrs()
         self.http = StatusHttpServer(
@@ -211,7 +218,7 @@ class CoordinatorService:
             self._upkeep.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._upkeep
-        for task in self._version_tasks.values():
+        for task in [*self._version_tasks.values(), *self._preload_tasks]:
             task.cancel()
         if self.broadcast is not None:
             with contextlib.suppress(Exception):
@@ -259,7 +266,7 @@ class CoordinatorService:
     def status(self) -> dict[str, Any]:
         """The ``/status`` document (also served over ``rswarm/status``)."""
         assert self.core is not None
-        return build_status(
+        status = build_status(
             self.core,
             fingerprint=self.fingerprint,
             peer_id=self.peer_id,
@@ -267,6 +274,8 @@ class CoordinatorService:
             trainer_stats=self.trainer_stats,
             broadcast=self.broadcast,
         )
+        status["versions_loaded"] = self.loaded_versions()  # ready for log-prob spot checks
+        return status
 
     # --- handlers --------------------------------------------------------------------------------
     def _open(self, request: bytes, type_: type[M]) -> tuple[bytes, M]:
@@ -389,12 +398,58 @@ class CoordinatorService:
         # T_bcast estimate for the capacity rule: a running mean of what a fetch takes here.
         self.core.t_bcast_s = 0.7 * self.core.t_bcast_s + 0.3 * elapsed
         log.info("holding policy v%d (fetched in %.2fs)", version, elapsed)
+        # Its own task: submissions waiting for this one (see _on_submit) need the weights on
+        # disk, not the model built.
+        task = asyncio.create_task(self._preload(version), name=f"preload-v{version}")
+        self._preload_tasks.add(task)
+        task.add_done_callback(self._preload_tasks.discard)
         for old in [v for v in self._version_tasks if v < version - self.config.staleness_bound]:
             self._version_tasks.pop(old, None)
             self._seeders.pop(old, None)
 
+    # --- models for the log-prob spot check ------------------------------------------------------
+    def loaded_versions(self) -> list[int]:
+        """Versions whose model is ready for spot checks (preloaded or in the verifier's cache)."""
+        cached = self.verifier.cached_versions() if self.verifier is not None else []
+        return sorted(set(self._preloaded) | set(cached))
+
+    async def _warm_verifier(self) -> None:
+        """Before serving: import the model stack (seconds of GIL-bound work: transformers and
+        the architecture's modules) and load the usable versions already held. Done lazily, the
+        first spot check after a (re)start waited for it inside a submission, and the import in
+        a worker thread starved the event loop, so every answer slowed down meanwhile."""
+        if self.config.intake.spot_check_fraction <= 0:
+            return
+        assert self.broadcast is not None and self.core is not None
+        await asyncio.to_thread(_import_model_stack, _model_spec(self.config))
+        for version in self.core.store.versions()[-(self.config.staleness_bound + 1) :]:
+            if self.broadcast.store.is_complete(version):
+                await self._preload(version)
+
+    async def _preload(self, version: int) -> None:
+        """Build the spot-check model of a held ``version`` now, in a worker thread, so the first
+        submission drawn for a spot check at that version does not wait for it."""
+        if self.config.intake.spot_check_fraction <= 0 or version in self.loaded_versions():
+            return
+        assert self.core is not None
+        try:
+            model = await asyncio.to_thread(self._build_model, version)
+        except Exception as exc:  # the spot check loads it itself (or is skipped, and counted)
+            log.warning("could not preload policy v%d for spot checks: %s", version, exc)
+            return
+        self._preloaded[version] = model
+        usable = set(self.core.store.versions()[-(self.config.staleness_bound + 1) :])
+        for old in [v for v in self._preloaded if v not in usable]:
+            self._preloaded.pop(old, None)
+
     def _load_model(self, version: int) -> Any:
-        """Model loader of the log-prob verifier: weights of ``version`` from the local store."""
+        """Model loader of the log-prob verifier (runs in its worker thread): the preloaded model
+        of ``version``, else its weights from the local store."""
+        model = self._preloaded.pop(version, None)
+        return model if model is not None else self._build_model(version)
+
+    def _build_model(self, version: int) -> Any:
+        """The model at ``version`` from the weights in the local chunk store."""
         assert self.broadcast is not None
         from node.model import build_model, load_weights
         from swarm.checkpoint_io import files_to_state_dict
@@ -479,6 +534,16 @@ def _answering(
             )  # fmt: skip
 
     return wrapped
+
+
+def _import_model_stack(spec: Any) -> None:
+    """Import what building and scoring the model of ``spec`` needs, without building it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    import node.scoring  # noqa: F401  (the re-scoring code and its torch imports)
+    from node.model import load_config
+
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(load_config(spec))]  # imports the architecture's modules
 
 
 def _model_spec(cfg: CoordinatorConfig) -> Any:

@@ -404,6 +404,14 @@ class Store:
         sql = "SELECT reason, COUNT(*) FROM strikes WHERE node_key=? GROUP BY reason"
         return {str(r): int(n) for r, n in self._all(sql, (node_key,))}
 
+    def has_record(self, node_key: bytes) -> bool:
+        """Any strike or ban ever recorded for ``node_key`` (one indexed lookup each)."""
+        sql = (
+            "SELECT EXISTS (SELECT 1 FROM strikes WHERE node_key=?)"
+            " OR EXISTS (SELECT 1 FROM bans WHERE node_key=?)"
+        )
+        return bool(self._all(sql, (node_key, node_key))[0][0])
+
     def consume_strikes(self, node_key: bytes) -> None:
         with self.transaction():
             self._exec("UPDATE strikes SET consumed=1 WHERE node_key=?", (node_key,))

@@ -4,6 +4,9 @@ transform.
 :func:`processed_logprobs` is the one definition of "the exact sampling distribution" (fp32
 temperature, then top-k, then top-p on the raw logits); the ``hf`` backend samples from it and
 :func:`score_logprobs` re-scores with it, so the coordinator's spot check compares like with like.
+:func:`sample_uniforms` gives a sample's seeded uniforms (the ``hf`` backend draws token ``t`` at
+``u[t]`` by inverse CDF); :func:`audit_samples` re-scores and also measures how completions were
+sampled (the expected log-likelihood under honest sampling, and the seeded replay).
 
 Batching: sequences ``prompt + completion`` are left-padded, ``position_ids = cumsum(mask) - 1``
 (pads at 0), one forward per micro-batch, fp32 log-softmax of the raw logits.
@@ -11,6 +14,8 @@ Batching: sequences ``prompt + completion`` are left-padded, ``position_ids = cu
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,6 +75,62 @@ def left_pad(
     return ids.to(device), mask.to(device), position_ids.to(device)
 
 
+def sample_uniforms(seed: int, steps: int) -> torch.Tensor:
+    """The ``steps`` uniforms of a sample seeded ``seed``: token ``t`` is the inverse-CDF draw at
+    ``u[t]`` of the sampling distribution (the ``hf`` backend samples with these; the
+    coordinator replays them in its spot check)."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    return torch.rand(steps, generator=gen)
+
+
+@dataclass(frozen=True)
+class SampleAudit:
+    """What re-scoring one completion tells about it (see :func:`audit_samples`)."""
+
+    #: log p of each completion token under the sampling distribution
+    logprobs: list[float]
+    #: Σ_t H_t: the expected Σ_t log p(token) under honest sampling is ``-entropy``
+    entropy: float
+    #: Σ_t Var_t[log p(token)] under honest sampling
+    variance: float
+    #: tokens that are not the inverse-CDF draw at the sample's uniform (None: not replayed)
+    replay_misses: int | None
+
+
+def _windows(
+    model: PreTrainedModel,
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    batch_size: int,
+    pad_id: int,
+) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor, int]]:
+    """Per micro-batch: ``(rows, logp [B, T, V], targets [B, T], T)`` where row ``k``'s
+    completion is right-aligned in the ``T = longest`` window (one forward per micro-batch)."""
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
+    if any(not p for p in prompt_ids):
+        raise ValueError("every prompt must have at least one token")
+    device = next(model.parameters()).device
+    todo = [i for i, c in enumerate(completion_ids) if c]
+    for start in range(0, len(todo), max(1, batch_size)):
+        rows = todo[start : start + batch_size]
+        seqs = [list(prompt_ids[i]) + list(completion_ids[i]) for i in rows]
+        ids, mask, pos = left_pad(seqs, pad_id, device)
+        width = ids.shape[1]
+        longest = max(len(completion_ids[i]) for i in rows)
+        with torch.inference_mode():
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+            # logits at t predict token t+1: the last `longest` tokens are predicted by the
+            # window [width-longest-1, width-1); each completion is right-aligned in it.
+            window = logits[:, width - longest - 1 : width - 1, :]
+            logp = processed_logprobs(window, temperature, top_p, top_k)
+            yield rows, logp, ids[:, width - longest :], longest
+
+
 def score_logprobs(
     model: PreTrainedModel,
     prompt_ids: list[list[int]],
@@ -87,28 +148,63 @@ def score_logprobs(
     Batched and left-padded; every prompt must be non-empty; an empty completion gives ``[]``.
     The model is used as is (device, dtype, train/eval mode); log-softmax is computed in fp32.
     """
-    if len(prompt_ids) != len(completion_ids):
-        raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
-    if any(not p for p in prompt_ids):
-        raise ValueError("every prompt must have at least one token")
-    device = next(model.parameters()).device
     out: list[list[float]] = [[] for _ in prompt_ids]
-    todo = [i for i, c in enumerate(completion_ids) if c]
-    for start in range(0, len(todo), max(1, batch_size)):
-        rows = todo[start : start + batch_size]
-        seqs = [list(prompt_ids[i]) + list(completion_ids[i]) for i in rows]
-        ids, mask, pos = left_pad(seqs, pad_id, device)
-        width = ids.shape[1]
-        longest = max(len(completion_ids[i]) for i in rows)
-        with torch.inference_mode():
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-            # logits at t predict token t+1: the last `longest` tokens are predicted by the
-            # window [width-longest-1, width-1); each completion is right-aligned in it.
-            window = logits[:, width - longest - 1 : width - 1, :]
-            logp = processed_logprobs(window, temperature, top_p, top_k)
-            targets = ids[:, width - longest :]
-            picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).cpu().tolist()
+    for rows, logp, targets, longest in _windows(
+        model, prompt_ids, completion_ids, temperature, top_p, top_k, batch_size, pad_id
+    ):
+        picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).cpu().tolist()
+        for k, i in enumerate(rows):
+            out[i] = picked[k][longest - len(completion_ids[i]) :]
+    return out
+
+
+def audit_samples(
+    model: PreTrainedModel,
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    temperature: float = 1.0,
+    *,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    uniforms: list[torch.Tensor] | None = None,
+    slack: float = 1e-3,
+    batch_size: int = 32,
+    pad_id: int = 0,
+) -> list[SampleAudit]:
+    """Re-score completions (as :func:`score_logprobs`) and measure how they were sampled.
+
+    * ``entropy``/``variance``: the mean and variance of Σ_t log p(token) under honest sampling
+      from the same distribution; a greedy or low-temperature sampler lands far above the mean.
+    * with ``uniforms`` (one tensor per completion, at least as long as it): token ``t`` must be
+      the inverse-CDF draw at ``u[t]``, i.e. ``cdf[k-1] <= u·total < cdf[k]``, each bound widened
+      by ``slack`` probability mass for float rounding between the node's and this forward pass.
+    """
+    out: list[SampleAudit | None] = [None] * len(prompt_ids)
+    for rows, logp, targets, longest in _windows(
+        model, prompt_ids, completion_ids, temperature, top_p, top_k, batch_size, pad_id
+    ):
+        probs = logp.exp()
+        finite = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
+        ent = -(probs * finite).sum(-1)  # [B, T]
+        second = (probs * finite * finite).sum(-1)
+        var = (second - ent * ent).clamp_min(0.0)
+        picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        cdf = probs.cumsum(-1)
+        hi = cdf.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        lo = hi - probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        total = cdf[..., -1]
         for k, i in enumerate(rows):
             n = len(completion_ids[i])
-            out[i] = picked[k][longest - n :]
-    return out
+            sl = slice(longest - n, longest)
+            misses: int | None = None
+            if uniforms is not None:
+                v = uniforms[i][:n].to(total.device) * total[k, sl]
+                ok = (v >= lo[k, sl] - slack) & (v < hi[k, sl] + slack)
+                misses = int((~ok).sum())
+            out[i] = SampleAudit(
+                logprobs=picked[k, sl].cpu().tolist(),
+                entropy=float(ent[k, sl].sum()),
+                variance=float(var[k, sl].sum()),
+                replay_misses=misses,
+            )
+    return [a or SampleAudit([], 0.0, 0.0, 0 if uniforms is not None else None) for a in out]

@@ -61,6 +61,7 @@ class ReasonCode(StrEnum):
     LENGTH_EXCEEDED = "length_exceeded"
     BAD_TERMINATION = "bad_termination"
     LOGPROB_MISMATCH = "logprob_mismatch"
+    SAMPLING_MISMATCH = "sampling_mismatch"
     REWARD_MISMATCH = "reward_mismatch"
     DUPLICATE = "duplicate"
     # checkpoints

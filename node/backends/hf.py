@@ -34,7 +34,7 @@ from node.backends.base import (
     sample_seed,
 )
 from node.model import ModelSpec, build_model, load_weights
-from node.scoring import cache_kwarg, processed_logprobs
+from node.scoring import cache_kwarg, processed_logprobs, sample_uniforms
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -174,11 +174,9 @@ class HFBackend(InferenceBackend):
         # ---- per-sample uniforms: independent of batch composition and of n
         uniforms = torch.empty((n_rows, steps), dtype=torch.float32)
         row = 0
-        gen = torch.Generator(device="cpu")
         for req in requests:
             for j in range(req.n):
-                gen.manual_seed(sample_seed(req.seed, j))
-                uniforms[row] = torch.rand(steps, generator=gen)
+                uniforms[row] = sample_uniforms(sample_seed(req.seed, j), steps)
                 row += 1
         uniforms = uniforms.to(dev)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core import Coordinator
+from coordinator.intake import expected_seed
 from coordinator.logprobs import LogprobVerifier
 from coordinator.store import Store
 from coordinator.tasks import ReverseTask
@@ -165,7 +166,7 @@ def submission(
                     token_ids=pack_tokens(toks),
                     logprobs=pack_logprobs(lps),
                     finish_reason=finish,  # type: ignore[arg-type]
-                    seed=si,
+                    seed=expected_seed(lease.sampling.seed, gi, si),
                 )
             )
         groups.append(GroupResult(prompt_id=lease.prompts[gi].prompt_id, samples=rows))
@@ -176,5 +177,52 @@ def submission(
         backend="hf",
         dtype="float32",
         groups=groups,
+        timings=Timings(started_at=0.0, finished_at=1.0, generate_s=1.0),
+    )
+
+
+def sampled(
+    lease: Lease,
+    model: Any,
+    *,
+    greedy: bool = False,
+    seed_offset: int = 0,
+) -> RolloutSubmission:
+    """The honest submission of ``lease`` sampled with the ``hf`` backend on ``model``, built as
+    the node worker builds it. ``greedy`` decodes with top-k 1 and ``seed_offset`` draws from
+    other seeds; both then report the honest log-probs of the lease's sampling distribution,
+    so only the sampling audit can tell (what a careful cheat would do)."""
+    import dataclasses
+
+    from node.backends.hf import HFBackend
+    from node.rollouts import build_submission, lease_requests, to_sampling_config
+    from node.scoring import score_logprobs
+
+    backend = HFBackend(model=model, device="cpu")
+    requests = lease_requests(lease)
+    honest_requests = requests
+    if seed_offset:
+        requests = [dataclasses.replace(r, seed=r.seed + seed_offset) for r in requests]
+    sampling = to_sampling_config(lease)
+    if greedy:
+        sampling = dataclasses.replace(sampling, top_k=1)
+    outs = backend.generate(requests, sampling)
+    if greedy or seed_offset:
+        s = lease.sampling
+        for req, group in zip(requests, outs, strict=True):
+            comps = [o.token_ids for o in group]
+            lps = score_logprobs(
+                model, [req.prompt_token_ids] * len(comps), comps, s.temperature,
+                top_p=s.top_p, top_k=s.top_k,
+            )  # fmt: skip
+            for o, lp in zip(group, lps, strict=True):
+                o.logprobs[:] = lp
+    return build_submission(
+        lease,
+        honest_requests,
+        outs,
+        set(backend.eos_token_ids),
+        backend="hf",
+        dtype="float32",
         timings=Timings(started_at=0.0, finished_at=1.0, generate_s=1.0),
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from coord_harness import TOK, Harness, answer, submission
+from coord_harness import TOK, Harness, answer, sampled, submission
 
 from coordinator.errors import Rejection
 from coordinator.logprobs import InProcessLogprobVerifier, deviation
@@ -15,7 +15,7 @@ from protocol.codec import decode, encode
 from protocol.envelope import seal
 from protocol.errors import ProtocolError, ReasonCode
 from protocol.identity import Identity
-from protocol.messages import Ack, Reject, RolloutSubmission, unpack_tokens
+from protocol.messages import Ack, Reject, RolloutSubmission, pack_logprobs, unpack_tokens
 
 
 @pytest.fixture
@@ -175,7 +175,6 @@ async def test_fabricated_logprobs_caught_by_spot_check(tmp_path: Path) -> None:
     import torch
 
     from node.model import ModelSpec, build_model
-    from node.scoring import score_logprobs
 
     torch.set_num_threads(1)
     model = build_model(ModelSpec(), seed=0)
@@ -192,16 +191,26 @@ async def test_fabricated_logprobs_caught_by_spot_check(tmp_path: Path) -> None:
     h.publish(1)
     node = h.node()
     lease = h.lease(node, max_prompts=2)
-    prompts = [unpack_tokens(p.token_ids) for p in lease.prompts]
-    comps = [[answer(lease, i)] * 2 for i in range(2)]
-    honest = [[score_logprobs(model, [prompts[i]], [c])[0] for c in comps[i]] for i in range(2)]
-    fake = [[[-0.01] * len(c) for c in comps[i]] for i in range(2)]
-    verdict = await h.core.submit(
-        node.public_key, submission(lease, completions=comps, logprobs=fake)
+    honest = sampled(lease, model)
+    fake = msgspec.structs.replace(
+        honest,
+        groups=[
+            msgspec.structs.replace(
+                g,
+                samples=[
+                    msgspec.structs.replace(
+                        s, logprobs=pack_logprobs([-0.01] * len(unpack_tokens(s.token_ids)))
+                    )
+                    for s in g.samples
+                ],
+            )
+            for g in honest.groups
+        ],
     )
+    verdict = await h.core.submit(node.public_key, fake)
     assert isinstance(verdict, Reject) and verdict.code is ReasonCode.LOGPROB_MISMATCH
     assert h.store.rollout_count() == 0
-    ok = await h.core.submit(node.public_key, submission(lease, completions=comps, logprobs=honest))
+    ok = await h.core.submit(node.public_key, honest)
     assert isinstance(ok, Ack), ok
     assert loaded == [1]  # the model for version 1 was loaded once and cached
     assert verifier.cached_versions() == [1]

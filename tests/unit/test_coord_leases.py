@@ -95,7 +95,9 @@ def test_drain_release_makes_prompts_reassignable_at_once(tmp_path: Path) -> Non
     assert e.value.code is ReasonCode.LEASE_EXPIRED
 
 
-async def test_late_result_of_expired_lease_counted_once(tmp_path: Path) -> None:
+async def test_late_result_of_a_reissued_lease_is_fenced_by_the_newer_epoch(
+    tmp_path: Path,
+) -> None:
     h = Harness(tmp_path)
     h.publish(1)
     a, b = h.node(), h.node()
@@ -104,16 +106,32 @@ async def test_late_result_of_expired_lease_counted_once(tmp_path: Path) -> None
     l2 = h.lease(b, max_prompts=2)  # l1 expired: same prompts, higher epoch
     assert [p.prompt_id for p in l2.prompts] == [p.prompt_id for p in l1.prompts]
     assert l2.epoch > l1.epoch
+    late = await h.core.submit(a.public_key, submission(l1))
+    assert isinstance(late, Reject) and late.code is ReasonCode.STALE_EPOCH, late
+    assert h.store.rollout_count() == 0
+    assert h.core.reputation.strikes(a.public_key) == {}  # slow is not dishonest
+    assert isinstance(await h.core.submit(b.public_key, submission(l2)), Ack)
+    assert h.store.rollout_count() == 4
+    again = await h.core.submit(a.public_key, submission(l1))  # same bytes: same verdict
+    assert again == late and h.store.rollout_count() == 4
+
+
+async def test_late_result_of_an_expired_lease_not_yet_reissued_is_counted_once(
+    tmp_path: Path,
+) -> None:
+    h = Harness(tmp_path)
+    h.publish(1)
+    a, b = h.node(), h.node()
+    l1 = h.lease(a, max_prompts=2)
+    h.clock.advance(31.0)
+    h.core.tick()  # expired, prompts re-queued, nobody holds them yet
     late = submission(l1)
     first = await h.core.submit(a.public_key, late)
-    assert isinstance(first, Ack)  # nobody completed the prompts yet: accepted once
-    again = await h.core.submit(a.public_key, late)
-    assert again == first  # identical re-send: same verdict, stored once
+    assert isinstance(first, Ack), first  # nobody completed or re-leased them: accepted once
+    assert await h.core.submit(a.public_key, late) == first  # re-send: same verdict
     assert h.store.rollout_count() == 4
-    superseding = await h.core.submit(b.public_key, submission(l2))
-    assert isinstance(superseding, Reject) and superseding.code is ReasonCode.DUPLICATE
-    assert h.store.rollout_count() == 4
-    assert h.store.get_lease(l2.lease_id).state == "completed"  # type: ignore[union-attr]
+    l2 = h.lease(b, max_prompts=2)  # the done prompts are not handed out again
+    assert {p.prompt_id for p in l2.prompts}.isdisjoint(p.prompt_id for p in l1.prompts)
 
 
 async def test_late_result_after_recompletion_is_refused(tmp_path: Path) -> None:
