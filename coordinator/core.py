@@ -57,6 +57,7 @@ from protocol.messages import (
     pack_logprobs,
     pack_tokens,
 )
+from swarm.faults import fault_point
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -320,6 +321,7 @@ class Coordinator:
             accepted = await self.intake.verify(sub, ctx)
         except IntakeRejection as exc:
             return self._refuse(node_key, lease.lease_id, exc, digest)
+        fault_point("submit.before_commit")
         now = self.clock()
         with self.store.transaction():
             stored = self.store.get_verdict(lease.lease_id, digest)
@@ -359,6 +361,7 @@ class Coordinator:
                 "were already completed elsewhere", len(rows), skipped,
             )  # fmt: skip
             self.store.put_verdict(lease.lease_id, digest, verdict, now)
+        fault_point("submit.after_commit")
         self.metrics.accepted.inc(len(rows))
         return _message(lease.lease_id, verdict)
 
@@ -458,6 +461,7 @@ class Coordinator:
                     f"version {manifest.version} is not newer than {latest}",
                 )
             self.store.put_version(manifest.version, encode(manifest_env), self.clock())
+        fault_point("publish.after_commit")
         self._g_version.set(manifest.version)
         log.info("published policy version %d", manifest.version)
         return manifest

@@ -10,6 +10,7 @@ its own session, so the group holds exactly the coordinator and the helpers it s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -61,13 +62,13 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 class Proc:
     """A ``swarm`` CLI child process with its output in a log file; stopped by PID."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
         self._out = open(log, "ab")  # noqa: SIM115 - closed in stop()
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "swarm.cli", *args],
             cwd=ROOT,
-            env=ENV,
+            env={**ENV, **(env or {})},
             stdout=self._out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -84,8 +85,9 @@ class Proc:
         return self.popen.wait(timeout)
 
     def crash(self) -> None:
-        """SIGKILL the process and the helpers it spawned (its own process group), no clean-up."""
-        if self.popen.poll() is None:
+        """SIGKILL the process and the helpers it spawned (its own process group), no clean-up.
+        Also reaps the helpers of a process that already died on its own (fault injection)."""
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         self.popen.wait(10)
         self._out.close()
@@ -163,14 +165,18 @@ def coordinator_toml(
     return path
 
 
-async def launch_coordinator(tmp: Path, config: Path) -> CoordinatorProc:
-    """Start (or restart, same state dir ``tmp/coord``) a coordinator; wait for its address."""
+async def launch_coordinator(
+    tmp: Path, config: Path, env: dict[str, str] | None = None
+) -> CoordinatorProc:
+    """Start (or restart, same state dir ``tmp/coord``) a coordinator; wait for its address.
+    ``env`` adds environment variables (e.g. ``RSWARM_FAULTS``, see :mod:`swarm.faults`)."""
     state = tmp / "coord"
     info_file = state / "coordinator.json"
     info_file.unlink(missing_ok=True)  # a restart rewrites it once it is listening again
     proc = Proc(
         ["coordinator", "launch", "--config", str(config), "--state-dir", str(state)],
         tmp / "coordinator.log",
+        env,
     )
     await until(info_file.exists, "coordinator.json", 60, proc)
     info = json.loads(info_file.read_text())
