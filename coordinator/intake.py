@@ -7,7 +7,7 @@ raising :class:`~coordinator.errors.IntakeRejection` with a protocol reason code
 
 3. :func:`check_groups`      group belongs to the lease, is complete (G samples), no duplicates,
                              and the submission answers every prompt of the lease
-4. :func:`check_version`     claimed policy version published and within S of the current one;
+4. :func:`check_version`     claimed policy version is the lease's, and within S of the current;
    :func:`check_seeds`       every sample names the seed the lease assigns it
 5. :func:`check_sample`      token ids in vocabulary, length within limits, log-probs <= 0,
                              termination legitimate (EOS / stop token last iff "eos"/"stop",
@@ -134,6 +134,14 @@ def check_groups(sub: RolloutSubmission, ctx: IntakeContext) -> None:
 # --- check 4 ----------------------------------------------------------------------------------
 def check_version(sub: RolloutSubmission, ctx: IntakeContext) -> None:
     v = sub.policy_version
+    if v != ctx.lease.version:
+        # The whole lease is sampled on the version it named (always a published one): claiming
+        # another, older or newer, is never an honest node's doing (strike).
+        raise _reject(
+            ReasonCode.VERSION_MISMATCH,
+            f"lease {ctx.lease.lease_id} is for policy version {ctx.lease.version}, "
+            f"the submission claims {v}",
+        )
     if v not in ctx.known_versions or ctx.current_version is None:
         raise _reject(ReasonCode.UNKNOWN_VERSION, f"policy version {v} was never published")
     lag = ctx.current_version - v
@@ -142,12 +150,6 @@ def check_version(sub: RolloutSubmission, ctx: IntakeContext) -> None:
             ReasonCode.TOO_STALE,
             f"policy version {v} is {lag} behind {ctx.current_version} (limit S="
             f"{ctx.staleness_bound}); load the latest checkpoint",
-        )
-    if v != ctx.lease.version:  # the whole lease is sampled on the version it named
-        raise _reject(
-            ReasonCode.VERSION_MISMATCH,
-            f"lease {ctx.lease.lease_id} is for policy version {ctx.lease.version}, "
-            f"the submission claims {v}",
         )
 
 

@@ -66,7 +66,7 @@ async def test_oov_and_wrong_version_are_rejected_by_the_coordinator(harness: Ha
     )
     assert wrong.policy_version != lease.policy_version
     verdict = await harness.core.submit(node.public_key, wrong)
-    assert isinstance(verdict, Reject) and verdict.code is ReasonCode.UNKNOWN_VERSION  # v0 + 1
+    assert isinstance(verdict, Reject) and verdict.code is ReasonCode.VERSION_MISMATCH  # v0 + 1
 
 
 def test_unknown_mode_is_an_error(harness: Harness) -> None:
