@@ -364,3 +364,21 @@ def tampered(envelope_bytes: bytes, **changes: Any) -> bytes:
     return encode(
         msgspec.structs.replace(env, payload=encode(msgspec.structs.replace(sub, **changes)))
     )
+
+
+def start_node(
+    tmp: Path, coord: CoordinatorProc, name: str, extra: str = "", *, max_prompts: int = 4
+) -> Proc:
+    """A real ``swarm node run --backend hf`` process (state in ``tmp/name``, log ``name.log``)
+    joining ``coord``; ``extra`` adds lines to its node.toml."""
+    state = tmp / name
+    state.mkdir(parents=True, exist_ok=True)
+    cfg = state / "node.toml"
+    cfg.write_text(
+        'host_maddrs = ["/ip4/127.0.0.1/tcp/0"]\n'
+        f"probe_budget_s = 0.2\nstatus_interval_s = 2.0\nmax_prompts = {max_prompts}\n"
+        "advert_period_s = 5.0\nheartbeat_interval_s = 1.0\n" + extra
+    )
+    args = ["node", "run", "--coordinator", coord.maddr, "--coordinator-key", coord.fingerprint]
+    args += ["--backend", "hf", "--config", str(cfg), "--state-dir", str(state)]
+    return Proc(args, tmp / f"{name}.log")

@@ -9,6 +9,7 @@ on the published weights (see :mod:`swarm_harness`).
 from __future__ import annotations
 
 import asyncio
+import socket
 import sqlite3
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,10 +20,12 @@ import pytest
 import pytest_asyncio
 from swarm_harness import (
     CoordinatorProc,
+    Proc,
     TestNode,
     Trainer,
     coordinator_toml,
     launch_coordinator,
+    start_node,
     until,
 )
 
@@ -183,3 +186,61 @@ async def test_clean_restart_restores_state_and_loses_or_duplicates_no_task(rig:
     with rig.db() as db:
         states = dict(db.execute("SELECT state, COUNT(*) FROM prompts GROUP BY state").fetchall())
     assert states == {"done": len(issued), "leased": len(fresh.prompts)}, states
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_real_nodes_retry_after_a_crash_before_commit_is_accepted_once(
+    tmp_path: Path,
+) -> None:
+    """A ``swarm node run`` process submits; the coordinator dies after verifying, before
+    storing; it restarts on the same address and the node's own retry loop gets its lease
+    accepted, exactly once, and goes on working."""
+    trainer_id = Identity.generate()
+    config = coordinator_toml(
+        tmp_path,
+        trainer_id,
+        leases={"min_deadline_s": 180.0},
+        intake={"spot_check_fraction": 1.0},
+        network={"port": free_port()},
+    )
+    rig = Rig(tmp_path, config, trainer_id)
+    node: Proc | None = None
+    try:
+        await rig.start(faults="submit.before_commit")
+        assert rig.trainer is not None and rig.coord is not None
+        await rig.trainer.publish(1)
+        node = start_node(tmp_path, rig.coord, "n1", max_prompts=2)
+        proc = rig.coord.proc
+        await until(lambda: proc.popen.poll() is not None, "the fault to kill it", 90, node)
+        assert "fault injection: submit.before_commit" in proc.text()
+        await rig.down(crashed=True)
+        with rig.db() as db:
+            assert db.execute("SELECT COUNT(*) FROM rollouts").fetchone()[0] == 0
+            (crashed_lease,) = db.execute("SELECT lease_id FROM leases").fetchone()
+
+        await rig.start()  # same port, same peer ID: the node finds it again by itself
+        assert rig.trainer is not None
+        seen: list[AcceptedRollout] = []
+
+        async def accepted(leases: int) -> bool:
+            seen.extend(await rig.trainer.fetch(seen[-1].seq if seen else 0))  # type: ignore
+            return len({r.lease_id for r in seen}) >= leases
+
+        await until(lambda: accepted(3), "the retry and two more leases accepted", 90, node)
+        assert "submit failed" in node.text()  # the node saw the crash and retried
+        assert crashed_lease in {r.lease_id for r in seen}
+        assert len(seen) == len(set(keys(seen)))  # nothing counted twice
+        status = await rig.trainer.status()
+        assert status["rejected_by_reason"] == {}, status
+    finally:
+        if node is not None:
+            node.stop()
+        if rig.trainer is not None:
+            await rig.trainer.stop()
+        if rig.coord is not None:
+            rig.coord.proc.stop()

@@ -19,28 +19,13 @@ from swarm_harness import (
     Trainer,
     coordinator_toml,
     launch_coordinator,
+    start_node,
     until,
 )
 
 from protocol.identity import Identity
 from protocol.messages import AcceptedRollout
 from swarm.adverts import list_adverts
-
-
-def start_node(
-    tmp: Path, coord: CoordinatorProc, name: str, extra: str = "", *, max_prompts: int = 4
-) -> Proc:
-    state = tmp / name
-    state.mkdir(parents=True, exist_ok=True)
-    cfg = state / "node.toml"
-    cfg.write_text(
-        'host_maddrs = ["/ip4/127.0.0.1/tcp/0"]\n'
-        f"probe_budget_s = 0.2\nstatus_interval_s = 2.0\nmax_prompts = {max_prompts}\n"
-        "advert_period_s = 5.0\nheartbeat_interval_s = 1.0\n" + extra
-    )
-    args = ["node", "run", "--coordinator", coord.maddr, "--coordinator-key", coord.fingerprint]
-    args += ["--backend", "hf", "--config", str(cfg), "--state-dir", str(state)]
-    return Proc(args, tmp / f"{name}.log")
 
 
 @pytest.fixture
