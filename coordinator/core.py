@@ -327,6 +327,11 @@ class Coordinator:
             stored = self.store.get_verdict(lease.lease_id, digest)
             if stored is not None:  # an identical submission won the race
                 return _message(lease.lease_id, stored)
+            try:  # a release or an expiry may have landed while it was being verified
+                self.leases.expire_due()
+                lease = self.leases.check_holder(node_key, sub.lease_id, sub.epoch)
+            except Rejection as exc:
+                return self._refuse(node_key, sub.lease_id, exc)
             still_open = self.leases.open_prompts(lease)
             rows = [a for a in accepted if a.prompt_index in still_open]
             if not rows:

@@ -135,8 +135,17 @@ class Store:
                     self._conn.execute("ROLLBACK")
                 raise
             self._depth = 0
-            with self._guard("commit"):
-                self._conn.execute("COMMIT")
+            try:
+                with self._guard("commit"):
+                    self._conn.execute("COMMIT")
+            except StoreError:
+                # SQLite may leave the transaction open when COMMIT fails (BUSY, IOERR, FULL):
+                # roll it back, or this connection would read writes that never became durable
+                # (a re-sent submission told "ack") and fail every later BEGIN.
+                if self._conn.in_transaction:
+                    with self._guard("rollback"):
+                        self._conn.execute("ROLLBACK")
+                raise
 
     def _exec(self, sql: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
         with self._lock, self._guard(sql.split(None, 1)[0].lower()):
