@@ -236,11 +236,13 @@ class CheckpointManager:
     async def _download(self, version: int) -> dict[str, bytes]:
         seeds = list(self.seeds())
         progress = _Progress(version) if self.progress else None
+        files: dict[str, bytes] | None = None
         try:
             async with asyncio.timeout(self.download_timeout_s):
-                return await self.broadcast.download(
+                files = await self.broadcast.download(
                     version, seeds, on_progress=progress.update if progress else None
                 )
+            return files
         except TimeoutError as exc:
             raise CheckpointUnavailable(
                 f"v{version} not downloaded within {self.download_timeout_s:.0f} s "
@@ -257,7 +259,7 @@ class CheckpointManager:
             ) from exc
         finally:
             if progress is not None:
-                progress.close()
+                progress.close(complete=files is not None)
 
     def _verify(self, version: int, key: bytes, files: dict[str, bytes]) -> Manifest:
         """Check the manifest signature (pinned key) and every chunk of ``files``."""
@@ -323,9 +325,11 @@ class _Progress:
         self._total = total
         self._bar.update(self._task, completed=done, total=total)
 
-    def close(self) -> None:
+    def close(self, *, complete: bool) -> None:
+        """End the bar; the 'downloaded' line only for a download that completed (a failed one
+        is reported by the caller, with its reason)."""
         self._bar.stop()
-        if self._total:
+        if complete and self._total:
             log.info(
                 "downloaded policy v%d: %d bytes in %.2f s",
                 self.version,

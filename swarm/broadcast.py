@@ -168,6 +168,9 @@ class Downloader:
         for peer in candidates:
             if peer == self.transport.peer_id:
                 continue
+            if peer not in sources and self.scores.shunned(peer):
+                problems.append(f"{peer[:12]}: skipped, served bad data before")
+                continue
             try:
                 raw = await self.transport.call(
                     peer, MANIFEST_RPC, request, timeout=self.config.manifest_timeout

@@ -230,7 +230,9 @@ class SwarmPeer:
     ) -> bool:
         """Store ``value`` under ``key`` (and ``subkey``) until ``expiration_time``.
 
-        Returns False when no peer accepted it (refused by a validator, or a newer value exists).
+        Returns hivemind's verdict, which is the answer of the *last* replica to reply: False when
+        that one refused it (a validator, or it holds a value with a later expiration), even if
+        others stored it; True does not mean every replica did.
         """
         fut = self.dht.store(key, value, expiration_time, subkey=subkey, return_future=True)
         return bool(await self._await(fut, f"store {key!r}", timeout))

@@ -12,7 +12,8 @@ Policy (DESIGN.md §5):
 * **verify before keep**: ``ChunkStore.put_chunk`` checks the hash; the chunk is then served to
   others at once and announced (debounced) in the holder directory;
 * a peer that serves a bad chunk, stalls or breaks the stream is dropped for this transfer and
-  scored down; the chunk goes back to the pool and is fetched elsewhere. A seed is never dropped,
+  scored down; the chunk goes back to the pool and is fetched elsewhere. A peer that served a bad
+  chunk (or manifest) before is not asked at all (``PeerScores.shunned``). A seed is never dropped,
   only backed off; after ``max_seed_failures`` consecutive seed failures with nowhere else to go the
   transfer fails with ``ChunkUnavailable``;
 * a peer that answers ``not_held`` for a chunk it announced is not asked for that chunk again in
@@ -107,6 +108,8 @@ class Transfer:
         self.seed_failures = 0
         self.done_bytes = sum(manifest.chunks[i].size for i in store.have(manifest.version))
         self.sources: Counter[str] = Counter()  # chunks received per peer (for stats)
+        self.bad: dict[str, str] = {}  # peers that served a bad chunk here -> reason code
+        self.shunned: set[str] = set()  # holders skipped: they served bad data before
         self._closing = False
 
     # -- main loop -----------------------------------------------------------------------------
@@ -132,7 +135,11 @@ class Transfer:
                     self._settle(task)
         finally:
             self._closing = True
-            await cancel_and_wait([refresher, *self.inflight])
+            abandoned: list[asyncio.Task[Any]] = [refresher, *self.inflight]
+            await cancel_and_wait(abandoned)
+            for task in abandoned:  # requests that failed after the transfer had already failed
+                if task.done() and not task.cancelled():
+                    task.exception()  # collected, so asyncio does not log it as never retrieved
             if self.announcer is not None:
                 self._announce()
                 await self.announcer.flush()
@@ -146,6 +153,10 @@ class Transfer:
                 for p, b in found.items()
                 if p != me
             }
+            self.shunned |= {p for p in self.holders if self._shunned(p)}
+
+    def _shunned(self, peer: str) -> bool:
+        return peer not in self.seeds and self.scores.shunned(peer)
 
     async def _refresh_loop(self) -> None:
         while not self._closing:
@@ -165,7 +176,8 @@ class Transfer:
     def _schedule(self) -> None:
         now = time.monotonic()
         busy = {i for i, _ in self.inflight.values()}
-        others = {p: s for p, s in self.holders.items() if p not in self.dropped | self.seeds}
+        skip = self.dropped | self.seeds | self.shunned
+        others = {p: s for p, s in self.holders.items() if p not in skip}
         rarity: Counter[int] = Counter()
         for s in others.values():
             rarity.update(s)
@@ -284,6 +296,7 @@ class Transfer:
             return
         if isinstance(exc, ProtocolError):
             self.scores.bad_chunk(peer)
+            self.bad[peer] = str(exc.code)
             logger.warning("bad chunk %d from %s: %s", index, peer, exc)
         elif isinstance(exc, TransportError):
             self.scores.failure(peer)
@@ -312,6 +325,11 @@ class Transfer:
     def _missing_msg(self, why: str) -> str:
         missing = sorted(self.missing)
         shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        if self.bad:
+            bad = ", ".join(f"{p[:16]}: {code}" for p, code in sorted(self.bad.items())[:4])
+            why += f"; dropped {len(self.bad)} peer(s) that served bad chunks ({bad})"
+        if self.shunned - set(self.bad):
+            why += f"; skipped {len(self.shunned - set(self.bad))} holder(s) that served bad data"
         return (
             f"v{self.m.version}: {len(missing)} chunk(s) unavailable ({shown}): {why}; "
             "check that the seed is reachable"

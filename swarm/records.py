@@ -30,8 +30,11 @@ from swarm.dht import SwarmPeer
 
 logger = logging.getLogger(__name__)
 
-EXPIRY_SLACK_S = 5.0
-"""Allowed excess of a record's DHT expiration over its signed ``expires_at`` (clock jitter)."""
+EXPIRY_SLACK_S = 0.0
+"""Allowed excess of a record's DHT expiration over its signed ``expires_at``. Zero: publishers
+store with exactly the signed value (no clock is involved), and any excess would let anyone replay
+a signer's *older* record with a longer life than its newer one; the DHT keeps the longest-lived
+value per subkey, so the stale record would displace the fresh one and block its refreshes."""
 
 Maddr = Annotated[str, Meta(min_length=1, max_length=512)]
 

@@ -3,6 +3,12 @@
 A peer's score is its measured throughput (EWMA of bytes/s, a prior for unknown peers) times a
 reliability factor that falls with failures and collapses with bad chunks. Scores persist across
 transfers (a peer that served garbage for version 7 starts low for version 8).
+
+A peer that served a bad chunk or a bad manifest is :meth:`PeerScores.shunned`: the downloader
+does not ask it again while this process runs (a low score alone would not keep it out: holders
+are always asked before the seed). An honest peer verifies every chunk before serving it, so this
+only costs a peer whose disk or memory corrupts data after verification. Seeds are exempt: they
+are backed off, never dropped.
 """
 
 from __future__ import annotations
@@ -58,7 +64,13 @@ class PeerScores:
         self.stats(peer_id).failures += 1
 
     def bad_chunk(self, peer_id: str) -> None:
+        """``peer_id`` served a chunk or manifest that failed verification."""
         self.stats(peer_id).bad_chunks += 1
+
+    def shunned(self, peer_id: str) -> bool:
+        """True once ``peer_id`` served bad data: not to be asked again (unless it is a seed)."""
+        stats = self._stats.get(peer_id)
+        return stats is not None and stats.bad_chunks > 0
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """``{peer id: {score, ewma_bps, successes, failures, bad_chunks}}`` for status output."""
