@@ -75,9 +75,16 @@ def required_rate(batch: int, t_train: float, kappa: int, t_bcast: float) -> flo
     return kappa * batch / window
 
 
-def staleness_lag(kappa: int, t_bcast: float, t_gen: float, t_train: float) -> int:
-    """κ + ⌈(T_bcast + t_gen) / T_train⌉: versions a result can lag behind the learner."""
-    return kappa + math.ceil((t_bcast + t_gen) / t_train - _EPS)
+def staleness_lag(kappa: int, t_bcast: float, t_gen: float, t_train: float) -> float:
+    """κ + ⌈(T_bcast + t_gen) / T_train⌉: versions a result can lag behind the learner.
+
+    An integer, or ``math.inf`` when the quotient is not finite: the figures come from peers (a
+    node advertising 5e-324 tokens/s has an infinite t_gen), and planning must not crash on them.
+    """
+    steps = (t_bcast + t_gen) / t_train - _EPS
+    if not math.isfinite(steps):
+        return math.inf
+    return kappa + math.ceil(steps)
 
 
 def staleness_feasible(kappa: int, t_bcast: float, t_gen: float, t_train: float, s: int) -> bool:

@@ -55,6 +55,12 @@ class LeaseSection(_Section):
     min_deadline_s: float = Field(
         default=30.0, gt=0, description="Shortest lease deadline in seconds"
     )
+    max_deadline_s: float = Field(
+        default=1800.0,
+        gt=0,
+        description="Longest lease deadline: a node advertising a tiny throughput cannot hold "
+        "its prompts for longer (min_deadline_s wins if larger)",
+    )
     deadline_slack: float = Field(
         default=3.0,
         ge=1,

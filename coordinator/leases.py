@@ -24,7 +24,8 @@ group**, whichever valid result arrives first from a lease that was issued that 
 Lease size follows the node's measured throughput: ``n = target_lease_s · tokens_per_s / (G · L)``
 prompts (L = max_new_tokens), clamped to [1, max_prompts_per_lease] and to what one submission
 frame can carry if every sample runs to L tokens, and the deadline is
-``now + max(min_deadline_s, deadline_slack · n · G · L / tokens_per_s)``. Everything lives in
+``now + max(min_deadline_s, min(max_deadline_s, deadline_slack · n · G · L / tokens_per_s))``
+(tokens_per_s taken within [1e-3, 1e9]: adverts are untrusted). Everything lives in
 SQLite, so a coordinator killed with SIGKILL resumes: outstanding leases are honoured until their
 deadline.
 """
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 CURSOR = "prompt_cursor"
+#: Bounds on the throughput used for sizing (tokens/s): beyond them an advert is not believed.
+MIN_TOKENS_PER_S = 1e-3
+MAX_TOKENS_PER_S = 1e9
 EPOCH = "fencing_epoch"
 
 
@@ -68,10 +72,16 @@ class LeaseManager:
         self.max_new_tokens = max_new_tokens
 
     # --- sizing ----------------------------------------------------------------------------------
+    def _tps(self, tokens_per_s: float | None) -> float:
+        """A usable throughput: the node's (advertised or measured) within sane bounds, else the
+        default. Adverts are untrusted: 5e-324 or 1.8e308 tokens/s must not overflow the sizing
+        or yield an infinite deadline."""
+        if tokens_per_s is None or not math.isfinite(tokens_per_s) or tokens_per_s <= 0:
+            return self.config.default_tokens_per_s
+        return min(max(tokens_per_s, MIN_TOKENS_PER_S), MAX_TOKENS_PER_S)
+
     def lease_size(self, tokens_per_s: float | None, max_prompts: int | None = None) -> int:
-        tps = (
-            tokens_per_s if tokens_per_s and tokens_per_s > 0 else self.config.default_tokens_per_s
-        )
+        tps = self._tps(tokens_per_s)
         per_prompt = self.group_size * self.max_new_tokens
         n = math.floor(self.config.target_lease_s * tps / per_prompt)
         cap = self.config.max_prompts_per_lease
@@ -86,11 +96,10 @@ class LeaseManager:
         return max(1, min(n, cap))
 
     def deadline_s(self, n_prompts: int, tokens_per_s: float | None) -> float:
-        tps = (
-            tokens_per_s if tokens_per_s and tokens_per_s > 0 else self.config.default_tokens_per_s
-        )
+        tps = self._tps(tokens_per_s)
         expected = n_prompts * self.group_size * self.max_new_tokens
-        return max(self.config.min_deadline_s, self.config.deadline_slack * expected / tps)
+        wanted = min(self.config.max_deadline_s, self.config.deadline_slack * expected / tps)
+        return max(self.config.min_deadline_s, wanted)
 
     # --- transitions -----------------------------------------------------------------------------
     def issue(

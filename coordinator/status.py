@@ -15,6 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge
 
 from coordinator.core import Coordinator
+from protocol.limits import MAX_NAME_LEN, MAX_STATUS_KEYS
 from swarm.broadcast import BroadcastNode
 
 
@@ -60,8 +61,7 @@ def build_status(
             "node_tokens_per_s": tokens_per_s,
             "node_leases_completed": leases_done,
             "rejected_by_reason": rejected,
-            "queue_depth": core.store.rollout_count()
-            - int(trainer_stats.get("rollout_cursor", 0) or 0),
+            "queue_depth": core.store.rollout_count() - _count(trainer_stats.get("rollout_cursor")),
             "plan_available_rollouts_per_s": plan.available if plan else None,
             "plan_meets_rule": plan.meets_rule if plan else None,
             "versions_held": broadcast.store.versions() if broadcast else [],
@@ -111,16 +111,27 @@ def _counter_by_label(counter: Any, label: str) -> dict[str, float]:
 
 
 def wire_status(status: dict[str, Any]) -> dict[str, Any]:
-    """Fit the status document into StatusResponse's bounded shape (depth <= 2, scalars)."""
+    """Fit the status document into StatusResponse's bounded shape (depth <= 2, scalars, at most
+    MAX_STATUS_KEYS keys of at most MAX_NAME_LEN characters per map). Keys beyond the limit are
+    dropped, the last-added first: the trainer's report comes after the coordinator's figures."""
     out: dict[str, Any] = {}
-    for key, value in status.items():
+    for key, value in list(status.items())[:MAX_STATUS_KEYS]:
+        name = str(key)[:MAX_NAME_LEN]
         if isinstance(value, dict):
-            out[key] = {str(k): _scalar(v) for k, v in list(value.items())[:256]}
+            items = list(value.items())[:MAX_STATUS_KEYS]
+            out[name] = {str(k)[:MAX_NAME_LEN]: _scalar(v) for k, v in items}
         elif isinstance(value, list | tuple):
-            out[key] = [_scalar(v) for v in list(value)[:256]]
+            out[name] = [_scalar(v) for v in list(value)[:MAX_STATUS_KEYS]]
         else:
-            out[key] = _scalar(value)
+            out[name] = _scalar(value)
     return out
+
+
+def _count(value: Any) -> int:
+    """A count from the trainer's report; 0 unless it is a finite number."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return 0
+    return int(value)
 
 
 def _scalar(value: Any) -> Any:

@@ -9,8 +9,11 @@ One RPC = one libp2p stream named after the method. Wire format (both directions
 
 Handlers are ``async (peer_id, request_bytes) -> response_bytes``; raising
 :class:`HandlerError` (or a ``protocol.errors.ProtocolError``) answers with that code, anything
-else answers ``internal``. Every connect/read/write has a timeout. Foreign errors (libp2p daemon,
-OS, asyncio) are mapped to :mod:`swarm.errors` in exactly one place, :func:`_translate`.
+else answers ``internal``. Every connect/read/write has a timeout. A server refuses a request
+whose length prefix is over its limit without buffering the body, and after answering waits
+(briefly) for the caller to close, so that the answer is not lost to a stream reset. Foreign
+errors (libp2p daemon, OS, asyncio) are mapped to :mod:`swarm.errors` in exactly one place,
+:func:`_translate`.
 Responses are written in slices through an optional :class:`~swarm.ratelimit.TokenBucket`, which
 caps this peer's upload rate smoothly.
 """
@@ -38,6 +41,8 @@ ProgressFn = Callable[[int, int], None]
 _HEADER = struct.Struct(">I")  # same prefix as protocol.codec.frame
 _OK, _ERR = 0, 1
 _SLICE = 64 * 1024
+_LINGER_S = 2.0  # after answering, wait at most this long for the caller to close the stream
+_MAX_LINGERING = 256  # streams waiting so at once (beyond: closed at once, as before)
 DEFAULT_MAX_REQUEST = 1 << 20
 DEFAULT_MAX_RESPONSE = 64 << 20
 
@@ -153,6 +158,27 @@ async def _read_exactly(
     return bytes(buf)
 
 
+async def _discard(reader: asyncio.StreamReader, n: int, deadline: float) -> None:
+    """Read and drop up to ``n`` bytes until the caller closes or ``deadline`` passes.
+
+    Called after the answer is written. Closing a stream with input still unread, or before the
+    caller has read the answer, can reset it (p2pd tears both directions down) and the reset can
+    overtake the answer: the caller would see "stream closed" instead of, say,
+    ``frame_too_large`` for a request over the limit (whose body is dropped here, never buffered).
+    Memory stays at one read buffer whatever ``n`` is.
+    """
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(TimeoutError, OSError):
+        while n > 0:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            piece = await asyncio.wait_for(reader.read(min(n, _SLICE)), left)
+            if not piece:
+                return
+            n -= len(piece)
+
+
 async def write_sliced(
     writer: asyncio.StreamWriter, data: bytes, *, timeout: float, limiter: TokenBucket | None
 ) -> None:
@@ -182,6 +208,7 @@ class P2PTransport:
         self.max_streams_per_peer = max_streams_per_peer
         self.io_timeout = io_timeout
         self._active: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self._lingering = 0
 
     @property
     def peer_id(self) -> str:
@@ -219,25 +246,56 @@ class P2PTransport:
         writer: asyncio.StreamWriter,
     ) -> None:
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.io_timeout
+        try:
+            args = (caller, name, handler, max_request_bytes, limit, reader, writer, deadline)
+            if await self._answer(*args) and self._lingering < _MAX_LINGERING:
+                # Let the caller close first: closing our end while the answer is still in flight
+                # can reset the stream (p2pd tears both directions down) and lose the answer.
+                # The caller's slot is free already; the global cap bounds idle open streams.
+                self._lingering += 1
+                try:
+                    await _discard(reader, _SLICE, min(deadline, loop.time() + _LINGER_S))
+                finally:
+                    self._lingering -= 1
+        finally:
+            writer.close()
+
+    async def _answer(
+        self,
+        caller: str,
+        name: str,
+        handler: Handler,
+        max_request_bytes: int,
+        limit: int,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        deadline: float,
+    ) -> bool:
+        """Read one request and write its answer, holding one of the caller's ``limit`` slots
+        of this method meanwhile; False when the stream failed or timed out first."""
         slot = (name, caller)
         self._active[slot] += 1
         try:
-            deadline = loop.time() + self.io_timeout
+            unread = 0
             if self._active[slot] > limit:
                 status, body = _ERR, encode_error(*BUSY)
             else:
-                status, body = await self._handle(
+                status, body, unread = await self._handle(
                     caller, handler, max_request_bytes, reader, deadline
                 )
             writer.write(_HEADER.pack(len(body) + 1) + bytes([status]))
             await write_sliced(writer, body, timeout=self.io_timeout, limiter=self.upload_limiter)
+            if unread:  # the rest of a refused request: let the caller finish writing it
+                await _discard(reader, unread, deadline)
+            return True
         except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
             logger.debug("stream %s from %s ended: %r", name, caller, exc)
+            return False
         finally:
             self._active[slot] -= 1
             if self._active[slot] <= 0:
                 del self._active[slot]
-            writer.close()
 
     async def _handle(
         self,
@@ -246,19 +304,20 @@ class P2PTransport:
         max_request_bytes: int,
         reader: asyncio.StreamReader,
         deadline: float,
-    ) -> tuple[int, bytes]:
+    ) -> tuple[int, bytes, int]:
+        """(status, body, bytes of the request left unread) for one request."""
         kw: dict[str, Any] = {"stall_timeout": self.io_timeout, "deadline": deadline}
         (size,) = _HEADER.unpack(await _read_exactly(reader, _HEADER.size, **kw))
-        if size > max_request_bytes:
-            return _ERR, encode_error(*request_too_large(size, max_request_bytes))
+        if size > max_request_bytes:  # refused on the prefix: the body is never buffered
+            return _ERR, encode_error(*request_too_large(size, max_request_bytes)), size
         request = await _read_exactly(reader, size, **kw)
         try:
-            return _OK, await handler(caller, request)
+            return _OK, await handler(caller, request), 0
         except Exception as exc:  # answered to the caller, logged here
             code, detail = error_body(exc)
             if code == "internal":
                 logger.exception("handler failed for %s", caller)
-            return _ERR, encode_error(code, detail)
+            return _ERR, encode_error(code, detail), 0
 
     async def call(
         self,

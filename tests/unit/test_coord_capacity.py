@@ -38,6 +38,24 @@ def test_staleness_feasibility() -> None:
     assert staleness_lag(3, 0.4, 0.6, 1.0) == 4  # exactly one step: ⌈1.0⌉ = 1
 
 
+@pytest.mark.parametrize(
+    ("t_gen", "t_train"),
+    [(16 / 5e-324, 1.0), (1.0, 5e-324), (math.inf, math.inf), (1.7976931348623157e308, 1e-10)],
+)
+def test_staleness_with_peer_supplied_extremes_is_infeasible_not_a_crash(
+    t_gen: float, t_train: float
+) -> None:
+    """t_gen = G·L / tokens_per_s comes from a node's advert (5e-324 passes the schema) and
+    T_train from the trainer's stats: an infinite lag is infeasible, not an OverflowError."""
+    assert staleness_lag(1, 0.5, t_gen, t_train) == math.inf
+    assert not staleness_feasible(1, 0.5, t_gen, t_train, 10)
+    plan = plan_activation(
+        [NodeCapacity("a", 1.0)], batch=8, t_train=t_train, kappa=1, t_bcast=0.5,
+        staleness_bound=10, t_gen=t_gen,
+    )  # fmt: skip
+    assert plan.staleness_ok is False and plan.active == ("a",)
+
+
 def test_cheapest_set_is_not_the_greedy_one() -> None:
     # required = 1·10 / (1·1 − 0) = 10 rollouts/s, no headroom.
     nodes = [
