@@ -6,7 +6,11 @@
 * :class:`SwarmPublisher` — the recipe's :class:`~trainer.recipe.Publisher`: splits the weights into
   safetensors chunks, has the coordinator sign the manifest (``rswarm/publish``), then seeds the
   chunks itself through the peer-assisted broadcast (no full copy goes through the coordinator
-  first; the coordinator is just one more receiver).
+  first; the coordinator is just one more receiver). Before training, the coordinator's newest
+  version (``rswarm/status``) is handed to :meth:`~trainer.recipe.Trainer.sync_published`, and a
+  ``version_not_newer`` refusal becomes :class:`~trainer.recipe.VersionNotNewer`: a trainer
+  restarted after a crash in the middle of a publication continues with strictly newer versions
+  instead of being refused again and again.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 from protocol import rpc
 from protocol.codec import decode, encode
 from protocol.envelope import seal
+from protocol.errors import ReasonCode
 from protocol.identity import Identity
 from protocol.manifest import build_manifest
 from protocol.messages import (
@@ -33,18 +38,23 @@ from protocol.messages import (
     PublishVersion,
     Reject,
     RolloutBatch,
+    StatusRequest,
+    StatusResponse,
     logprobs_array,
     tokens_array,
 )
 from swarm.errors import TransportError
 from swarm.transport import Transport
 from trainer.batch import Rollout
+from trainer.recipe import VersionNotNewer
 
 log = logging.getLogger(__name__)
 
 FETCH_WAIT_S = 2.0
 RETRY_MAX_S = 10.0
 PUBLISH_ATTEMPTS = 8
+#: On SIGTERM, seconds the step or publication in progress may take to finish before it is cut.
+STOP_GRACE_S = 30.0
 MANIFEST_TTL_S = 7 * 24 * 3600.0
 
 
@@ -185,6 +195,10 @@ class SwarmPublisher:
                 log.warning("publishing v%d failed (%s); retrying in %.1f s", version, exc, delay)
                 await asyncio.sleep(delay)
         msg = decode(raw)
+        if isinstance(msg, Reject) and msg.code is ReasonCode.VERSION_NOT_NEWER:
+            latest = await self.latest_version()
+            if latest is not None and latest >= version:
+                raise VersionNotNewer(version, latest)
         if isinstance(msg, Reject):
             raise CoordinatorError(f"coordinator refused v{version}: {msg.code}: {msg.detail}")
         if not isinstance(msg, ManifestResponse) or msg.manifest is None:
@@ -193,6 +207,33 @@ class SwarmPublisher:
         self.last_version = signed.version
         log.info("published policy v%d (%d bytes in %d chunks)", version, signed.total_size,
                  len(chunks))  # fmt: skip
+
+    async def latest_version(self) -> int | None:
+        """The newest version the coordinator holds (``rswarm/status``); None if it has none."""
+        for attempt in range(PUBLISH_ATTEMPTS):
+            try:
+                raw = await self.transport.call(
+                    self.coordinator_peer,
+                    rpc.STATUS,
+                    encode(StatusRequest()),
+                    timeout=rpc.DEFAULT_TIMEOUTS[rpc.STATUS],
+                )
+                break
+            except TransportError as exc:
+                if attempt == PUBLISH_ATTEMPTS - 1:
+                    raise CoordinatorError(
+                        f"could not read the coordinator's latest version: {exc}"
+                    ) from exc
+                delay = min(RETRY_MAX_S, 0.2 * 2**attempt) * (0.5 + random.random())
+                log.warning("status request failed (%s); retrying in %.1f s", exc, delay)
+                await asyncio.sleep(delay)
+        msg = decode(raw)
+        if not isinstance(msg, StatusResponse):
+            raise CoordinatorError(f"unexpected answer to status: {type(msg).__name__}")
+        latest = msg.status.get("policy_version")
+        if latest is not None and (not isinstance(latest, int) or isinstance(latest, bool)):
+            raise CoordinatorError(f"coordinator status has a bad policy_version: {latest!r}")
+        return latest
 
 
 def _wire_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
@@ -241,6 +282,7 @@ async def run_trainer(
         record_validators=swarm_validators(),
     )
     await peer.start()
+    broadcast: BroadcastNode | None = None
     try:
         transport = P2PTransport(peer.p2p)
         # The pinned key is a fingerprint; the raw key comes from the coordinator's signed
@@ -266,11 +308,20 @@ async def run_trainer(
             tokenizer_hash=_digest_hex(load_tokenizer(spec).fingerprint()),
             chunk_size=chunk_size,
         )
+        # The coordinator may hold a version this trainer has no record of (killed between the
+        # coordinator's answer to PublishVersion and published.json): continue after it.
+        trainer.sync_published(await publisher.latest_version())
         _attach_stats(trainer, source)
         run = asyncio.create_task(trainer.run(source, publisher), name="trainer-loop")
         waiters = [run] + ([asyncio.create_task(stop.wait(), name="stop")] if stop else [])
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         if not run.done():
+            # Cancelling a publication half-way would leave the coordinator with a version this
+            # trainer never recorded (and maybe never finished seeding): let it finish first.
+            trainer.request_stop()
+            await asyncio.wait([run], timeout=STOP_GRACE_S)
+        if not run.done():
+            log.warning("the learner did not stop within %.0f s; cutting it short", STOP_GRACE_S)
             run.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await run
@@ -278,9 +329,10 @@ async def run_trainer(
         else:
             run.result()
         await source.report()  # the last step's figures reach /status before we leave
-        await broadcast.stop()
         return 0
     finally:
+        if broadcast is not None:  # on failures too: its announcer must not outlive the peer
+            await broadcast.stop()
         await peer.stop()
 
 

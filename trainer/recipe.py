@@ -8,7 +8,11 @@ is one learner step on a list of :class:`~trainer.batch.Rollout`.
 Versions: the weights after ``n`` optimizer steps carry version ``n`` (version 0 = initial weights),
 so staleness Δ = trainer version − rollout version counts learner steps. Only every κ-th version is
 published. After a resume the version is ``max(saved, last published)``, so a version number is
-never reused for different weights (versions stay monotonic across restarts).
+never reused for different weights (versions stay monotonic across restarts). The trainer's own
+record can lag the swarm's: killed after the coordinator recorded a publication but before
+``published.json`` did. :meth:`Trainer.sync_published` (called with the coordinator's newest
+version before :meth:`Trainer.run`) and a publisher's :class:`VersionNotNewer` refusal both adopt
+the swarm's newest version as a floor, so the next publication is strictly newer.
 """
 
 from __future__ import annotations
@@ -59,8 +63,18 @@ class RolloutSource(Protocol):
         ...
 
 
+class VersionNotNewer(ValueError):
+    """A publisher refused ``version``: the swarm already has ``latest`` >= it."""
+
+    def __init__(self, version: int, latest: int) -> None:
+        super().__init__(f"version {version} is not newer than {latest}, the latest published")
+        self.version = version
+        self.latest = latest
+
+
 class Publisher(Protocol):
-    """Receives each published version (the coordinator's checkpoint seeder, or a test double)."""
+    """Receives each published version (the coordinator's checkpoint seeder, or a test double).
+    Raises :class:`VersionNotNewer` when it already holds a version >= ``version``."""
 
     async def publish(self, version: int, state_dict: Mapping[str, Tensor]) -> None: ...
 
@@ -110,7 +124,7 @@ class MemoryPublisher:
 
     async def publish(self, version: int, state_dict: Mapping[str, Tensor]) -> None:
         if self.versions and version <= max(self.versions):
-            raise ValueError(f"version {version} is not newer than {max(self.versions)}")
+            raise VersionNotNewer(version, max(self.versions))
         self.versions[version] = dict(state_dict)
 
 
@@ -145,6 +159,9 @@ class Trainer:
         self.version = 0
         #: last version handed to a publisher (None: nothing published yet).
         self.published_version: int | None = None
+        #: publish the current weights when :meth:`run` starts (see :meth:`sync_published`).
+        self._publish_first = False
+        self._stop_requested = False
         #: highest rollout ``seq`` fetched; see :attr:`cursor` for the resumable one.
         self._fetched = 0
         self._pending: dict[str, list[Rollout]] = {}
@@ -188,7 +205,43 @@ class Trainer:
         if config.resume and (latest := trainer.latest_checkpoint()) is not None:
             trainer.load_checkpoint(latest)
             log.info("resumed from %s at step %d version %d", latest, trainer.step, trainer.version)
+        elif config.resume and (logged := trainer._logged_published()) is not None:
+            # Killed before its first checkpoint: the weights are lost, the version numbers are
+            # not (a version already published must never name other weights).
+            trainer.version = trainer.published_version = logged
+            log.info("no checkpoint to resume; continuing the version numbers after v%d", logged)
         return trainer
+
+    def sync_published(self, latest: int | None) -> None:
+        """Reconcile with ``latest``, the newest version the swarm (the coordinator) holds, before
+        :meth:`run`: the next publication is then strictly newer than it.
+
+        * ``latest`` is ahead of this trainer's record (it was killed after the coordinator
+          recorded a publication and before ``published.json`` / a checkpoint did): adopt it as
+          the floor, like a resume adopts ``published.json`` (those weights are lost; the nodes
+          keep sampling them until the next publication, which importance weighting allows);
+        * this trainer never published, but the swarm has versions (a fresh trainer, or one that
+          lost its state): publish the current weights at once, as ``latest + 1``;
+        * the coordinator has nothing, or less than this trainer published (its state was reset):
+          publish the current weights at once, so that nodes have a version to work on.
+        """
+        if latest is None:
+            self._publish_first = True
+        elif self.published_version is None:
+            self.version = max(self.version, latest + 1)
+            self._publish_first = True
+        elif latest > self.published_version:
+            log.warning(
+                "the coordinator already holds v%d, newer than v%d recorded here (killed while "
+                "publishing?); continuing after v%d",
+                latest,
+                self.published_version,
+                latest,
+            )
+            self.version = max(self.version, latest)
+            self.published_version = latest
+        elif latest < self.published_version:
+            self._publish_first = True
 
     # ------------------------------------------------------------------ the loop
     async def run(self, source: RolloutSource, publisher: Publisher | None = None) -> None:
@@ -196,11 +249,13 @@ class Trainer:
         source ends. Every rank runs this; rank 0 fetches and shares each batch."""
         cfg = self.config
         self.idle = IdleClock()
-        if publisher is not None and self.dist.is_leader and self.published_version is None:
+        first = self.published_version is None or self._publish_first
+        if publisher is not None and self.dist.is_leader and first:
             await self._publish(publisher)
-        while cfg.max_steps is None or self.step < cfg.max_steps:
+        while (cfg.max_steps is None or self.step < cfg.max_steps) and not self._stop_requested:
             batch = await self._next_batch(source) if self.dist.is_leader else None
-            batch = self.dist.share(batch) if self.dist.enabled else batch
+            if self.dist.enabled:  # the version too: a refused publication may have raised it
+                batch, self.version = self.dist.share((batch, self.version))
             if batch is None:
                 break
             self.train_step(batch)
@@ -212,8 +267,14 @@ class Trainer:
                     await self._publish(publisher)
                 if self.step % cfg.checkpoint_every == 0:
                     self.save_checkpoint()
-        if self.dist.is_leader and self.step % cfg.checkpoint_every != 0:
+        if self.dist.is_leader and (self._stop_requested or self.step % cfg.checkpoint_every):
             self.save_checkpoint()
+
+    def request_stop(self) -> None:
+        """End :meth:`run` soon, cleanly: a step or a publication in progress finishes (the
+        coordinator may already have recorded that version: ``published.json`` must say so too),
+        a wait for rollouts ends after the source's current fetch; then a checkpoint is saved."""
+        self._stop_requested = True
 
     async def _next_batch(self, source: RolloutSource) -> list[Rollout] | None:
         """``batch_prompts`` complete groups (``group_size`` samples each), oldest first."""
@@ -241,7 +302,7 @@ class Trainer:
                 items = []
             finally:
                 self.idle.add_wait(time.monotonic() - t0)
-            if items is None:
+            if items is None or self._stop_requested:
                 return None
             for r in items:
                 self._fetched = max(self._fetched, r.seq)
@@ -477,17 +538,27 @@ class Trainer:
         return {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()}
 
     async def _publish(self, publisher: Publisher) -> None:
-        await publisher.publish(self.version, self.state_dict_for_publish())
+        state = self.state_dict_for_publish()
+        try:
+            await publisher.publish(self.version, state)
+        except VersionNotNewer as exc:  # the swarm is ahead of our record: renumber, once
+            self.version = max(self.version, exc.latest + 1)
+            log.warning("%s; publishing these weights as v%d instead", exc, self.version)
+            await publisher.publish(self.version, state)
         self.published_version = self.version
+        self._publish_first = False
         self.out_dir.mkdir(parents=True, exist_ok=True)
         _atomic_write_json(self.out_dir / PUBLISHED_FILE, {"version": self.version})
 
     def latest_checkpoint(self) -> Path | None:
-        root = self.out_dir / CHECKPOINT_DIR
-        if not root.is_dir():
-            return None
-        done = sorted(p for p in root.iterdir() if p.name.startswith("step-") and p.is_dir())
+        """The newest complete checkpoint (a ``.tmp`` one left by a crash mid-save is not)."""
+        done = _complete_checkpoints(self.out_dir / CHECKPOINT_DIR)
         return done[-1] if done else None
+
+    def _logged_published(self) -> int | None:
+        """The version recorded in ``published.json`` (None if there is none)."""
+        path = self.out_dir / PUBLISHED_FILE
+        return int(json.loads(path.read_text())["version"]) if path.is_file() else None
 
     def save_checkpoint(self, path: Path | None = None) -> Path:
         """Write weights, optimizer, step, version, published version and rollout cursor to a new
@@ -513,31 +584,51 @@ class Trainer:
             shutil.rmtree(final)
         os.replace(tmp, final)
         if path is None:
-            done = sorted(p for p in root.iterdir() if p.name.startswith("step-") and p.is_dir())
-            for old in done[: -self.config.keep_checkpoints]:
-                if not old.name.endswith(".tmp"):
+            # Everything but the newest complete ones goes, including what a crash left behind:
+            # a ``.tmp`` save, or an old checkpoint whose removal was cut short.
+            keep = set(_complete_checkpoints(root)[-self.config.keep_checkpoints :])
+            for old in root.glob("step-*"):
+                if old not in keep and old.is_dir():
                     shutil.rmtree(old, ignore_errors=True)
         return final
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint`. The version becomes
-        ``max(saved version, last published version)`` so it never goes back."""
+        ``max(saved version, last published version)`` so it never goes back. The optimizer's
+        moments come back; its learning rate and weight decay are this run's config's."""
         from safetensors.torch import load_model
 
         state = json.loads((path / "state.json").read_text())
         load_model(self.model, str(path / "model.safetensors"))
         opt_state = torch.load(path / "optimizer.pt", weights_only=True)
         self.optimizer.load_state_dict(opt_state)
+        for group in self.optimizer.param_groups:  # the config wins over the saved values
+            group["lr"] = self.config.lr
+            group["weight_decay"] = self.config.weight_decay
         self.step = int(state["step"])
         published = state.get("published_version")
-        log_file = self.out_dir / PUBLISHED_FILE
-        if log_file.is_file():
-            logged = int(json.loads(log_file.read_text())["version"])
+        logged = self._logged_published()
+        if logged is not None:
             published = logged if published is None else max(int(published), logged)
         self.published_version = None if published is None else int(published)
         self.version = max(int(state["version"]), self.published_version or 0, self.version)
         self._fetched = int(state["cursor"])
         self._pending.clear()
+
+
+def _complete_checkpoints(root: Path) -> list[Path]:
+    """``step-*`` directories under ``root`` that a save finished (renamed into place), oldest
+    first. A ``step-N.tmp`` directory is what a crash during :meth:`Trainer.save_checkpoint`
+    leaves behind; it sorts after ``step-N`` and must never be taken for the newest."""
+    if not root.is_dir():
+        return []
+    return sorted(
+        p
+        for p in root.iterdir()
+        if p.name.startswith("step-")
+        and not p.name.endswith(".tmp")
+        and (p / "state.json").is_file()
+    )
 
 
 def _resolve_device(name: str, dist: DistContext) -> torch.device:

@@ -1,0 +1,56 @@
+"""NodeWorker.stop() ends even when a background task swallows its cancellation.
+
+On Python 3.11 ``asyncio.wait_for`` returns the inner result instead of raising when the
+cancellation arrives as the inner call completes; the heartbeat loop then carries on and a single
+``cancel()`` + ``await`` in ``stop()`` hung a SIGTERMed node (seen in
+``tests/integration/test_process_faults.py`` under load: "stopping" status lines for 30 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from test_node_worker import Swarm, until
+
+from protocol.messages import Heartbeat, HeartbeatAck
+
+
+async def test_stop_ends_a_heartbeat_that_swallowed_one_cancellation(tmp_path: Path) -> None:
+    swarm = Swarm(tmp_path)
+    await swarm.coord.start()
+    try:
+        await swarm.coord.publish(1)
+        w = swarm.worker(heartbeat_interval_s=0.05)
+        await w.start()
+        assert w.client is not None
+        real = w.client.heartbeat
+        calls = {"n": 0, "swallowed": 0}
+
+        async def heartbeat(hb: Heartbeat, **kw: Any) -> HeartbeatAck:
+            calls["n"] += 1
+            if calls["swallowed"]:
+                return await real(hb, **kw)
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:  # what the wait_for race amounts to: the call
+                calls["swallowed"] += 1  # completes and the cancellation is gone
+                task = asyncio.current_task()
+                assert task is not None
+                task.uncancel()
+            return await real(hb, **kw)
+
+        w.client.heartbeat = heartbeat  # type: ignore[method-assign]
+        await until(lambda: calls["n"] >= 1, "a heartbeat in flight")
+        beating = next(t for t in asyncio.all_tasks() if t.get_name() == "node-heartbeat")
+        # asyncio.wait, not wait_for: a stop() that swallows CancelledError would hide its own
+        # timeout from wait_for and seem to return
+        stopping = asyncio.create_task(w.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=20)
+        assert stopping in done, "stop() hung on a task that swallowed its cancellation"
+        assert calls["swallowed"] == 1 and beating.done()
+    finally:
+        if swarm.coord.broadcast is not None:
+            await swarm.coord.broadcast.stop()
+        swarm.coord.core.close()
