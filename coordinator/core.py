@@ -81,6 +81,7 @@ class Coordinator:
         publisher_key: bytes | None = None,
         registry: CollectorRegistry | None = None,
         replay: ReplayGuard | None = None,
+        servable: Callable[[int], bool] | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -88,6 +89,9 @@ class Coordinator:
         self.tokenizer = tokenizer
         self.clock = clock
         self.publisher_key = publisher_key
+        #: Whether a version's weights can be fetched from here now (the network service: held in
+        #: full). Leases name the newest servable version; None: every published one is.
+        self.servable = servable
         self.replay = replay if replay is not None else ReplayGuard()
         self.registry = registry if registry is not None else CollectorRegistry()
         self.leases = LeaseManager(
@@ -238,9 +242,9 @@ class Coordinator:
         node = self._admit(node_key)
         self.store.update_node(node_key, last_seen=self.clock())
         self.leases.expire_due()
-        version = self.store.latest_version()
+        version = self.lease_version()
         if version is None:
-            return Standby(retry_after_s=5.0, reason="no policy version published yet")
+            return Standby(retry_after_s=1.0, reason="no policy version available yet")
         if not self.is_active(node_key):
             return Standby(
                 retry_after_s=self.config.heartbeat_interval_s,
@@ -276,6 +280,18 @@ class Coordinator:
             issued_at=lease.issued_at,
             deadline=lease.deadline,
         )
+
+    def lease_version(self) -> int | None:
+        """The version new leases name: the newest published one that is servable (its chunks
+        can be fetched from the coordinator), within S of the newest; None if there is none.
+
+        A version published but not yet (or never) held — the trainer died while seeding it —
+        is skipped: a node leased on it could not load it and would release lease after lease."""
+        latest = self.store.latest_version()
+        if latest is None or self.servable is None or self.servable(latest):
+            return latest
+        usable = self.store.versions()[-(self.config.staleness_bound + 1) :]
+        return next((v for v in reversed(usable) if self.servable(v)), None)
 
     def release(self, node_key: bytes, lease_id: str, epoch: int) -> list[int]:
         """A draining node gives a lease back; its prompts are reassignable at once."""

@@ -160,6 +160,7 @@ class CoordinatorService:
             tokenizer=tokenizer,
             verifier=verifier,
             publisher_key=self.identity.public_key,
+            servable=self._holds,
         )
         await self.peer.start()
         rate = cfg.network.upload_rate_mb_s
@@ -406,6 +407,10 @@ class CoordinatorService:
         for old in [v for v in self._version_tasks if v < version - self.config.staleness_bound]:
             self._version_tasks.pop(old, None)
             self._seeders.pop(old, None)
+
+    def _holds(self, version: int) -> bool:
+        """Every chunk of ``version`` is here: nodes can fetch it (leases name such versions)."""
+        return self.broadcast is not None and self.broadcast.store.is_complete(version)
 
     # --- models for the log-prob spot check ------------------------------------------------------
     def loaded_versions(self) -> list[int]:

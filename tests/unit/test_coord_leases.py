@@ -12,7 +12,7 @@ from coordinator.errors import Rejection
 from coordinator.leases import LeaseManager
 from coordinator.store import NodeRecord, Store
 from protocol.errors import ReasonCode
-from protocol.messages import Ack, Reject
+from protocol.messages import Ack, LeaseRequest, Reject, Standby
 
 A, B = b"A" * 32, b"B" * 32
 
@@ -169,3 +169,29 @@ async def test_restart_resumes_outstanding_leases(tmp_path: Path) -> None:
     l4 = h.lease(b, max_prompts=3)  # l2 (never answered) expired too
     expect = sorted(p.prompt_id for p in [*l2.prompts, *l3.prompts])
     assert [p.prompt_id for p in l4.prompts] == expect
+
+
+def test_leases_name_the_newest_version_the_coordinator_can_serve(tmp_path: Path) -> None:
+    """A version published but not held (the trainer died while seeding it) is not leased: a
+    node could not load it. Older servable versions within S are leased instead."""
+    h = Harness(tmp_path)
+    held: set[int] = set()
+    h.core.servable = held.__contains__
+    a = h.node()
+    h.publish(1)
+    h.publish(2)
+    out = h.core.request_lease(
+        a.public_key, LeaseRequest(peer_id="p", policy_version=None, max_prompts=1)
+    )
+    assert isinstance(out, Standby) and "no policy version" in out.reason
+    held.add(1)
+    assert h.lease(a).policy_version == 1
+    held.add(2)
+    assert h.lease(a).policy_version == 2
+    for v in (3, 4, 5):
+        h.publish(v)
+    held.discard(2)  # only v1 is servable, but it is more than S = 2 behind v5: nothing to lease
+    out = h.core.request_lease(
+        a.public_key, LeaseRequest(peer_id="p", policy_version=None, max_prompts=1)
+    )
+    assert isinstance(out, Standby)
