@@ -18,18 +18,18 @@ import asyncio
 import re
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 from swarm_harness import (
-    CoordinatorProc,
     Proc,
     Trainer,
     coordinator_toml,
     launch_coordinator,
+    start_node,
     until,
 )
 
@@ -255,27 +255,6 @@ class FakeVersionHolder:
             await self.transport.unregister(name)
 
 
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for p in reversed(started):
-        p.stop()
-
-
-def start_node(tmp: Path, coord: CoordinatorProc) -> Proc:
-    state = tmp / "node"
-    state.mkdir(parents=True, exist_ok=True)
-    (state / "node.toml").write_text(
-        'host_maddrs = ["/ip4/127.0.0.1/tcp/0"]\nprobe_budget_s = 0.2\nstatus_interval_s = 1.0\n'
-        "max_prompts = 4\nadvert_period_s = 5.0\nheartbeat_interval_s = 0.5\n"
-        'log_level = "DEBUG"\n'
-    )
-    args = ["node", "run", "--coordinator", coord.maddr, "--coordinator-key", coord.fingerprint]
-    args += ["--backend", "hf", "--config", str(state / "node.toml"), "--state-dir", str(state)]
-    return Proc(args, tmp / "node.log")
-
-
 @pytest.mark.slow
 async def test_a_node_never_fetches_a_fake_current_version(
     tmp_path: Path, procs: list[Proc]
@@ -306,7 +285,7 @@ async def test_a_node_never_fetches_a_fake_current_version(
         record = await read_policy_version(trainer.peer, coord.public_key)
         assert record is not None and record.version == 1  # what honest readers see
 
-        node = start_node(tmp_path, coord)
+        node = start_node(tmp_path, coord, "node", 'log_level = "DEBUG"\n')
         procs.append(node)
         seen: list[AcceptedRollout] = []
 

@@ -8,7 +8,7 @@ Every process started here is stopped by its PID (SIGTERM, then SIGKILL) at the 
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -26,14 +26,6 @@ from swarm_harness import (
 from protocol.identity import Identity
 from protocol.messages import AcceptedRollout
 from swarm.adverts import list_adverts
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for p in reversed(started):
-        p.stop()
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ import sqlite3
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,14 +171,6 @@ class Db:
     def versions(self) -> list[tuple[int, float]]:
         rows = self.conn.execute("SELECT version, created_at FROM versions ORDER BY created_at")
         return [(int(v), float(t)) for v, t in rows]
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for p in reversed(started):
-        p.stop()
 
 
 # --------------------------------------------------------------------------------------------
