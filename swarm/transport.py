@@ -41,6 +41,8 @@ ProgressFn = Callable[[int, int], None]
 _HEADER = struct.Struct(">I")  # same prefix as protocol.codec.frame
 _OK, _ERR = 0, 1
 _SLICE = 64 * 1024
+#: Slowest average rate at which a caller must take an answer (bytes/s; see write_sliced).
+MIN_READ_BPS = 32 * 1024
 _LINGER_S = 2.0  # after answering, wait at most this long for the caller to close the stream
 _MAX_LINGERING = 256  # streams waiting so at once (beyond: closed at once, as before)
 DEFAULT_MAX_REQUEST = 1 << 20
@@ -182,14 +184,24 @@ async def _discard(reader: asyncio.StreamReader, n: int, deadline: float) -> Non
 async def write_sliced(
     writer: asyncio.StreamWriter, data: bytes, *, timeout: float, limiter: TokenBucket | None
 ) -> None:
-    """Write ``data`` in 64 KiB slices, each through ``limiter``, each drain bounded by timeout."""
+    """Write ``data`` in 64 KiB slices, each through ``limiter``, each drain bounded by timeout.
+
+    The reader must also take the whole of ``data`` at :data:`MIN_READ_BPS` on average (time spent
+    waiting for the upload limiter is not counted): a peer reading a byte now and then cannot
+    hold a stream (and the answer's memory) for ``timeout`` per slice."""
+    loop = asyncio.get_running_loop()
+    budget = timeout + len(data) / MIN_READ_BPS
     view = memoryview(data)
     for start in range(0, len(view), _SLICE):
         piece = view[start : start + _SLICE]
         if limiter is not None:
             await limiter.acquire(len(piece))
         writer.write(piece)
-        await asyncio.wait_for(writer.drain(), timeout)
+        t0 = loop.time()
+        await asyncio.wait_for(writer.drain(), min(timeout, budget))
+        budget -= loop.time() - t0
+        if budget <= 0:
+            raise TimeoutError(f"the reader took {len(data)} bytes slower than {MIN_READ_BPS} B/s")
 
 
 class P2PTransport:
