@@ -179,7 +179,7 @@ class NetworkSection(_Section):
         default=30.0,
         gt=0,
         description="An incoming request must arrive within this (seconds); each 64 KiB of the "
-        "answer must be taken within it too",
+        "answer must be taken within it too, and the whole answer at 32 KiB/s on average",
     )
 
 
