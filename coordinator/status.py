@@ -64,7 +64,11 @@ def build_status(
             "queue_depth": core.store.rollout_count() - _count(trainer_stats.get("rollout_cursor")),
             "plan_available_rollouts_per_s": plan.available if plan else None,
             "plan_meets_rule": plan.meets_rule if plan else None,
-            "versions_held": broadcast.store.versions() if broadcast else [],
+            "versions_held": [
+                v for v in broadcast.store.versions() if broadcast.store.is_complete(v)
+            ]
+            if broadcast
+            else [],
         }
     )
     for key, value in trainer_stats.items():
