@@ -16,16 +16,26 @@ wrong_version     claims a policy version other than the lease's                
                   (v - 1, or v + 1 for v = 0)                                      spot check
 oov_tokens        puts a token id ``vocab_size`` (out of vocabulary) in every     token_out_of_vocab
                   sample
+greedy            decodes greedily (top-k 1) instead of sampling, then reports    spot check:
+                  the honest log-probs of the lease's sampling distribution       sampling_mismatch
+                  (``hf`` backend only; :func:`greedy_generate`)                  (seeded replay,
+                                                                                  z-statistic)
 ================  ==============================================================  =================
+
+``greedy`` acts at generation time (the worker calls :func:`greedy_generate` instead of the
+backend's ``generate``); the others rewrite the finished submission (:func:`misbehave`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 
+from node.backends.base import GenerationRequest, SampleOut, SamplingConfig
 from node.config import MISBEHAVIOURS
 from node.model import Tokenizer
 from protocol.messages import (
@@ -39,7 +49,7 @@ from protocol.messages import (
     unpack_tokens,
 )
 
-__all__ = ["MISBEHAVIOURS", "local_answer", "misbehave"]
+__all__ = ["MISBEHAVIOURS", "greedy_generate", "local_answer", "misbehave"]
 
 
 def local_answer(prompt_ids: Sequence[int], tokenizer: Tokenizer) -> list[int]:
@@ -77,6 +87,33 @@ def misbehave(
     if "wrong_version" in modes:
         version = version - 1 if version > 0 else version + 1
     return msgspec.structs.replace(sub, groups=groups, policy_version=version)
+
+
+def greedy_generate(
+    backend: Any, requests: list[GenerationRequest], sampling: SamplingConfig
+) -> list[list[SampleOut]]:
+    """Decode ``requests`` greedily but report each token's log-prob under ``sampling`` (what a
+    careful cheat saving on sampling would send): the log-prob check alone cannot tell."""
+    from node.scoring import score_logprobs
+
+    model = getattr(backend, "model", None)
+    if model is None:
+        raise ValueError("the greedy misbehaviour needs the hf backend (a model to re-score with)")
+    outs: list[list[SampleOut]] = backend.generate(requests, dataclasses.replace(sampling, top_k=1))
+    for req, group in zip(requests, outs, strict=True):
+        comps = [o.token_ids for o in group]
+        lps = score_logprobs(
+            model,
+            [req.prompt_token_ids] * len(comps),
+            comps,
+            sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            pad_id=getattr(backend, "pad_token_id", 0),
+        )
+        for out, lp in zip(group, lps, strict=True):
+            out.logprobs[:] = lp
+    return outs
 
 
 def _map_samples(group: GroupResult, fn: Callable[[Sample], Sample]) -> GroupResult:

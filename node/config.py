@@ -20,8 +20,14 @@ from swarm.configfile import ConfigFileError, read_toml
 
 __all__ = ["MISBEHAVIOURS", "ConfigError", "NodeConfig", "load_node_config", "parse_node_config"]
 
-Misbehaviour = Literal["forge_logprobs", "inflate_reward", "wrong_version", "oov_tokens"]
-MISBEHAVIOURS: tuple[str, ...] = ("forge_logprobs", "inflate_reward", "wrong_version", "oov_tokens")
+Misbehaviour = Literal["forge_logprobs", "inflate_reward", "wrong_version", "oov_tokens", "greedy"]
+MISBEHAVIOURS: tuple[str, ...] = (
+    "forge_logprobs",
+    "inflate_reward",
+    "wrong_version",
+    "oov_tokens",
+    "greedy",
+)
 
 
 class ConfigError(ValueError):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -496,9 +497,12 @@ class NodeWorker:
         started = self.clock()
         t0 = time.perf_counter()
         log.debug("generating lease %s", lease.lease_id)
-        self._gen_future = loop.run_in_executor(
-            self._executor, self.backend.generate, requests, sampling
-        )
+        generate: Callable[..., list[list[SampleOut]]] = self.backend.generate
+        if "greedy" in self.config.misbehave:  # testing only: swarm demo --byzantine
+            from node.byzantine import greedy_generate
+
+            generate = functools.partial(greedy_generate, self.backend)
+        self._gen_future = loop.run_in_executor(self._executor, generate, requests, sampling)
         try:
             ok, outs = await self._unless_stopped(asyncio.shield(self._gen_future))
         except Exception as exc:  # a backend failure must not kill the node: give the work back

@@ -28,7 +28,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-BYZANTINE_MODES = ("forge_logprobs", "inflate_reward", "wrong_version", "oov_tokens")
+BYZANTINE_MODES = ("forge_logprobs", "inflate_reward", "wrong_version", "oov_tokens", "greedy")
 STARTUP_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 20.0
 

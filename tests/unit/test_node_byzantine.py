@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from coord_harness import TOK, Harness, submission
@@ -73,3 +74,60 @@ def test_unknown_mode_is_an_error(harness: Harness) -> None:
     _, lease, sub = honest(harness)
     with pytest.raises(ValueError, match="unknown misbehaviour"):
         misbehave(["lie"], sub, lease, vocab_size=26, tokenizer=None, rng=random.Random(0))
+
+
+async def test_greedy_mode_reports_honest_logprobs_and_is_caught_by_the_sampling_audit(
+    tmp_path: Path,
+) -> None:
+    """The node-side greedy mode: tokens are the argmax, log-probs are those of the lease's
+    sampling distribution (so the log-prob check alone passes), and the coordinator's spot check
+    refuses it as sampling_mismatch."""
+    import torch
+
+    from coordinator.logprobs import InProcessLogprobVerifier
+    from node.backends.hf import HFBackend
+    from node.byzantine import greedy_generate
+    from node.model import ModelSpec, build_model
+    from node.rollouts import build_submission, lease_requests, to_sampling_config
+    from node.scoring import score_logprobs
+    from protocol.messages import Timings
+
+    torch.set_num_threads(1)
+    model = build_model(ModelSpec(), seed=0)
+    h = Harness(
+        tmp_path,
+        intake={"spot_check_fraction": 1.0, "spot_check_max_samples": 64},
+        sampling={"max_new_tokens": 12},
+    )
+    h.verifier = InProcessLogprobVerifier(lambda v: model, h.cfg.intake.tolerances, cache_size=2)
+    h.reopen()
+    h.publish(1)
+    node = h.node()
+    lease = h.lease(node)
+    backend = HFBackend(model=model, device="cpu")
+    requests, sampling = lease_requests(lease), to_sampling_config(lease)
+    outs = greedy_generate(backend, requests, sampling)
+    for req, group in zip(requests, outs, strict=True):
+        seq = list(req.prompt_token_ids)
+        first = group[0]
+        with torch.inference_mode():
+            argmax = int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
+        assert all(o.token_ids == first.token_ids for o in group)  # greedy: all samples alike
+        assert first.token_ids[0] == argmax
+        honest = score_logprobs(model, [seq], [first.token_ids], sampling.temperature)[0]
+        assert first.logprobs == pytest.approx(honest, abs=1e-5)
+    sub = build_submission(
+        lease, requests, outs, set(backend.eos_token_ids), backend="hf", dtype="float32",
+        timings=Timings(started_at=0.0, finished_at=1.0, generate_s=1.0),
+    )  # fmt: skip
+    verdict = await h.core.submit(node.public_key, sub)
+    assert isinstance(verdict, Reject) and verdict.code is ReasonCode.SAMPLING_MISMATCH, verdict
+
+
+def test_greedy_mode_needs_a_model_to_rescore_with() -> None:
+    from node.backends.base import GenerationRequest, SamplingConfig
+    from node.backends.fake import FakeBackend
+    from node.byzantine import greedy_generate
+
+    with pytest.raises(ValueError, match="hf backend"):
+        greedy_generate(FakeBackend(), [GenerationRequest([1, 2], 2, 0)], SamplingConfig())
