@@ -138,14 +138,27 @@ class InProcessLogprobVerifier:
         self._lock = threading.Lock()  # one scoring at a time; torch threads are set by the caller
 
     def _model(self, version: int) -> Any:
+        """The model of ``version`` (loaded if not cached); call with ``_lock`` held."""
         if version in self._models:
             self._models.move_to_end(version)
             return self._models[version]
-        model = self.model_loader(version)
+        return self._cache(version, self.model_loader(version))
+
+    def _cache(self, version: int, model: Any) -> Any:
         self._models[version] = model
         while len(self._models) > self.cache_size:
             self._models.popitem(last=False)
         return model
+
+    def preload(self, version: int) -> None:
+        """Load the model of ``version`` ahead of its first check (blocking: call it from a worker
+        thread). The load runs outside the scoring lock, so checks go on meanwhile."""
+        if version in self._models:
+            return
+        model = self.model_loader(version)
+        with self._lock:
+            if version not in self._models:
+                self._cache(version, model)
 
     def cached_versions(self) -> list[int]:
         return list(self._models)

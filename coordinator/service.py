@@ -110,8 +110,6 @@ class CoordinatorService:
         self._trainer_gauges: TrainerGauges | None = None
         self._version_tasks: dict[int, asyncio.Task[None]] = {}
         self.verifier: InProcessLogprobVerifier | None = None
-        #: version -> model built for spot checks before the first one needs it (see _preload)
-        self._preloaded: dict[int, Any] = {}
         self._preload_tasks: set[asyncio.Task[None]] = set()
         self._seeders: dict[int, str] = {}
         self._upkeep: asyncio.Task[None] | None = None
@@ -414,9 +412,8 @@ class CoordinatorService:
 
     # --- models for the log-prob spot check ------------------------------------------------------
     def loaded_versions(self) -> list[int]:
-        """Versions whose model is ready for spot checks (preloaded or in the verifier's cache)."""
-        cached = self.verifier.cached_versions() if self.verifier is not None else []
-        return sorted(set(self._preloaded) | set(cached))
+        """Versions whose model is ready for spot checks (in the verifier's cache)."""
+        return sorted(self.verifier.cached_versions()) if self.verifier is not None else []
 
     async def _warm_verifier(self) -> None:
         """Before serving: import the model stack (seconds of GIL-bound work: transformers and
@@ -432,29 +429,18 @@ class CoordinatorService:
                 await self._preload(version)
 
     async def _preload(self, version: int) -> None:
-        """Build the spot-check model of a held ``version`` now, in a worker thread, so the first
-        submission drawn for a spot check at that version does not wait for it."""
-        if self.config.intake.spot_check_fraction <= 0 or version in self.loaded_versions():
+        """Load the spot-check model of a held ``version`` into the verifier now, in a worker
+        thread, so the first submission drawn for a spot check at that version does not wait."""
+        if self.config.intake.spot_check_fraction <= 0 or self.verifier is None:
             return
-        assert self.core is not None
         try:
-            model = await asyncio.to_thread(self._build_model, version)
+            await asyncio.to_thread(self.verifier.preload, version)
         except Exception as exc:  # the spot check loads it itself (or is skipped, and counted)
             log.warning("could not preload policy v%d for spot checks: %s", version, exc)
-            return
-        self._preloaded[version] = model
-        usable = set(self.core.store.versions()[-(self.config.staleness_bound + 1) :])
-        for old in [v for v in self._preloaded if v not in usable]:
-            self._preloaded.pop(old, None)
 
     def _load_model(self, version: int) -> Any:
-        """Model loader of the log-prob verifier (runs in its worker thread): the preloaded model
-        of ``version``, else its weights from the local store."""
-        model = self._preloaded.pop(version, None)
-        return model if model is not None else self._build_model(version)
-
-    def _build_model(self, version: int) -> Any:
-        """The model at ``version`` from the weights in the local chunk store."""
+        """Model loader of the log-prob verifier: ``version`` from the weights in the local chunk
+        store (runs in a worker thread)."""
         assert self.broadcast is not None
         from node.model import build_model, load_weights
         from swarm.checkpoint_io import files_to_state_dict
