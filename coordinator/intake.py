@@ -282,14 +282,14 @@ class Intake:
         check_groups(sub, ctx)
         check_version(sub, ctx)
         check_seeds(sub, ctx)
-        Row = tuple[list[int], list[float], str]
+        Row = tuple[list[int], list[float], str, int]
         unpacked: list[list[Row]] = []
         for group in sub.groups:
             rows: list[Row] = []
             for j, sample in enumerate(group.samples):
                 where = f"prompt {group.prompt_id!r} sample {j}"
                 tokens, logprobs = check_sample(sample, ctx, where)
-                rows.append((tokens, logprobs, sample.finish_reason))
+                rows.append((tokens, logprobs, sample.finish_reason, sample.seed))
             unpacked.append(rows)
         todo = [
             (ctx.slots[g.prompt_id], rows)
@@ -298,10 +298,9 @@ class Intake:
         ]
         accepted: list[AcceptedSample] = []
         for slot, group_rows in todo:
-            scores = await asyncio.to_thread(
-                score_rewards, self.task, self.tokenizer, slot, [(t, f) for t, _, f in group_rows]
-            )
-            for j, ((tokens, logprobs, finish), (reward, exact)) in enumerate(
+            texts = [(tokens, finish) for tokens, _, finish, _ in group_rows]
+            scores = await asyncio.to_thread(score_rewards, self.task, self.tokenizer, slot, texts)
+            for j, ((tokens, logprobs, finish, seed), (reward, exact)) in enumerate(
                 zip(group_rows, scores, strict=True)
             ):
                 accepted.append(
@@ -315,7 +314,7 @@ class Intake:
                         finish,
                         reward,
                         exact,
-                        expected_seed(ctx.lease.epoch, slot.position, j),
+                        seed,  # the lease's (check_seeds)
                     )
                 )
         suspect = ctx.suspect and self.verifier is not None

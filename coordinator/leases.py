@@ -188,21 +188,22 @@ class LeaseManager:
         and (for an expired lease) they were not re-issued to a newer lease (the fence)."""
         if lease.state == "released":
             return set()
-        states = self.store.prompt_states(lease.prompts)
-        return {
-            p
-            for p in lease.prompts
-            if (st := states.get(p, ("done", "")))[0] != "done" and st[1] == lease.lease_id
-        }
+        return self._undone(lease)[0]
 
     def fenced_prompts(self, lease: LeaseRecord) -> set[int]:
         """Prompts of an expired ``lease`` not done yet but re-issued to a newer lease."""
+        return self._undone(lease)[1]
+
+    def _undone(self, lease: LeaseRecord) -> tuple[set[int], set[int]]:
+        """Prompts of ``lease`` not done yet: (still held by it, held by a newer lease)."""
         states = self.store.prompt_states(lease.prompts)
-        return {
-            p
-            for p in lease.prompts
-            if (st := states.get(p, ("done", "")))[0] != "done" and st[1] != lease.lease_id
-        }
+        held: set[int] = set()
+        fenced: set[int] = set()
+        for p in lease.prompts:
+            state, holder = states.get(p, ("done", ""))
+            if state != "done":
+                (held if holder == lease.lease_id else fenced).add(p)
+        return held, fenced
 
     def record_result(
         self, lease: LeaseRecord, prompts: Sequence[int], *, tokens: int, samples: int
