@@ -56,6 +56,7 @@ from protocol.messages import (
     Standby,
     Timings,
 )
+from swarm.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from node.model import Tokenizer
@@ -68,6 +69,8 @@ __all__ = ["NodeWorker"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+#: How long stop() waits for each background task to end after cancelling it.
+CANCEL_TIMEOUT_S = 10.0
 
 
 class NodeWorker:
@@ -237,7 +240,7 @@ class NodeWorker:
         if self._prefetch is not None:
             self._tasks["prefetch"] = self._prefetch
         for name in list(self._tasks):
-            await _cancel_and_wait(self._tasks.pop(name))
+            await cancel_and_wait([self._tasks.pop(name)], timeout=CANCEL_TIMEOUT_S)
         if self.broadcast is not None:
             await self.broadcast.stop()
             self.broadcast = None
@@ -597,25 +600,3 @@ class NodeWorker:
             log.info("released lease %s (%s)", lease.lease_id, reason)
         except CoordinatorError as exc:
             log.warning("could not release lease %s (%s): %s", lease.lease_id, reason, exc)
-
-
-CANCEL_TIMEOUT_S = 10.0
-
-
-async def _cancel_and_wait(task: asyncio.Task[Any], timeout: float = CANCEL_TIMEOUT_S) -> None:
-    """Cancel ``task`` and wait until it ends, cancelling again while it runs on.
-
-    One ``cancel()`` is not always enough: on Python 3.11, ``asyncio.wait_for`` loses a
-    cancellation that arrives as its inner call completes (it returns the result instead), and a
-    ``while True`` loop such as the heartbeat then carries on forever; ``stop()`` awaiting it
-    would hang the shutdown. Gives up (with a warning) after ``timeout`` seconds.
-    """
-    deadline = time.monotonic() + timeout
-    while not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=0.2)
-        if not task.done() and time.monotonic() > deadline:
-            log.warning("task %s did not stop within %.0f s; leaving it", task.get_name(), timeout)
-            return
-    if not task.cancelled() and task.exception() is not None:
-        log.debug("task %s ended with %r", task.get_name(), task.exception())

@@ -135,11 +135,8 @@ class Transfer:
                     self._settle(task)
         finally:
             self._closing = True
-            abandoned: list[asyncio.Task[Any]] = [refresher, *self.inflight]
-            await cancel_and_wait(abandoned)
-            for task in abandoned:  # requests that failed after the transfer had already failed
-                if task.done() and not task.cancelled():
-                    task.exception()  # collected, so asyncio does not log it as never retrieved
+            # also collects requests that failed after the transfer had already failed
+            await cancel_and_wait([refresher, *self.inflight])
             if self.announcer is not None:
                 self._announce()
                 await self.announcer.flush()

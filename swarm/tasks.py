@@ -10,18 +10,29 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], timeout: float = 5.0) -> None:
-    """Cancel ``tasks`` and wait at most ``timeout`` seconds for them to end.
+#: While tasks run on after a cancel, it is repeated this often (seconds).
+RECANCEL_S = 0.2
 
-    Bounded on purpose: in Python 3.11 ``asyncio.wait_for`` can swallow a cancellation that races
-    with its inner future (hivemind's DHT futures do this), so a task may outlive its cancel.
-    Owners therefore also stop their loops with a flag; a straggler is logged, not awaited forever.
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], timeout: float = 5.0) -> None:
+    """Cancel ``tasks`` and wait at most ``timeout`` seconds for them to end; collect their
+    exceptions (so asyncio does not log them as never retrieved).
+
+    In Python 3.11 ``asyncio.wait_for`` can swallow a cancellation that races with its inner
+    future (hivemind's DHT futures do this), so a task — a ``while True`` loop such as a heartbeat
+    — may run on after one cancel: the cancel is repeated every :data:`RECANCEL_S` while it does.
+    Bounded on purpose: a straggler is logged, not awaited forever.
     """
-    pending = [t for t in tasks if not t.done()]
+    tasks = list(tasks)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    pending = {t for t in tasks if not t.done()}
+    while pending and (left := deadline - loop.time()) > 0:
+        for task in pending:
+            task.cancel()
+        _done, pending = await asyncio.wait(pending, timeout=min(RECANCEL_S, left))
     for task in pending:
-        task.cancel()
-    if not pending:
-        return
-    _done, still = await asyncio.wait(pending, timeout=timeout)
-    for task in still:
         logger.warning("task %s did not stop within %.1f s after cancel", task.get_name(), timeout)
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            logger.debug("task %s ended with %r", task.get_name(), task.exception())
