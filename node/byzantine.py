@@ -49,7 +49,7 @@ from protocol.messages import (
     unpack_tokens,
 )
 
-__all__ = ["MISBEHAVIOURS", "greedy_generate", "local_answer", "misbehave"]
+__all__ = ["MISBEHAVIOURS", "greedy_generate", "local_answer", "misbehave", "report_logprobs_of"]
 
 
 def local_answer(prompt_ids: Sequence[int], tokenizer: Tokenizer) -> list[int]:
@@ -94,12 +94,26 @@ def greedy_generate(
 ) -> list[list[SampleOut]]:
     """Decode ``requests`` greedily but report each token's log-prob under ``sampling`` (what a
     careful cheat saving on sampling would send): the log-prob check alone cannot tell."""
-    from node.scoring import score_logprobs
-
     model = getattr(backend, "model", None)
     if model is None:
         raise ValueError("the greedy misbehaviour needs the hf backend (a model to re-score with)")
     outs: list[list[SampleOut]] = backend.generate(requests, dataclasses.replace(sampling, top_k=1))
+    report_logprobs_of(model, requests, outs, sampling, pad_id=getattr(backend, "pad_token_id", 0))
+    return outs
+
+
+def report_logprobs_of(
+    model: Any,
+    requests: list[GenerationRequest],
+    outs: list[list[SampleOut]],
+    sampling: SamplingConfig,
+    *,
+    pad_id: int = 0,
+) -> None:
+    """Overwrite the log-probs of ``outs`` (however they were drawn) with those of ``model``'s
+    ``sampling`` distribution: the honest-looking log-probs a cheat would report."""
+    from node.scoring import score_logprobs
+
     for req, group in zip(requests, outs, strict=True):
         comps = [o.token_ids for o in group]
         lps = score_logprobs(
@@ -109,11 +123,10 @@ def greedy_generate(
             sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
-            pad_id=getattr(backend, "pad_token_id", 0),
+            pad_id=pad_id,
         )
         for out, lp in zip(group, lps, strict=True):
             out.logprobs[:] = lp
-    return outs
 
 
 def _map_samples(group: GroupResult, fn: Callable[[Sample], Sample]) -> GroupResult:

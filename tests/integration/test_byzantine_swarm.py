@@ -80,25 +80,16 @@ def _sample_with(
     seeds, more samples per prompt). With ``rescore`` the log-probs reported are the honest ones
     of the lease's distribution at the lease's version; the seeds named are always the lease's."""
     from node.backends.base import SampleOut
-    from node.scoring import score_logprobs
+    from node.byzantine import report_logprobs_of
 
     backend = _backend(model_version)
     requests = lease_requests(lease)
     drawn = [dataclasses.replace(r, seed=r.seed + seed_offset, n=n or r.n) for r in requests]
-    sampling = to_sampling_config(lease)
-    if top_k is not None:
-        sampling = dataclasses.replace(sampling, top_k=top_k)
+    honest = to_sampling_config(lease)
+    sampling = honest if top_k is None else dataclasses.replace(honest, top_k=top_k)
     outs = backend.generate(drawn, sampling)
-    s = lease.sampling
-    reference = _backend(lease.policy_version).model
-    for req, group in zip(drawn, outs, strict=True):
-        if not rescore:
-            break
-        comps = [o.token_ids for o in group]
-        prompts = [req.prompt_token_ids] * len(comps)
-        lps = score_logprobs(reference, prompts, comps, s.temperature, top_p=s.top_p, top_k=s.top_k)
-        for o, lp in zip(group, lps, strict=True):
-            o.logprobs[:] = lp
+    if rescore:
+        report_logprobs_of(_backend(lease.policy_version).model, drawn, outs, honest)
     if n is not None:  # cherry-pick: keep the G draws with the highest reward
         for i, (prompt, group) in enumerate(zip(lease.prompts, outs, strict=True)):
             problem = TASK.problem(int(prompt.prompt_id.rsplit(":", 1)[1]))

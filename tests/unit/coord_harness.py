@@ -195,8 +195,8 @@ def sampled(
     import dataclasses
 
     from node.backends.hf import HFBackend
+    from node.byzantine import report_logprobs_of
     from node.rollouts import build_submission, lease_requests, to_sampling_config
-    from node.scoring import score_logprobs
 
     backend = HFBackend(model=model, device="cpu")
     requests = lease_requests(lease)
@@ -208,15 +208,7 @@ def sampled(
         sampling = dataclasses.replace(sampling, top_k=1)
     outs = backend.generate(requests, sampling)
     if greedy or seed_offset:
-        s = lease.sampling
-        for req, group in zip(requests, outs, strict=True):
-            comps = [o.token_ids for o in group]
-            lps = score_logprobs(
-                model, [req.prompt_token_ids] * len(comps), comps, s.temperature,
-                top_p=s.top_p, top_k=s.top_k,
-            )  # fmt: skip
-            for o, lp in zip(group, lps, strict=True):
-                o.logprobs[:] = lp
+        report_logprobs_of(model, requests, outs, to_sampling_config(lease))
     return build_submission(
         lease,
         honest_requests,
