@@ -146,8 +146,11 @@ async def test_an_advert_cannot_be_overwritten_outlived_or_rolled_back(
             raise AssertionError(f"attack {name!r} changed the advert: {exc}") from exc
 
     # The victim still refreshes its own advert (the attacker's longer-lived copies pin nothing).
+    # (Not announce_once()'s result: hivemind reports the *last* replica's answer, and that may be
+    # the attacker's, which refuses anything shorter-lived than its planted copy. What counts is
+    # what honest readers see.)
     clock[0], tps[0] = t0 + 2.0, 44.0
-    assert await announcer.announce_once()
+    await announcer.announce_once()
     await genuine_everywhere(44.0, t0 + 62.0)
 
 
