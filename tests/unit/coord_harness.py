@@ -50,7 +50,9 @@ def config(tmp_path: Path, **overrides: Any) -> CoordinatorConfig:
         "staleness_bound": 2,
         "sampling": {"max_new_tokens": 4},
         "leases": {"min_deadline_s": 30.0, "max_prompts_per_lease": 3, "target_lease_s": 1000.0},
-        "intake": {"spot_check_fraction": 0.0},
+        # fixed check rates (spot_check_fraction) unless a test asks for adaptive ones
+        "intake": {"spot_check_fraction": 0.0, "new_node_check_rate": 0.0},
+        "reward_audit": {"fraction": 0.0},
         "capacity": {"activation": False},
         "reputation": {"strikes_to_ban": 100},
     }
