@@ -66,6 +66,7 @@ class Tolerance(_Section):
 
 def _default_tolerances() -> dict[str, Tolerance]:
     # Calibrated on honest runs: docs/reliability.md "Calibration" (bench/calibrate_verifier.py).
+    # The logit margins are policy.boundary.DEFAULT_LOGIT_MARGIN (kept equal by a test).
     return {
         "*/float32": Tolerance(
             metric="max_abs", threshold=1e-3, logit_margin=1e-3, replay_slack=1e-3

@@ -36,7 +36,18 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KeptBounds", "kept_bounds", "logprob_interval", "replay_admissible"]
+__all__ = [
+    "DEFAULT_LOGIT_MARGIN",
+    "KeptBounds",
+    "kept_bounds",
+    "logprob_interval",
+    "replay_admissible",
+]
+
+#: Default logit margin per dtype (raw-logit difference two honest machines may show), from
+#: honest runs (bench/calibrate_verifier.py; docs/reliability.md "Calibration"). The coordinator's
+#: ``intake.tolerances`` default to these; tests compare across code paths with them.
+DEFAULT_LOGIT_MARGIN: dict[str, float] = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.05}
 
 
 @dataclass(frozen=True)

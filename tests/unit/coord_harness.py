@@ -106,9 +106,18 @@ class Harness:
         )
         self.core.publish_version(sign_manifest(manifest, self.publisher, now))
 
-    def node(self, *, price: float | None = None, rollouts_per_s: float = 0.0) -> Identity:
+    def node(
+        self,
+        *,
+        price: float | None = None,
+        rollouts_per_s: float = 0.0,
+        backend: str = "hf",
+        dtype: str = "float32",
+    ) -> Identity:
         ident = Identity.generate()
-        self.core.register(ident.public_key, advert(ident, self.clock(), price, rollouts_per_s))
+        self.core.register(
+            ident.public_key, advert(ident, self.clock(), price, rollouts_per_s, backend, dtype)
+        )
         return ident
 
     def lease(self, ident: Identity, max_prompts: int = 3) -> Lease:
@@ -121,15 +130,20 @@ class Harness:
 
 
 def advert(
-    ident: Identity, now: float, price: float | None = None, rollouts_per_s: float = 0.0
+    ident: Identity,
+    now: float,
+    price: float | None = None,
+    rollouts_per_s: float = 0.0,
+    backend: str = "hf",
+    dtype: str = "float32",
 ) -> CapabilityAdvert:
     return CapabilityAdvert(
         peer_id="peer",
         node_key=ident.public_key,
         gpus=[],
         cpu=CpuInfo(cores=2, memory_bytes=1 << 30),
-        backend="hf",
-        dtype="float32",
+        backend=backend,
+        dtype=dtype,  # type: ignore[arg-type]
         tokens_per_s=100.0,
         rollouts_per_s=rollouts_per_s,
         price_per_hour=price,
@@ -189,18 +203,23 @@ def sampled(
     *,
     greedy: bool = False,
     seed_offset: int = 0,
+    backend: str = "hf",
+    dtype: str = "float32",
+    report_model: Any = None,
 ) -> RolloutSubmission:
     """The honest submission of ``lease`` sampled with the ``hf`` backend on ``model``, built as
     the node worker builds it. ``greedy`` decodes with top-k 1 and ``seed_offset`` draws from
     other seeds; both then report the honest log-probs of the lease's sampling distribution,
-    so only the sampling audit can tell (what a careful cheat would do)."""
+    so only the sampling audit can tell (what a careful cheat would do). ``backend``/``dtype``
+    are the labels the submission carries; ``report_model`` (default ``model``) is the model
+    whose log-probs are reported for re-drawn samples."""
     import dataclasses
 
     from node.backends.hf import HFBackend
     from node.byzantine import report_logprobs_of
     from node.rollouts import build_submission, lease_requests, to_sampling_config
 
-    backend = HFBackend(model=model, device="cpu")
+    hf = HFBackend(model=model, device="cpu")
     requests = lease_requests(lease)
     honest_requests = requests
     if seed_offset:
@@ -208,15 +227,41 @@ def sampled(
     sampling = to_sampling_config(lease)
     if greedy:
         sampling = dataclasses.replace(sampling, top_k=1)
-    outs = backend.generate(requests, sampling)
+    outs = hf.generate(requests, sampling)
     if greedy or seed_offset:
-        report_logprobs_of(model, requests, outs, to_sampling_config(lease))
+        reporter = report_model if report_model is not None else model
+        report_logprobs_of(reporter, requests, outs, to_sampling_config(lease))
     return build_submission(
         lease,
         honest_requests,
         outs,
-        set(backend.eos_token_ids),
-        backend="hf",
-        dtype="float32",
+        set(hf.eos_token_ids),
+        backend=backend,
+        dtype=dtype,
         timings=Timings(started_at=0.0, finished_at=1.0, generate_s=1.0),
     )
+
+
+def rounding_twins(tied: tuple[int, ...] = tuple(range(8, 14))) -> tuple[Any, Any]:
+    """``(reference, other_cpu)``: the embedded model with the embedding rows of ``tied`` made
+    equal (so their logits tie exactly at every position, as happens by accident on real
+    vocabularies), and a copy whose tied rows differ by a relative 1e-6 — logits within ~1e-6
+    of the reference, the size of another CPU's rounding, yet enough to break every tie. Where
+    a tie straddles the top-k cut or the top-p mass, the two keep different token sets."""
+    import copy
+
+    import torch
+
+    from policy.model import ModelSpec, build_model
+
+    ref = build_model(ModelSpec(), seed=0)
+    with torch.no_grad():
+        emb = ref.get_input_embeddings().weight
+        for t in tied[1:]:
+            emb[t] = emb[tied[0]]
+    other = copy.deepcopy(ref)
+    with torch.no_grad():
+        emb2 = other.get_input_embeddings().weight
+        for i, t in enumerate(tied):
+            emb2[t] *= 1.0 + 1e-6 * (i + 1)
+    return ref, other
