@@ -122,7 +122,8 @@ def test_logprobs_match_fresh_forward(
     from policy.boundary import DEFAULT_LOGIT_MARGIN, kept_bounds, logprob_interval
 
     reference, other = twins
-    node = HFBackend(ModelSpec(), device="cpu", model=other if machine == "other-cpu" else reference)
+    node_model = other if machine == "other-cpu" else reference
+    node = HFBackend(ModelSpec(), device="cpu", model=node_model)
     groups = node.generate(requests(n=3), cfg)
     assert [len(g) for g in groups] == [3] * len(PROMPTS)
     worst, boundary = 0.0, 0

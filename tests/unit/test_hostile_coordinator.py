@@ -22,7 +22,7 @@ from coordinator.errors import Rejection
 from coordinator.service import CoordinatorService
 from protocol import rpc
 from protocol.codec import decode, encode
-from protocol.envelope import seal, signed_bytes
+from protocol.envelope import seal
 from protocol.errors import ProtocolError, ReasonCode
 from protocol.identity import Identity
 from protocol.limits import DEFAULT_LIMITS
