@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "SAMPLING_RULE",
     "draw_tokens",
     "inverse_cdf",
     "processed_logprobs",
@@ -38,6 +39,9 @@ _MUL1 = 0xBF58476D1CE4E5B9
 _MUL2 = 0x94D049BB133111EB
 #: Bits kept of each 64-bit output: a uniform is a multiple of 2^-24, exact in float32.
 UNIFORM_BITS = 24
+#: Name of the sampling rule defined here (docs/protocol.md §11): a backend that draws every token
+#: with :func:`draw_tokens` at the uniforms of :func:`sample_uniforms` declares it.
+SAMPLING_RULE = "inverse-cdf/splitmix64-24/v1"
 
 
 def processed_logprobs(

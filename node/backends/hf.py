@@ -34,7 +34,7 @@ from node.backends.base import (
     SamplingConfig,
     sample_seed,
 )
-from policy.draw import draw_tokens, sample_uniforms
+from policy.draw import SAMPLING_RULE, draw_tokens, sample_uniforms
 from policy.model import ModelSpec, build_model, load_weights
 from policy.scoring import cache_kwarg
 
@@ -67,6 +67,7 @@ class HFBackend(InferenceBackend):
     """transformers model + batched KV-cache sampling (see module docstring)."""
 
     name = "hf"
+    sampling_rule = SAMPLING_RULE
 
     def __init__(
         self,
