@@ -205,13 +205,14 @@ class RewardAuditSection(_Section):
     node's rewards are compared with others' on the same prompts (coordinator/audits.py)."""
 
     fraction: float = Field(
-        default=0.05,
+        default=0.1,
         ge=0,
         le=1,
-        description="Share of accepted prompts re-issued to another node (0 = audits off)",
+        description="Share of accepted prompts re-issued to another node (0 = audits off); the "
+        "copies train like any group, so the cost is duplicated prompts, not wasted work",
     )
     min_pairs: int = Field(
-        default=8,
+        default=16,
         ge=2,
         description="Audited prompt pairs (with different mean rewards) of a node before its "
         "first test; later tests at 2x, 4x, ... as many",
