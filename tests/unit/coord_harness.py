@@ -70,6 +70,7 @@ class Harness:
         tmp_path: Path,
         clock: FakeClock | None = None,
         verifier: LogprobVerifier | None = None,
+        signer: Identity | None = None,
         **overrides: Any,
     ) -> None:
         self.tmp_path = tmp_path
@@ -77,6 +78,7 @@ class Harness:
         self.cfg = config(tmp_path, **overrides)
         self.publisher = Identity.generate()
         self.verifier = verifier
+        self.signer = signer  # the coordinator key sealing the receipt log (None: no seals)
         self.core = self.reopen()
 
     def reopen(self) -> Coordinator:
@@ -89,6 +91,7 @@ class Harness:
             clock=self.clock,
             verifier=self.verifier,
             publisher_key=self.publisher.public_key,
+            signer=self.signer,
         )
         return self.core
 
