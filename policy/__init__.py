@@ -12,8 +12,12 @@ Modules:
 * :mod:`policy.model`    -- :class:`~policy.model.ModelSpec`, the tokenizers (embedded character
                             tokenizer, local Hugging Face), model building and weight loading
 * :mod:`policy.draw`     -- the processed distribution (temperature → top-k → top-p), the seeded
-                            uniforms and the inverse-CDF draw
+                            uniforms (SplitMix64) and the inverse-CDF draw: the sampling rule of
+                            every backend
 * :mod:`policy.scoring`  -- batched re-scoring of completions and sampling audits
+* :mod:`policy.boundary` -- top-k/top-p boundary tokens: the kept sets another machine's rounding
+                            may give, admissible log-prob intervals and replayed draws
+* :mod:`policy.testing`  -- test helpers (a model and its twin with another CPU's rounding)
 
 Nothing is imported here, so importing the package stays cheap.
 """

@@ -151,6 +151,9 @@ def coordinator_toml(
         "sampling": {"max_new_tokens": 4},
         "leases": {"min_deadline_s": 30.0, "target_lease_s": 0.5, "max_prompts_per_lease": 4},
         "intake": {"spot_check_fraction": 1.0},
+        # audit copies would give a prompt a second group: tests that count groups per prompt
+        # keep it off; the Byzantine suite turns it on
+        "reward_audit": {"fraction": 0.0},
         "capacity": {"activation": False},
         "network": {"trainer_key": trainer.fingerprint},
     }
@@ -221,13 +224,17 @@ class Trainer:
         if self.peer is not None:
             await self.peer.stop()
 
-    async def publish(self, version: int, *, held: bool = True) -> None:
-        """Publish ``version``; with ``held``, wait until the coordinator holds its weights."""
+    async def publish(
+        self, version: int, *, held: bool = True, state_dict: dict[str, Any] | None = None
+    ) -> None:
+        """Publish ``version`` (the weights ``policy_state_dict(version)`` unless ``state_dict``
+        is given); with ``held``, wait until the coordinator holds its weights."""
         from swarm.checkpoint_io import state_dict_to_files
 
         now = time.time()
+        weights = state_dict if state_dict is not None else policy_state_dict(version)
         manifest, chunks = build_manifest(
-            state_dict_to_files(policy_state_dict(version)),
+            state_dict_to_files(weights),
             version=version,
             parent_version=version - 1 if version > 1 else None,
             model_config_hash="00",
@@ -250,9 +257,17 @@ class Trainer:
 
             await until(holds, f"the coordinator to hold v{version}", 30, self.coord.proc)
 
-    async def fetch(self, after_seq: int = 0) -> list[AcceptedRollout]:
+    async def fetch(
+        self, after_seq: int = 0, stats: dict[str, Any] | None = None
+    ) -> list[AcceptedRollout]:
+        """The accepted rollouts after ``after_seq``; ``stats`` is reported as the trainer's
+        figures (e.g. ``step`` and ``rollout_cursor``, which the receipt log records)."""
         msg = FetchRollouts(
-            after_seq=after_seq, max_rollouts=4096, min_policy_version=None, wait_s=0
+            after_seq=after_seq,
+            max_rollouts=4096,
+            min_policy_version=None,
+            wait_s=0,
+            trainer_stats=stats or {},
         )
         request = seal(self.identity, msg, now=time.time())
         raw = await self.transport.call(self.coord.peer_id, rpc.FETCH, encode(request), timeout=30)
@@ -284,15 +299,16 @@ class TestNode:
         self.transport = transport
         self.client = CoordinatorClient(transport, coordinator_peer_id, self.identity)
 
-    async def register(self) -> None:
+    async def register(self, backend: str = "hf", dtype: str = "float32") -> None:
+        """Register, held to ``backend``/``dtype`` (what its submissions must then carry)."""
         await self.client.register(
             CapabilityAdvert(
                 peer_id=self.transport.peer_id,
                 node_key=self.identity.public_key,
                 gpus=[],
                 cpu=CpuInfo(cores=1, memory_bytes=1 << 30),
-                backend="hf",
-                dtype="float32",
+                backend=backend,
+                dtype=dtype,  # type: ignore[arg-type]
                 tokens_per_s=100.0,
                 rollouts_per_s=1.0,
                 price_per_hour=None,

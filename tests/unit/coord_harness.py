@@ -243,28 +243,3 @@ def sampled(
         dtype=dtype,
         timings=Timings(started_at=0.0, finished_at=1.0, generate_s=1.0),
     )
-
-
-def rounding_twins(tied: tuple[int, ...] = tuple(range(8, 14))) -> tuple[Any, Any]:
-    """``(reference, other_cpu)``: the embedded model with the embedding rows of ``tied`` made
-    equal (so their logits tie exactly at every position, as happens by accident on real
-    vocabularies), and a copy whose tied rows differ by a relative 1e-6 — logits within ~1e-6
-    of the reference, the size of another CPU's rounding, yet enough to break every tie. Where
-    a tie straddles the top-k cut or the top-p mass, the two keep different token sets."""
-    import copy
-
-    import torch
-
-    from policy.model import ModelSpec, build_model
-
-    ref = build_model(ModelSpec(), seed=0)
-    with torch.no_grad():
-        emb = ref.get_input_embeddings().weight
-        for t in tied[1:]:
-            emb[t] = emb[tied[0]]
-    other = copy.deepcopy(ref)
-    with torch.no_grad():
-        emb2 = other.get_input_embeddings().weight
-        for i, t in enumerate(tied):
-            emb2[t] *= 1.0 + 1e-6 * (i + 1)
-    return ref, other

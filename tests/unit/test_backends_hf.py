@@ -93,8 +93,8 @@ def assert_well_formed(sample: SampleOut, cfg: SamplingConfig, stops: set[int]) 
 
 @pytest.fixture(scope="module")
 def twins() -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(reference, another CPU's rounding of it): see coord_harness.rounding_twins."""
-    from coord_harness import rounding_twins
+    """(reference, another CPU's rounding of it): see policy.testing.rounding_twins."""
+    from policy.testing import rounding_twins
 
     return rounding_twins()
 

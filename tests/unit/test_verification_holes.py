@@ -11,12 +11,13 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from coord_harness import Harness, advert, rounding_twins, sampled, submission
+from coord_harness import Harness, advert, sampled, submission
 
 from coordinator.errors import Rejection
 from coordinator.intake import expected_seed
 from coordinator.logprobs import InProcessLogprobVerifier
 from policy.model import ModelSpec, build_model
+from policy.testing import rounding_twins
 from protocol.envelope import seal
 from protocol.errors import ProtocolError, ReasonCode
 from protocol.messages import (
