@@ -56,7 +56,9 @@ def left_pad(
 class SampleAudit:
     """What re-scoring one completion tells about it (see :func:`audit_samples`)."""
 
-    #: log p of each completion token under the sampling distribution (this machine's value)
+    #: log p of each completion token under the sampling distribution (this machine's value; for
+    #: a boundary token this machine drops but another machine may keep, the lower end of its
+    #: admissible interval; -inf only for a token no honest machine keeps)
     logprobs: list[float]
     #: Σ_t H_t: the expected Σ_t log p(token) under honest sampling is ``-entropy``
     entropy: float
@@ -180,6 +182,9 @@ def audit_samples(
         picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         bounds = kept_bounds(logits, temperature, top_p, top_k, margin)
         lo, hi = logprob_interval(bounds, targets)
+        # a boundary token this machine drops but another may keep: its admissible value, not
+        # -inf (which would wreck the sampling statistic of an honest sample)
+        picked = torch.where(torch.isfinite(picked), picked, lo)
         ok_all: torch.Tensor | None = None
         if uniforms is not None:
             u = torch.zeros(targets.shape, dtype=torch.float32)

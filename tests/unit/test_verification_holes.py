@@ -236,3 +236,35 @@ async def test_a_seed_refusal_does_not_name_the_expected_seed(tmp_path: Path) ->
     assert isinstance(got, Reject) and got.code is ReasonCode.SAMPLING_MISMATCH
     assert str(expected_seed(lease.sampling.seed, 0, 0)) not in got.detail
     assert "seed 1 is not the one the lease assigns" in got.detail
+
+
+def test_a_token_only_another_machine_keeps_leaves_the_statistic_finite() -> None:
+    """Found by bench/calibrate_verifier.py: a boundary token the verifier's own rounding drops
+    (its log-prob here is -inf) made the sampling statistic infinite and refused an honest
+    sample. Its admissible value is used instead; only a token no honest machine keeps is -inf."""
+    from coordinator.logprobs import sampling_z
+    from node.backends import GenerationRequest, SamplingConfig
+    from node.backends.hf import HFBackend
+    from policy.boundary import DEFAULT_LOGIT_MARGIN
+    from policy.draw import sample_uniforms
+    from policy.sampling import sample_seed
+    from policy.scoring import audit_samples, score_logprobs
+
+    reference, other_cpu = rounding_twins()
+    cfg = SamplingConfig(temperature=1.3, top_k=5, top_p=0.8, max_new_tokens=12)
+    prompts = [[1, 4 + i % 4, 5, 3] for i in range(6)]
+    reqs = [GenerationRequest(p, 4, seed=i) for i, p in enumerate(prompts)]
+    outs = HFBackend(model=other_cpu, device="cpu").generate(reqs, cfg)
+    ps = [r.prompt_token_ids for r, g in zip(reqs, outs, strict=True) for _ in g]
+    cs = [s.token_ids for g in outs for s in g]
+    own = score_logprobs(reference, ps, cs, 1.3, top_p=0.8, top_k=5)
+    assert any(x == float("-inf") for lp in own for x in lp)  # the case: dropped here
+    seeds = [sample_seed(r.seed, j) for r in reqs for j in range(4)]
+    audits = audit_samples(
+        reference, ps, cs, 1.3, top_p=0.8, top_k=5,
+        uniforms=[sample_uniforms(s, 12) for s in seeds],
+        margin=DEFAULT_LOGIT_MARGIN["float32"],
+    )  # fmt: skip
+    assert all(x > float("-inf") for a in audits for x in a.logprobs)
+    assert abs(sampling_z(audits)) < 6.0
+    assert sum(a.replay_misses or 0 for a in audits) == 0
