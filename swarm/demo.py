@@ -181,7 +181,7 @@ class Demo:
     def _write_configs(self, trainer_fp: str) -> None:
         o = self.opts
         model = f'model_path = "{o.model_dir}"\n' if o.model_dir else ""
-        spot = 0.25 if o.byzantine else 0.1
+        spot = 0.25 if o.byzantine else 0.05  # floor of the adaptive check rate
         (self.run_dir / "coordinator.toml").write_text(
             f'task = "{o.task}"\ntask_seed = {o.seed}\n{model}group_size = {o.group_size}\n'
             f"staleness_bound = {o.staleness}\nheartbeat_interval_s = 2.0\nheartbeat_misses = 3\n"
