@@ -57,8 +57,8 @@ class SampleAudit:
     """What re-scoring one completion tells about it (see :func:`audit_samples`)."""
 
     #: log p of each completion token under the sampling distribution (this machine's value; for
-    #: a boundary token this machine drops but another machine may keep, the lower end of its
-    #: admissible interval; -inf only for a token no honest machine keeps)
+    #: a boundary token this machine drops but another machine may keep, its log-prob had this
+    #: machine kept it as well; -inf only for a token no honest machine keeps)
     logprobs: list[float]
     #: Σ_t H_t: the expected Σ_t log p(token) under honest sampling is ``-entropy``
     entropy: float
@@ -182,9 +182,15 @@ def audit_samples(
         picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         bounds = kept_bounds(logits, temperature, top_p, top_k, margin)
         lo, hi = logprob_interval(bounds, targets)
-        # a boundary token this machine drops but another may keep: its admissible value, not
-        # -inf (which would wreck the sampling statistic of an honest sample)
-        picked = torch.where(torch.isfinite(picked), picked, lo)
+        # a boundary token this machine drops but another may keep: its log-prob had this
+        # machine kept it too (this machine's set plus the token), not -inf, which would wreck
+        # the sampling statistic of an honest sample
+        x_t = bounds.x.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        kept = torch.where(torch.isfinite(logp), bounds.x, torch.full_like(bounds.x, -torch.inf))
+        with_t = torch.logaddexp(torch.logsumexp(kept, -1), x_t)
+        picked = torch.where(
+            torch.isfinite(picked), picked, torch.where(torch.isfinite(lo), x_t - with_t, lo)
+        )
         ok_all: torch.Tensor | None = None
         if uniforms is not None:
             u = torch.zeros(targets.shape, dtype=torch.float32)
