@@ -213,15 +213,18 @@ def main() -> None:
         fp = f"{refused}/{tally.checks}" + (
             f" (95% ≤ {3 / tally.checks:.1g})" if refused == 0 else f" ({tally.refused})"
         )
-        tail = f"{q(tally.tail, 1.0):.3f}" if tally.tail else "-"
+        tail = (
+            f"{q(tally.tail, 1.0):.3f} (limit {tol.tail_fraction:g} beyond {tol.tail_delta:g})"
+            if tally.tail
+            else "- (max_abs bounds every token)"
+        )
         forged = f"{tally.forged_caught}/{tally.forged_checks}" if tally.forged_checks else "-"
         label = f"{dtype}, node computing in fp32" if mixed else dtype
         rows.append(
             f"| {label} | {tally.samples:,} | {fmt(statistics.median(tally.deltas))} / "
             f"{fmt(q(tally.deltas, 0.99))} / {fmt(q(tally.deltas, 0.999))} / "
             f"{fmt(max(tally.deltas))} | {tol.metric} {fmt(max(tally.metric))} "
-            f"(limit {tol.threshold:g}) | {tail} (limit {tol.tail_fraction:g} beyond "
-            f"{tol.tail_delta}) | {fmt(max(abs(z) for z in tally.z))} | "
+            f"(limit {tol.threshold:g}) | {tail} | {fmt(max(abs(z) for z in tally.z))} | "
             f"{tally.misses}/{tally.tokens} | {fmt(q(tally.logit_diff, 0.99))} / "
             f"{fmt(max(tally.logit_diff))} (margin {tol.logit_margin:g}) | {tally.boundary} | "
             f"{fp} | {forged} |"
