@@ -32,6 +32,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.errors import IntakeRejection, Rejection
 from coordinator.intake import CheckReport, Intake, IntakeContext, IntakeMetrics, PromptSlot
 from coordinator.leases import LeaseManager
+from coordinator.ledger import Ledger
 from coordinator.logprobs import LogprobVerifier
 from coordinator.problems import Task
 from coordinator.receipts import ReceiptLog
@@ -120,8 +121,8 @@ class Coordinator:
             seal_every=config.receipts.seal_every,
             seal_interval_s=config.receipts.seal_interval_s,
         )
+        self.ledger = Ledger(store, self.receipts, verifier)
         self.metrics = IntakeMetrics(self.registry)
-        self.verifier = verifier
         self.intake = Intake(
             task,
             tokenizer,
@@ -141,8 +142,6 @@ class Coordinator:
         self.t_train_s = config.capacity.t_train_s
         self.plan: Plan | None = None
         self._standby: frozenset[str] = frozenset()
-        #: the learner's compute reported since this process started (Σ step_time_s), seconds
-        self.trainer_compute_s = 0.0
         self.leases.expire_due()
         outstanding = self.leases.outstanding()
         if outstanding:
@@ -449,8 +448,8 @@ class Coordinator:
                 lease_id=lease.lease_id, node_key=node_key, version=sub.policy_version,
                 rewards=rewards, now=now,
             )  # fmt: skip
-            last_seq = first_seq + len(rows) - 1
-            self._receipt(lease, digest, verdict, ctx.report, (first_seq, last_seq))
+            last_seq = self.store.max_rollout_seq()  # one transaction: seqs are contiguous
+            self.ledger.verdict(lease, digest, verdict, ctx.report, (first_seq, last_seq), now)
             for flag in flags:
                 self.trust.flag(flag.node_key, flag.detail, now)
                 self.receipts.append(
@@ -525,42 +524,12 @@ class Coordinator:
                 verdict = Verdict(exc.code.value, exc.detail)
                 self.store.put_verdict(ref, digest, verdict, now)
                 if lease is not None:
-                    self._receipt(lease, digest, verdict, report or CheckReport(), None)
+                    self.ledger.verdict(lease, digest, verdict, report or CheckReport(), None, now)
             if exc.strike and self.store.get_node(node_key) is not None:
                 self.reputation.strike(node_key, exc.code.value, exc.detail, now)
                 self.trust.struck(node_key)
         log.info("rejected %s from %s: %s", ref, fingerprint_of(node_key), exc)
         return Reject(ref=ref, code=exc.code, detail=exc.detail, retry_after_s=exc.retry_after_s)
-
-    def _receipt(
-        self,
-        lease: LeaseRecord,
-        digest: bytes,
-        verdict: Verdict,
-        report: CheckReport,
-        seqs: tuple[int, int] | None,
-    ) -> None:
-        """The verdict entry of a lease-bound submission (inside the verdict's transaction)."""
-        node = self.store.get_node(lease.node_key)
-        held = f"{lease.backend}/{lease.dtype}" if lease.backend else (
-            f"{node.backend}/{node.dtype}" if node else "?"
-        )  # fmt: skip
-        self.receipts.append(
-            "verdict",
-            {
-                "lease": lease.lease_id,
-                "epoch": lease.epoch,
-                "node": fingerprint_of(lease.node_key),
-                "version": lease.version,
-                "held_to": held,
-                "digest": digest.hex(),
-                "verdict": verdict.code,
-                "detail": verdict.detail,
-                "checks": report.as_dict(),
-                "seqs": list(seqs) if seqs is not None else None,
-            },
-            self.clock(),
-        )
 
     def replayed_submission(self, env: SignedEnvelope) -> Ack | Reject | None:
         """The stored verdict for a submission envelope the replay guard refused (the same
@@ -579,24 +548,8 @@ class Coordinator:
         return None if stored is None else _message(lease.lease_id, stored)
 
     def learner_report(self, step: int, cursor: int, step_time_s: float) -> None:
-        """The trainer's report with a fetch: a new learner ``step`` consumed every rollout up to
-        ``cursor`` (trained on or dropped as stale): a ``consumed`` receipt; its compute adds to
-        the trainer compute the verification fraction is measured against."""
-        last_step = int(self.store.get_meta("learner_step") or 0)
-        if step <= last_step:
-            return
-        last_cursor = int(self.store.get_meta("learner_cursor") or 0)
-        now = self.clock()
-        with self.store.transaction():
-            if cursor > last_cursor:
-                self.receipts.append(
-                    "consumed", {"step": step, "seqs": [last_cursor + 1, cursor]}, now
-                )
-                self.store.set_meta("learner_cursor", str(cursor))
-            self.store.set_meta("learner_step", str(step))
-        if step_time_s > 0:  # this process's count, like the verifier's
-            steps = step - last_step if last_step else 1
-            self.trainer_compute_s += step_time_s * min(steps, 1000)
+        """The trainer's figures with a fetch (:meth:`coordinator.ledger.Ledger.learner_report`)."""
+        self.ledger.learner_report(step, cursor, step_time_s, self.clock())
 
     def fetch_rollouts(
         self, after_seq: int, max_rollouts: int, min_policy_version: int | None = None
@@ -729,19 +682,7 @@ class Coordinator:
 
     def verification_status(self) -> dict[str, Any]:
         """Verification compute against the learner's, and the receipt log's head."""
-        spent = float(getattr(self.verifier, "compute_s", 0.0))
-        head, _ = self.receipts.head()
-        sealed, _ = self.receipts.last_sealed()
-        return {
-            "verification_compute_s": round(spent, 3),
-            "verification_checks": int(getattr(self.verifier, "checks", 0)),
-            "trainer_compute_s": round(self.trainer_compute_s, 3),
-            "verification_compute_frac": round(spent / self.trainer_compute_s, 4)
-            if self.trainer_compute_s > 0
-            else None,
-            "receipts_head_seq": head,
-            "receipts_sealed_seq": sealed,
-        }
+        return self.ledger.status()
 
 
 def _message(ref: str, verdict: Verdict) -> Ack | Reject:
