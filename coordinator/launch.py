@@ -181,7 +181,7 @@ def _launch_config(
             "config.json); fix the path or unset it for the embedded default"
         )
     try:
-        task = make_task(cfg.task, seed=cfg.task_seed)
+        task = make_task(cfg.task, seed=cfg.task_seed, format_reward=cfg.format_reward)
     except OSError as exc:
         raise ConfigError(
             f"{source}: task {cfg.task!r}: cannot read {exc.filename or 'the file'}: "
@@ -189,9 +189,24 @@ def _launch_config(
         ) from exc
     except ValueError as exc:
         raise ConfigError(f"{source}: task: {exc}") from exc
-    close = getattr(task, "close", None)
-    if callable(close):
-        close()
+    try:  # an impossible set-up is refused now, not as a loop of failed leases later
+        from policy.model import ModelSpec
+        from policy.preflight import prepare
+
+        prepare(
+            ModelSpec(path=cfg.model_path),
+            task=task,
+            max_new_tokens=cfg.sampling.max_new_tokens,
+            extra_stop_ids=cfg.sampling.stop_token_ids,
+            template=cfg.prompt.template,
+            system_prompt=cfg.prompt.system_prompt,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+    finally:
+        close = getattr(task, "close", None)
+        if callable(close):
+            close()
     return cfg.model_copy(update={"network": net})
 
 

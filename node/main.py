@@ -364,6 +364,8 @@ async def _serve(
     rc = EXIT_OK
     try:
         await worker.wait()
+        if worker.failures.gave_up:  # stopped by a signal after giving up: say so in the code
+            rc = EXIT_RUNTIME
     except Exception:
         log.exception("node failed")
         rc = EXIT_RUNTIME

@@ -12,9 +12,9 @@ class DemoOptions(Protocol):
     """The options of a demo run that the report shows (``swarm.demo.DemoOptions``)."""
 
     target: float
-    nodes: int
+    nodes: int | None
     byzantine: int
-    staleness: int
+    staleness: int | None
 
 
 class Demo(Protocol):
@@ -76,6 +76,8 @@ class LiveView:
                 f"rejected {sum((s.get('rejected_by_reason') or {}).values()):.0f}",
                 flush=True,
             )
+            for fp, problem in sorted((s.get("node_problems") or {}).items()):
+                print(f"  node {fp[:20]}…: {problem}", flush=True)
 
     def _render(self) -> Any:
         from rich.console import Group
@@ -111,6 +113,12 @@ class LiveView:
             )
         rejected = s.get("rejected_by_reason") or {}
         parts: list[Any] = [head, nodes]
+        problems = s.get("node_problems") or {}
+        if problems:  # a node failing over and over: say why instead of an empty "step -"
+            from rich.text import Text
+
+            for fp, problem in sorted(problems.items()):
+                parts.append(Text(f"node {fp[:20]}…: {problem}", style="yellow"))
         if rejected:
             rej = Table(title="rejected by reason", show_header=True)
             rej.add_column("reason")
