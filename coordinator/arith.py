@@ -1,12 +1,17 @@
-"""``arith``: procedural one- and two-digit arithmetic word problems, answers in ``\\boxed{}``.
+"""``arith``: procedural one- and two-digit arithmetic problems, answers in ``\\boxed{}``.
 
-Sized for a small instruct model on CPU (SmolLM2-135M-Instruct solves some of them from the
-start, so GRPO has groups with both right and wrong answers to learn from): each problem is one
-addition or subtraction of two numbers in 1..``max_operand`` (never a negative result), told as a
-short story from a few templates, followed by "Put the final answer in \\boxed{}.". The reward is
-:class:`~coordinator.datasets.MathReward` (math-verify on the coordinator; optional format share).
+Sized for a small instruct model on CPU: each problem is one addition or subtraction of two
+numbers in 1..``max_operand`` (never a negative result), followed by "Put the final answer in
+\\boxed{}.". Two styles:
 
-``arith`` is the task name; ``arith:N`` sets ``max_operand`` (default 20).
+* ``arith``       -- the bare question, "What is 7 + 15?" (SmolLM2-135M-Instruct answers about a
+  third of them right from the start at T = 0.7, in ~20 tokens: most GRPO groups hold both right
+  and wrong answers, which is what the learner needs);
+* ``arith-words`` -- the same sums told as a short story from a few templates ("Sam has 7 apples.
+  Sam gets 15 more apples. ..."): harder for a 135M model (under a tenth right at the start).
+
+The reward is :class:`~coordinator.datasets.MathReward` (math-verify on the coordinator; optional
+format share). ``arith:N`` / ``arith-words:N`` set ``max_operand`` (default 20).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class ArithmeticTask:
         seed: int = 0,
         *,
         max_operand: int = 20,
+        words: bool = False,
         format_reward: float = 0.0,
         timeout_s: float = 5.0,
         equal_fn: EqualFn = math_equal,
@@ -49,7 +55,9 @@ class ArithmeticTask:
             raise ValueError(f"arith: max_operand must be in 2..99, got {max_operand}")
         self.seed = seed
         self.max_operand = max_operand
-        self.name = "arith" if max_operand == 20 else f"arith:{max_operand}"
+        self.words = words
+        base = "arith-words" if words else "arith"
+        self.name = base if max_operand == 20 else f"{base}:{max_operand}"
         self.scorer = MathReward(
             format_reward=format_reward, timeout_s=timeout_s, equal_fn=equal_fn
         )
@@ -59,10 +67,12 @@ class ArithmeticTask:
         a, b = rng.randint(1, self.max_operand), rng.randint(1, self.max_operand)
         name, thing = rng.choice(_NAMES), rng.choice(_THINGS)
         if rng.random() < 0.5:
-            text, answer = rng.choice(_ADD).format(n=name, t=thing, a=a, b=b), a + b
+            templates, answer, op = _ADD, a + b, "+"
         else:
             a, b = max(a, b), min(a, b)
-            text, answer = rng.choice(_SUB).format(n=name, t=thing, a=a, b=b), a - b
+            templates, answer, op = _SUB, a - b, "-"
+        story = rng.choice(templates).format(n=name, t=thing, a=a, b=b)
+        text = story if self.words else f"What is {a} {op} {b}?"
         return Problem(
             prompt_id=f"{self.name}:{index:08d}",
             prompt=f"{text}\n{INSTRUCTION}",

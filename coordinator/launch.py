@@ -15,6 +15,7 @@ from typing import Any
 from coordinator.config import CoordinatorConfig
 from coordinator.service import CoordinatorService
 from coordinator.tasks import make_task
+from policy.preflight import PolicySetup
 from protocol.identity import parse_fingerprint
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ def launch_from_cli(
     try:
         cfg = _launch_config(config, host=host, port=port, http_port=http_port,
                              trainer_key=trainer_key)  # fmt: skip
+        setup = _preflight(cfg, str(config) if config is not None else "defaults")
     except ConfigError as exc:
         _cli_error(str(exc))
         return 2
@@ -76,7 +78,7 @@ def launch_from_cli(
                 "or pass another --state-dir"
             )
             return 1
-        service = CoordinatorService(cfg, state)
+        service = CoordinatorService(cfg, state, setup=setup)
     except KeyFileError as exc:
         _cli_error(str(exc))
         return 2
@@ -189,11 +191,22 @@ def _launch_config(
         ) from exc
     except ValueError as exc:
         raise ConfigError(f"{source}: task: {exc}") from exc
-    try:  # an impossible set-up is refused now, not as a loop of failed leases later
-        from policy.model import ModelSpec
-        from policy.preflight import prepare
+    close = getattr(task, "close", None)
+    if callable(close):
+        close()
+    return cfg.model_copy(update={"network": net})
 
-        prepare(
+
+def _preflight(cfg: CoordinatorConfig, source: str) -> PolicySetup:
+    """Tokenizer, prompt renderer and stop set, checked (policy/preflight.py): an impossible
+    set-up is refused now, with the setting named, not as a loop of failed leases later."""
+    from coordinator.errors import ConfigError
+    from policy.model import ModelSpec
+    from policy.preflight import prepare
+
+    task = make_task(cfg.task, seed=cfg.task_seed, format_reward=cfg.format_reward)
+    try:
+        return prepare(
             ModelSpec(path=cfg.model_path),
             task=task,
             max_new_tokens=cfg.sampling.max_new_tokens,
@@ -207,7 +220,6 @@ def _launch_config(
         close = getattr(task, "close", None)
         if callable(close):
             close()
-    return cfg.model_copy(update={"network": net})
 
 
 def _cannot_bind(host: str, port: int) -> tuple[bool, str] | None:

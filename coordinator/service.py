@@ -83,7 +83,9 @@ SPOT_CHECK_WAIT_S = 5.0
 class CoordinatorService:
     """Coordinator core + libp2p RPC + checkpoint holder + HTTP status."""
 
-    def __init__(self, config: CoordinatorConfig, state_dir: Path) -> None:
+    def __init__(
+        self, config: CoordinatorConfig, state_dir: Path, *, setup: PolicySetup | None = None
+    ) -> None:
         self.config = config
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -101,8 +103,9 @@ class CoordinatorService:
             record_validators=swarm_validators(),
         )
         self.core: Coordinator | None = None
-        #: tokenizer, prompt renderer and stop set, checked at start (policy.preflight)
-        self.setup: PolicySetup | None = None
+        #: tokenizer, prompt renderer and stop set, checked at start (policy.preflight); the
+        #: launcher passes what it already checked, else :meth:`start` checks
+        self.setup: PolicySetup | None = setup
         self.transport: P2PTransport | None = None
         self.broadcast: BroadcastNode | None = None
         self.http: StatusHttpServer | None = None
@@ -143,7 +146,7 @@ class CoordinatorService:
 
         task = make_task(cfg.task, seed=cfg.task_seed, format_reward=cfg.format_reward)
         try:  # the launcher already ran these checks; a service built directly runs them here
-            setup = prepare(
+            setup = self.setup or prepare(
                 spec,
                 task=task,
                 max_new_tokens=cfg.sampling.max_new_tokens,

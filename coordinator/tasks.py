@@ -50,21 +50,27 @@ class ReverseTask:
 
 
 def make_task(name: str, seed: int = 0, *, format_reward: float = 0.0) -> Task:
-    """Task by name: ``reverse3`` / ``reverseN`` (embedded), ``arith`` / ``arith:N`` (arithmetic
-    word problems) or ``jsonl:PATH`` (math-verify); ``format_reward`` applies to the math tasks."""
-    known = "use reverse3, reverse4, ..., arith, arith:N or jsonl:PATH"
+    """Task by name: ``reverse3`` / ``reverseN`` (embedded), ``arith`` / ``arith-words`` (with
+    ``:N``, the operand bound) or ``jsonl:PATH`` (math-verify); ``format_reward`` applies to the
+    math tasks."""
+    known = "use reverse3, reverse4, ..., arith, arith-words (:N = operands up to N), jsonl:PATH"
     if name.startswith("reverse"):
         suffix = name.removeprefix("reverse") or "3"
         if not suffix.isdigit():
             raise ValueError(f"unknown task {name!r}: {known}")
         return ReverseTask(length=int(suffix), seed=seed)
-    if name == "arith" or name.startswith("arith:"):
+    base, _, suffix = name.partition(":")
+    if base in ("arith", "arith-words"):
         from coordinator.arith import ArithmeticTask
 
-        suffix = name.removeprefix("arith").removeprefix(":") or "20"
-        if not suffix.isdigit():
+        if not (suffix or "20").isdigit():
             raise ValueError(f"unknown task {name!r}: {known}")
-        return ArithmeticTask(seed, max_operand=int(suffix), format_reward=format_reward)
+        return ArithmeticTask(
+            seed,
+            max_operand=int(suffix or 20),
+            words=base == "arith-words",
+            format_reward=format_reward,
+        )
     if name.startswith("jsonl:"):
         from coordinator.datasets import JsonlMathTask
 

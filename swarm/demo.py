@@ -40,12 +40,13 @@ PROFILES: dict[str, dict[str, Any]] = {
     "embedded": {
         "nodes": 3, "staleness": 2, "group_size": 8, "batch_prompts": 32, "task": "reverse3",
         "time_limit": 300.0, "temperature": 1.0, "lr": None, "entropy_coef": None,
-        "minibatches": None,
+        "minibatches": None, "system_prompt": None,
     },
     "pretrained": {
-        "nodes": 1, "staleness": 2, "group_size": 8, "batch_prompts": 4, "task": "arith",
-        "time_limit": 1200.0, "temperature": 0.7, "max_new_tokens": 64, "lr": 1e-5,
-        "entropy_coef": 0.0, "minibatches": 2,
+        "nodes": 1, "staleness": 2, "group_size": 8, "batch_prompts": 2, "task": "arith",
+        "time_limit": 1200.0, "temperature": 0.7, "max_new_tokens": 32, "lr": 2e-5,
+        "entropy_coef": 0.0, "minibatches": 1,
+        "system_prompt": "Answer with the final number only.",
     },
 }  # fmt: skip
 
@@ -77,6 +78,8 @@ class DemoOptions:
     lr: float | None = None
     entropy_coef: float | None = None
     minibatches: int | None = None
+    #: system message of the chat template (coordinator ``prompt.system_prompt``)
+    system_prompt: str | None = None
     #: the model's fingerprint when it is an imported one (policy/importer.py)
     model_fingerprint: str | None = None
 
@@ -180,7 +183,13 @@ class DemoOptions:
         }
         try:
             spec = ModelSpec(path=None if self.model_dir is None else str(self.model_dir))
-            prepare(spec, task=task, max_new_tokens=int(self.max_new_tokens or 1), names=names)
+            prepare(
+                spec,
+                task=task,
+                max_new_tokens=int(self.max_new_tokens or 1),
+                system_prompt=self.system_prompt,
+                names=names,
+            )
         finally:
             close = getattr(task, "close", None)
             if callable(close):
@@ -273,11 +282,16 @@ class Demo:
             else "min_deadline_s = 10.0\ntarget_lease_s = 0.5\nmax_prompts_per_lease = 8\n"
             "default_tokens_per_s = 2000.0\n"
         )
+        prompt = (
+            f"\n[prompt]\nsystem_prompt = {json.dumps(o.system_prompt)}\n"
+            if o.system_prompt
+            else ""
+        )
         (self.run_dir / "coordinator.toml").write_text(
             f'task = "{o.task}"\ntask_seed = {o.seed}\n{model}group_size = {o.group_size}\n'
             f"staleness_bound = {o.staleness}\nheartbeat_interval_s = 2.0\nheartbeat_misses = 3\n"
             f"\n[sampling]\nmax_new_tokens = {o.max_new_tokens}\ntemperature = {o.temperature}\n"
-            f"\n[leases]\n{leases}"
+            f"\n[leases]\n{leases}{prompt}"
             f"\n[intake]\nspot_check_fraction = {spot}\n"
             f"\n[reputation]\nstrikes_to_ban = 3\nban_base_s = 60.0\n"
             f"\n[capacity]\nbatch_rollouts = {o.batch_prompts * o.group_size}\nt_train_s = 0.1\n"
