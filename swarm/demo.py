@@ -432,8 +432,8 @@ class Demo:
         step = self.status.get("trainer_step")
         if self.opts.max_steps is not None and step is not None and step >= self.opts.max_steps:
             return f"{self.opts.max_steps} learner steps done"
-        trainer = next(p for p in self.procs if p.name == "trainer")
-        if not trainer.alive():
+        trainer = next((p for p in self.procs if p.name == "trainer"), None)
+        if trainer is not None and not trainer.alive():
             if trainer.proc.returncode == 0:
                 return "trainer finished"
             self._check_children()
