@@ -126,8 +126,8 @@ def render(results: list[dict[str, Any]], minutes: float, load: str) -> str:
         "## SmolLM2-135M-Instruct through the whole swarm (`bench/smollm2.py`)\n\n"
         f"`swarm demo --model smollm2` (its defaults: 1 node, S = 2, 2 prompts × 8 samples per "
         f"learner step, one AdamW update per step at lr 2e-5, no entropy bonus, T = 0.7, "
-        f"`max_new_tokens` 32, task `arith` with the system prompt \"Answer with the final number "
-        f"only.\") for {minutes:g} minutes per seed, one seed after another, on the 2-core machine "
+        f'`max_new_tokens` 32, task `arith` with the system prompt "Answer with the final number '
+        f'only.") for {minutes:g} minutes per seed, one seed after another, on the 2-core machine '
         f"shared with other jobs (load average over the last 5 minutes of each run: {load}).\n\n"
         + "\n".join(rows)
         + "\n\nMean reward (= exact-match rate: no format reward) per learner step, with the "

@@ -310,9 +310,7 @@ class Coordinator:
         usable = self.store.versions()[-(self.config.staleness_bound + 1) :]
         return next((v for v in reversed(usable) if self.servable(v)), None)
 
-    def release(
-        self, node_key: bytes, lease_id: str, epoch: int, reason: str = ""
-    ) -> list[int]:
+    def release(self, node_key: bytes, lease_id: str, epoch: int, reason: str = "") -> list[int]:
         """A node gives a lease back; its prompts are reassignable at once. A reason other than
         a shutdown is kept as the node's last problem (``/status`` ``node_problems``)."""
         self._admit(node_key)
