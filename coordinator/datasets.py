@@ -87,6 +87,11 @@ def math_equal(gold: str, pred: str) -> bool:
 
 def _serve(conn: Connection, fn: EqualFn) -> None:
     """Worker process loop: answer ``(gold, pred)`` requests until ``None`` or EOF."""
+    # Warm up first: math-verify imports sympy on its first use (seconds, more on a busy machine),
+    # which would otherwise count against the first real check's timeout and score it 0. The
+    # start-up timeout covers this.
+    with contextlib.suppress(Exception):
+        fn("1", "1")
     conn.send("ready")
     while True:
         try:

@@ -46,3 +46,24 @@ def test_the_plain_view_prints_each_nodes_problem(
     out = capsys.readouterr().out
     assert "step -" in out and "node ed25519:aaaaaaaaaaaa" in out
     assert "generation failed: X (2x)" in out
+
+
+def test_swarm_inspect_shows_node_problems_as_plain_text() -> None:
+    """``swarm inspect`` prints each node's problem from ``/status``; a node's own words are never
+    read as rich markup (a hostile node could otherwise restyle or hide the table)."""
+    from rich.console import Console
+
+    from swarm.inspect import render
+
+    view = {
+        "nodes": [],
+        "coordinator": {
+            "node_problems": {"ed25519:aaaaaaaaaaaaaaaaaaaaaaaa": "[red]x[/red] " + PROBLEM}
+        },
+        "error": None,
+    }
+    console = Console(width=400, record=True)
+    console.print(render(view))
+    text = console.export_text()
+    assert "node ed25519:aaaaaaaaaaaa" in text and "256 positions" in text
+    assert "[red]x[/red]" in text  # shown literally, not interpreted
