@@ -100,7 +100,7 @@ def demo(
     ] = None,
     live: Annotated[bool, typer.Option(help="Show the live view (off: plain log lines).")] = True,
 ) -> None:
-    """Start a real local swarm (separate processes on 127.0.0.1) and train the embedded default."""
+    """Start a real local swarm on 127.0.0.1 and train the embedded default (or --model)."""
     from swarm.demo import DemoOptions, run_demo
 
     try:
