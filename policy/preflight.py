@@ -5,7 +5,8 @@ before anything starts; the trainer runs :func:`check_positions` against the coo
 (it learns them from ``rswarm/status``). Each failure is a :class:`SetupError` whose message names
 the setting to change. What is checked:
 
-* the stop set: not empty, every id inside the model's vocabulary (a tokenizer without EOS is
+* the stop set: not empty, at most ``MAX_STOP_TOKENS`` ids (what a lease carries), every id inside
+  the model's vocabulary (a tokenizer without EOS is
   refused when it is loaded, :class:`policy.model.HFTokenizer`);
 * the task can be written in the model's vocabulary: the first ``sample`` prompts render (a
   character the tokenizer does not know is an error, never dropped), their ids are inside the
@@ -97,6 +98,13 @@ def check_setup(
         raise SetupError(
             f"{names['model']}: the stop set is empty (no EOS id in the tokenizer, config.json or "
             "generation_config.json), so no sample could end; set eos_token_id"
+        )
+    from protocol.limits import MAX_STOP_TOKENS
+
+    if len(stop_token_ids) > MAX_STOP_TOKENS:
+        raise SetupError(
+            f"{names['stop']}: the stop set has {len(stop_token_ids)} ids, a lease carries at most "
+            f"{MAX_STOP_TOKENS}; list fewer extra stop tokens"
         )
     bad = [t for t in stop_token_ids if not 0 <= t < vocab_size]
     if bad:

@@ -136,3 +136,24 @@ def test_trainer_adopts_or_refuses_the_coordinators_sampling() -> None:
         adopt_contract(TrainerConfig(), {**status, "longest_prompt_tokens": 50}, positions=64)
     # an older coordinator without the contract on /status: nothing changes
     assert adopt_contract(TrainerConfig(), {}, positions=64) == (TrainerConfig(), ())
+
+
+def test_stop_set_must_fit_a_lease_and_the_vocabulary() -> None:
+    from coordinator.tasks import ReverseTask
+    from policy.model import CharTokenizer
+    from policy.preflight import SetupError, check_setup
+    from policy.prompts import PromptRenderer
+
+    tok = CharTokenizer()
+    common = {
+        "tokenizer": tok, "renderer": PromptRenderer(tok), "task": ReverseTask(),
+        "max_new_tokens": 4, "vocab_size": 26, "positions": 64,
+    }  # fmt: skip
+    report = check_setup(stop_token_ids=(2,), **common)  # type: ignore[arg-type]
+    assert report.longest_prompt == 5 and report.positions == 64
+    with pytest.raises(SetupError, match=r"^sampling\.stop_token_ids: stop token 26 is outside"):
+        check_setup(stop_token_ids=(2, 26), **common)  # type: ignore[arg-type]
+    with pytest.raises(SetupError, match="at most 64"):
+        check_setup(stop_token_ids=tuple(range(65)), **common)  # type: ignore[arg-type]
+    with pytest.raises(SetupError, match="stop set is empty"):
+        check_setup(stop_token_ids=(), **common)  # type: ignore[arg-type]
