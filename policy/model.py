@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # torch/transformers are imported lazily: `swarm --help` must
     from transformers import PretrainedConfig, PreTrainedModel
 
 EMBEDDED = "embedded"
+#: positions of the embedded default model (its config's ``max_position_embeddings``)
+EMBEDDED_MAX_POSITIONS = 64
 
 
 class Tokenizer(Protocol):
@@ -186,7 +188,7 @@ def tiny_config() -> PretrainedConfig:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=64,
+        max_position_embeddings=EMBEDDED_MAX_POSITIONS,
         tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
@@ -306,13 +308,21 @@ def model_stop_ids(spec: ModelSpec, tokenizer: Tokenizer | None = None) -> tuple
                     text_cfg = data.get("text_config")
                     if isinstance(text_cfg, dict):
                         ids |= _eos_ids(text_cfg.get("eos_token_id"))
-    else:
-        ids |= _eos_ids(tiny_config().eos_token_id)
+    # the embedded default's config names the character tokenizer's EOS (tiny_config): no more
     return tuple(sorted(ids))
+
+
+def model_vocab_size(spec: ModelSpec) -> int:
+    """Rows of the model's embedding (``config.vocab_size``); token ids must be below it."""
+    if spec.path is None:  # no transformers import for the embedded default (swarm demo start-up)
+        return CharTokenizer().vocab_size
+    return int(load_config(spec).vocab_size)
 
 
 def max_positions(spec: ModelSpec) -> int | None:
     """Positions the model can attend over (``max_position_embeddings``); None when unknown."""
+    if spec.path is None:
+        return EMBEDDED_MAX_POSITIONS
     config = load_config(spec)
     value = getattr(config, "max_position_embeddings", None)
     if value is None and hasattr(config, "get_text_config"):

@@ -182,12 +182,12 @@ def prepare(
 ) -> PolicySetup:
     """Load the tokenizer of ``spec`` (a :class:`policy.model.ModelSpec`), build the renderer and
     the stop set, and run :func:`check_setup`; every failure is one :class:`SetupError` line."""
-    from policy.model import load_config, load_tokenizer, max_positions, model_stop_ids
+    from policy.model import load_tokenizer, max_positions, model_stop_ids, model_vocab_size
 
     try:
         tokenizer = load_tokenizer(spec)
         stops = tuple(sorted(set(model_stop_ids(spec, tokenizer)) | set(extra_stop_ids)))
-        config = load_config(spec)
+        vocab_size = model_vocab_size(spec)
         positions = max_positions(spec)
     except (OSError, ValueError) as exc:
         message = str(exc)
@@ -204,7 +204,7 @@ def prepare(
         task=task,
         max_new_tokens=max_new_tokens,
         stop_token_ids=stops,
-        vocab_size=int(config.vocab_size),
+        vocab_size=vocab_size,
         positions=positions,
         sample=sample,
         names=names,

@@ -81,6 +81,17 @@ def test_stop_set_unites_tokenizer_config_and_generation_config(model_dir: Path)
     assert model_stop_ids(ModelSpec()) == (2,)  # the embedded model: its one EOS
 
 
+def test_embedded_figures_match_its_config_without_importing_it() -> None:
+    """swarm demo checks the embedded set-up without importing transformers; the constants it
+    uses must be the config's."""
+    from policy.model import max_positions, model_vocab_size, tiny_config
+
+    config = tiny_config()
+    assert max_positions(ModelSpec()) == config.max_position_embeddings
+    assert model_vocab_size(ModelSpec()) == config.vocab_size
+    assert model_stop_ids(ModelSpec()) == (config.eos_token_id,)
+
+
 def test_honest_samples_ending_on_any_eos_are_accepted(tmp_path: Path, model_dir: Path) -> None:
     core = _coordinator(tmp_path, model_dir)
     try:
