@@ -66,7 +66,7 @@ async def test_page_shows_the_lease_in_hand_and_the_counters(mem_swarm: Swarm) -
         assert hist["samples"] and hist["seq"] == len(hist["samples"])  # type: ignore[arg-type]
         assert _get(page, f"/api/history?since={hist['seq']}")["samples"] == []
         assert _get(page, "/api/history?since=99999")["full"] is True  # a restarted node
-        status, body, ctype = page.app.answer("/")
+        status, body, _ = page.app.answer("/")
         assert status == 200 and b"node.js" in body
     finally:
         backend.release.set()

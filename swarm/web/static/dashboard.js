@@ -282,6 +282,7 @@
     state.renders += 1;
     state.lastOk = Date.now();
     document.body.setAttribute("data-renders", String(state.renders));
+    document.body.setAttribute("data-uptime", String(status.uptime_s)); // which snapshot is shown
   }
 
   function onState(ok, err) {
