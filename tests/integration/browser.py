@@ -70,7 +70,7 @@ def chromium_or_skip(profile: Path) -> Any:
 
 def screenshot(driver: Any, path: Path, width: int = 1400) -> Path:
     """The whole page (not only the window) as a PNG."""
-    height = int(driver.execute_script("return document.documentElement.scrollHeight"))
+    height = int(driver.execute_script("return document.body.scrollHeight"))
     driver.set_window_size(width, min(max(height + 40, 600), 6000))
     driver.save_screenshot(str(path))
     return path

@@ -38,7 +38,7 @@
     ["node_verification_rate", "verified", "num", (v) => pct(v)],
   ];
   const NODE_TAIL = [
-    ["node_versions_held", "versions held", "", (v) => (Array.isArray(v) && v.length ? v.map((x) => "v" + x).join(" ") : any(v))],
+    ["node_versions_held", "versions held", "nowrap", (v) => (Array.isArray(v) && v.length ? v.map((x) => "v" + x).join(" ") : any(v))],
     ["node_leases_completed", "leases done", "num", (v) => num(v)],
     ["node_last_seen_s", "last seen", "num", (v) => (RS.isNum(v) ? duration(v) + " ago" : RS.DASH)],
   ];
@@ -211,7 +211,9 @@
     c("intake", { x: "time", yLabel: "rollouts/s", y2Label: "queue",
       series: [{ label: "accepted rollouts/s" }, { label: "queue depth", scale: "y2", color: "#868e96", dash: true }] });
     c("rejections", { x: "time", yLabel: "submissions", series: [] });
-    c("capacity", { x: "time", yLabel: "rollouts/s",
+    // log scale: near the pole of the rule (T_bcast close to κ·T_train) "required" jumps by orders
+    // of magnitude, which would flatten "available" on a linear axis
+    c("capacity", { x: "time", yLabel: "rollouts/s (log)", scales: { y: { distr: 3 } },
       series: [{ label: "required" }, { label: "available", color: "#1a7f4b" }] });
     window.addEventListener("resize", () => Object.values(state.charts).forEach((ch) => ch.resize()));
   }
@@ -229,7 +231,8 @@
     const ticks = state.ticks;
     const ts = column(ticks, "t");
     ch.intake.update([ts, column(ticks, "intake_per_s"), column(ticks, "queue_depth")]);
-    ch.capacity.update([ts, column(ticks, "plan_required_rollouts_per_s"), column(ticks, "plan_available_rollouts_per_s")]);
+    const positive = (key) => column(ticks, key).map((v) => (v !== null && v > 0 ? v : null));
+    ch.capacity.update([ts, positive("plan_required_rollouts_per_s"), positive("plan_available_rollouts_per_s")]);
 
     // holders by age: the newest version counted, the one before, ... (each new version climbs
     // from 0 as it spreads, so the newest line is a sawtooth with one tooth per publication)
