@@ -265,3 +265,66 @@ def test_without_a_browser_the_tests_skip_and_say_why(
         chromium_or_skip(tmp_path / "profile")
     assert "chromium and chromedriver not found" in str(skipped.value)
     assert "apt-get install -y chromium chromium-driver" in str(skipped.value)
+
+
+def _serve(status: dict[str, Any]) -> Any:
+    """The real dashboard page over a fixed ``/status`` (and an empty history), no swarm."""
+    from coordinator.history import StatusHistory
+    from swarm.web.server import ReadOnlyHttpServer, WebApp, json_response
+
+    history = StatusHistory()
+    app = WebApp(
+        {"/status": lambda q: json_response(status),
+         "/api/history": lambda q: json_response(history.since())},
+        {"/": "dashboard.html"},
+    )  # fmt: skip
+    server = ReadOnlyHttpServer("127.0.0.1", 0, app)
+    server.start()
+    return server
+
+
+def test_missing_and_unknown_fields_render_without_errors(chrome: Any) -> None:
+    """Fields other branches add (trust, capacity predictions, learner monitors) show up by
+    themselves; fields that are missing show as "–"; neither raises a JS error."""
+    fp = "ed25519:" + "a" * 52
+    empty, odd = _serve({}), _serve({
+        "node_states": {fp: "standby"},
+        "node_trust": {fp: 0.8},  # a known optional column
+        "node_verification_rate": {fp: 0.5},
+        "node_reputation_note": {fp: "<i>new</i>"},  # an unknown one: its own column
+        "plan_predicted_idle_frac": 0.125,
+        "trainer_grad_norm_alarm": True,
+        "some_future_field": {"x": [1, 2]},
+    })  # fmt: skip
+    try:
+        console_errors(chrome)  # start clean
+        chrome.get(empty.url + "/")
+        renders = "return document.body.dataset.renders"
+        _until("a first render", lambda: chrome.execute_script(renders))
+        kpis = chrome.execute_script(READ_DASHBOARD)["kpi"]
+        assert kpis["trainer_step"] == "–" and kpis["policy_version"] == "–"
+        assert chrome.find_element("css selector", "#nodes-empty").is_displayed()
+        assert console_errors(chrome) == []
+
+        chrome.get(odd.url + "/")
+        row = f'#nodes tr[data-fp="{fp}"]'
+        _until("the node row", lambda: chrome.find_elements("css selector", row))
+        heads = [th.text for th in chrome.find_elements("css selector", "#nodes thead th")]
+        assert {"trust", "verified", "reputation note"} <= set(heads)
+        cells = chrome.execute_script(READ_DASHBOARD)["rows"][fp]
+        assert cells["node_trust"] == "0.800"
+        assert cells["node_verification_rate"] == "50 %"
+        assert cells["node_reputation_note"] == "<i>new</i>"  # text, not markup
+        assert cells["node_hardware"] == "–" and cells["state"] == "standby"
+        plan = chrome.find_element("css selector", '#plan [data-key="plan_predicted_idle_frac"]')
+        assert plan.text == "0.125"
+        learner = chrome.find_element(
+            "css selector", '#learner [data-key="trainer_grad_norm_alarm"]'
+        )
+        assert learner.text == "yes"
+        other = chrome.find_element("css selector", '#other [data-key="some_future_field"]')
+        assert other.text == "x: 1, 2"
+        assert console_errors(chrome) == []
+    finally:
+        empty.stop()
+        odd.stop()

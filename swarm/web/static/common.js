@@ -152,9 +152,18 @@ const RS = (() => {
     run();
   }
 
-  /** Time-axis labels on one line, 24-hour local time. */
-  function clockLabels(u, splits) {
-    return splits.map((t) => new Date(t * 1000).toLocaleTimeString("en-GB", { hour12: false }));
+  /** Time-axis labels on one line, 24-hour local time (seconds only when ticks are < 1 min). */
+  function clockLabels(u, splits, axisIdx, space, incr) {
+    const opts = incr >= 60 ? { hour: "2-digit", minute: "2-digit", hour12: false } : { hour12: false };
+    return splits.map((t) => new Date(t * 1000).toLocaleTimeString("en-GB", opts));
+  }
+
+  /** Tick steps of an axis that counts things (no 2.5 submissions). */
+  const COUNT_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 1e6];
+
+  /** On a log axis, label and grid only the powers of ten. */
+  function decadesOnly(u, splits) {
+    return splits.map((v) => (v > 0 && Math.abs(Math.log10(v) - Math.round(Math.log10(v))) < 1e-9 ? v : null));
   }
 
   const PALETTE = ["#2f6fde", "#e8590c", "#1a7f4b", "#9c36b5", "#c92a2a", "#0b7285", "#5c940d",
@@ -176,16 +185,25 @@ const RS = (() => {
 
     options() {
       const s = this.spec;
+      const logScale = ((s.scales || {}).y || {}).distr === 3;
       const scales = { x: { time: s.x === "time" } };
       for (const [name, scale] of Object.entries(s.scales || {})) scales[name] = scale;
-      const axes = [
-        { stroke: "#667085", grid: { stroke: "#eef0f3" }, ticks: { stroke: "#e3e6eb" },
-          label: s.xLabel, labelSize: s.xLabel ? 18 : 0, labelFont: "12px system-ui",
-          incrs: s.x === "time" ? undefined : [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000],
-          values: s.x === "time" ? clockLabels : undefined, space: s.x === "time" ? 70 : 40 },
-        { scale: "y", stroke: "#667085", grid: { stroke: "#eef0f3" }, ticks: { stroke: "#e3e6eb" },
-          label: s.yLabel, labelSize: s.yLabel ? 18 : 0, labelFont: "12px system-ui", size: 56 },
-      ];
+      // options left out, not set to undefined: uPlot would take undefined over its defaults
+      const xAxis = { stroke: "#667085", grid: { stroke: "#eef0f3" }, ticks: { stroke: "#e3e6eb" },
+        label: s.xLabel, labelSize: s.xLabel ? 18 : 0, labelFont: "12px system-ui",
+        space: s.x === "time" ? 50 : 40 };
+      if (s.x === "time") xAxis.values = clockLabels;
+      else xAxis.incrs = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000];
+      const yAxis = { scale: "y", stroke: "#667085", grid: { stroke: "#eef0f3" },
+        ticks: { stroke: "#e3e6eb" }, label: s.yLabel, labelSize: s.yLabel ? 18 : 0,
+        labelFont: "12px system-ui", size: 64 };
+      if (s.counts) yAxis.incrs = COUNT_INCRS;
+      if (logScale) {
+        yAxis.filter = decadesOnly;
+        yAxis.grid.filter = decadesOnly;
+        yAxis.ticks.filter = decadesOnly;
+      }
+      const axes = [xAxis, yAxis];
       if (s.series.some((x) => x.scale === "y2")) {
         axes.push({ scale: "y2", side: 1, stroke: "#667085", grid: { show: false },
           label: s.y2Label, labelSize: s.y2Label ? 18 : 0, labelFont: "12px system-ui", size: 56 });

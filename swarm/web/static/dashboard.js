@@ -207,10 +207,10 @@
     c("idle", { x: "number", xLabel: "learner step", y2Label: "versions",
       scales: { y: { range: [0, 1] } },
       series: [{ label: "learner idle fraction" }, { label: "mean staleness", scale: "y2", color: "#9c36b5" }] });
-    c("holders", { x: "time", yLabel: "nodes", series: [] });
+    c("holders", { x: "time", yLabel: "nodes", counts: true, series: [] });
     c("intake", { x: "time", yLabel: "rollouts/s", y2Label: "queue",
       series: [{ label: "accepted rollouts/s" }, { label: "queue depth", scale: "y2", color: "#868e96", dash: true }] });
-    c("rejections", { x: "time", yLabel: "submissions", series: [] });
+    c("rejections", { x: "time", yLabel: "submissions", counts: true, series: [] });
     // log scale: near the pole of the rule (T_bcast close to κ·T_train) "required" jumps by orders
     // of magnitude, which would flatten "available" on a linear axis
     c("capacity", { x: "time", yLabel: "rollouts/s (log)", scales: { y: { distr: 3 } },
