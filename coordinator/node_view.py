@@ -25,10 +25,10 @@ whoever renders them must treat them as text (the dashboard sets ``textContent``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from coordinator.store import Store
+from coordinator.store import NodeRecord, Store
 from protocol.codec import decode
 from protocol.errors import ProtocolError
 from protocol.messages import CapabilityAdvert
@@ -65,13 +65,17 @@ def advert_of(raw: bytes | None) -> CapabilityAdvert | None:
 
 
 def node_details(
-    store: Store, versions_by_peer: Mapping[str, list[int]], now: float
+    store: Store,
+    nodes: Iterable[NodeRecord],
+    versions_by_peer: Mapping[str, list[int]],
+    now: float,
 ) -> dict[str, dict[str, Any]]:
-    """The maps of :data:`NODE_FIELDS` for every registered node (three queries in all)."""
+    """The maps of :data:`NODE_FIELDS` for ``nodes`` (the registered nodes, already read by the
+    caller: the status document reads them once) with two queries for the whole swarm."""
     out: dict[str, dict[str, Any]] = {key: {} for key in NODE_FIELDS}
     strikes = store.strike_summaries()
     bans = store.bans()
-    for node in store.nodes():
+    for node in nodes:
         fp = node.fingerprint
         advert = advert_of(node.advert)
         peer_id = advert.peer_id if advert is not None else None

@@ -77,7 +77,7 @@ def build_status(
             else [],
         }
     )
-    snap.update(node_details(core.store, census.by_peer if census else {}, now))
+    snap.update(node_details(core.store, nodes, census.by_peer if census else {}, now))
     snap["version_holders"] = {str(v): n for v, n in census.counts.items()} if census else {}
     snap["version_holders_age_s"] = (
         round(now - census.taken_at, 1) if census and census.taken_at else None

@@ -43,7 +43,7 @@ def test_node_details_carry_advert_reputation_and_holdings(tmp_path: Path) -> No
     h.core.reputation.strike(hostile.public_key, "reward_mismatch", "claimed 1.0", clock())
     clock.advance(5)
 
-    d = node_details(h.store, {"QmPlain": [3, 4], "QmOther": [4]}, clock())
+    d = node_details(h.store, h.store.nodes(), {"QmPlain": [3, 4], "QmOther": [4]}, clock())
     assert set(d) == set(NODE_FIELDS)
     p, x = plain.fingerprint, hostile.fingerprint
     assert d["node_peer_id"] == {p: "QmPlain", x: "QmHostile"}
@@ -60,7 +60,7 @@ def test_node_details_carry_advert_reputation_and_holdings(tmp_path: Path) -> No
     assert d["node_ban_reason"][p] is None and "2 strikes" in d["node_ban_reason"][x]
     assert d["node_banned_for_s"][x] == 95.0
     clock.advance(200)  # the ban ran out: no reason shown, still a suspect
-    later = node_details(h.store, {}, clock())
+    later = node_details(h.store, h.store.nodes(), {}, clock())
     assert later["node_ban_reason"][x] is None and later["node_banned_for_s"][x] is None
     assert later["node_suspect"][x] is True
 
@@ -68,7 +68,7 @@ def test_node_details_carry_advert_reputation_and_holdings(tmp_path: Path) -> No
 def test_node_details_fit_the_wire(tmp_path: Path) -> None:
     h = Harness(tmp_path)
     ident = _register(h, "QmA")
-    details = node_details(h.store, {"QmA": [1, 2]}, h.clock())
+    details = node_details(h.store, h.store.nodes(), {"QmA": [1, 2]}, h.clock())
     wire = wire_status(dict(details))
     assert wire["node_hardware"] == {ident.fingerprint: "CPU 2 cores, 1.0 GiB"}
     assert wire["node_versions_held"] == {ident.fingerprint: "[1, 2]"}  # scalars only in maps
