@@ -29,7 +29,6 @@ from swarm_harness import TestNode
 
 from protocol.messages import GpuInfo
 from swarm.display import short_ids
-from swarm.testing import start_loopback_peer
 from swarm.transport import P2PTransport
 
 pytestmark = pytest.mark.slow
@@ -192,14 +191,18 @@ def test_dashboard_draws_live_and_agrees_with_status(swarm: Swarm, chrome: Any) 
 
 
 async def _register_hostile(maddr: str, coordinator_peer: str) -> str:
-    peer = await start_loopback_peer([maddr])
+    """A real node identity registers over libp2p with a markup advert (a bare libp2p handle:
+    registering needs no DHT)."""
+    from hivemind.p2p import P2P
+
+    p2p = await P2P.create(initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
-        node = TestNode(P2PTransport(peer.p2p), coordinator_peer)
+        node = TestNode(P2PTransport(p2p), coordinator_peer)
         gpu = GpuInfo(name=HOSTILE_GPU, memory_bytes=2**34, compute_capability="8.0", count=1)
         await node.register(gpus=[gpu], cpu=None, software_version=HOSTILE_SOFTWARE)
         return node.identity.fingerprint
     finally:
-        await peer.stop()
+        await p2p.shutdown()
 
 
 def test_a_hostile_advert_is_shown_as_text_and_runs_nothing(swarm: Swarm, chrome: Any) -> None:
