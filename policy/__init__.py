@@ -17,7 +17,12 @@ Modules:
 * :mod:`policy.scoring`  -- batched re-scoring of completions and sampling audits
 * :mod:`policy.boundary` -- top-k/top-p boundary tokens: the kept sets another machine's rounding
                             may give, admissible log-prob intervals and replayed draws
-* :mod:`policy.testing`  -- test helpers (a model and its twin with another CPU's rounding)
+* :mod:`policy.prompts`  -- question text -> prompt tokens (chat template or plain)
+* :mod:`policy.preflight`-- impossible set-ups refused at start (positions, EOS, vocabulary)
+* :mod:`policy.importer` -- ``swarm model import``: GGUF / HF directory -> local safetensors
+                            directory, named models (``smollm2``), fingerprints
+* :mod:`policy.testing`  -- test helpers: a tiny Llama with a real BPE tokenizer, chat template and
+                            two EOS ids; a model and its twin with another CPU's rounding
 
 Nothing is imported here, so importing the package stays cheap.
 """

@@ -181,7 +181,11 @@ async def launch_coordinator(
         tmp / "coordinator.log",
         env,
     )
-    await until(info_file.exists, "coordinator.json", 60, proc)
+    try:
+        await until(info_file.exists, "coordinator.json", 60, proc)
+    except BaseException:  # not handed to the caller yet: nobody else would stop it
+        proc.stop()
+        raise
     info = json.loads(info_file.read_text())
     key = Identity.load(state / "coordinator.key")
     assert key.fingerprint == info["fingerprint"]
@@ -299,16 +303,20 @@ class TestNode:
         self.transport = transport
         self.client = CoordinatorClient(transport, coordinator_peer_id, self.identity)
 
-    async def register(self, backend: str = "hf", dtype: str = "float32") -> None:
-        """Register, held to ``backend``/``dtype`` (what its submissions must then carry)."""
-        await self.client.register(
+    async def register(self, **advert_changes: Any) -> None:
+        """Register with a CPU advert; ``advert_changes`` replace its fields (forged adverts, or
+        ``dtype="bfloat16"``: the backend/dtype a node registers is what it is held to)."""
+        await self.client.register(self.advert(**advert_changes))
+
+    def advert(self, **changes: Any) -> CapabilityAdvert:
+        return msgspec.structs.replace(
             CapabilityAdvert(
                 peer_id=self.transport.peer_id,
                 node_key=self.identity.public_key,
                 gpus=[],
                 cpu=CpuInfo(cores=1, memory_bytes=1 << 30),
-                backend=backend,
-                dtype=dtype,  # type: ignore[arg-type]
+                backend="hf",
+                dtype="float32",
                 tokens_per_s=100.0,
                 rollouts_per_s=1.0,
                 price_per_hour=None,
@@ -316,7 +324,8 @@ class TestNode:
                 reachability="unknown",
                 software_version="test",
                 expires_at=time.time() + 600,
-            )
+            ),
+            **changes,
         )
 
     async def lease(self, max_prompts: int = 2) -> Lease:
