@@ -267,7 +267,7 @@ async def run_trainer(
 
     ``dist``: the process group (:func:`trainer.distributed.init_distributed`) when this is
     rank 0 of a sharded trainer; the other ranks run :func:`trainer.launch.run_follower`."""
-    from node.model import ModelSpec, config_fingerprint, load_config, load_tokenizer
+    from policy.model import ModelSpec, config_fingerprint, load_config, load_tokenizer
     from protocol.identity import parse_fingerprint
     from swarm.adverts import swarm_validators
     from swarm.broadcast import BroadcastNode
@@ -503,7 +503,7 @@ def run_from_cli(
             argv += ["--max-steps", str(max_steps)]
         return launch_local(nproc, argv, stop_grace_s=STOP_GRACE_S)
 
-    from swarm.cli import install_fork_signal_reset
+    from swarm.signals import install_fork_signal_reset
     from trainer.distributed import init_distributed, shutdown_distributed
 
     torch.set_num_threads(1)
