@@ -115,6 +115,7 @@ def launch_from_cli(
         for maddr in service.multiaddrs:
             print(f"multiaddr: {maddr}", flush=True)
         print(f"coordinator key: {service.fingerprint}", flush=True)
+        print(f"dashboard: {service.http_url}/", flush=True)
         print(f"status: {service.http_url}/status  metrics: {service.http_url}/metrics", flush=True)
         await stop.wait()
         log.info("shutting down")

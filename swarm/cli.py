@@ -164,6 +164,10 @@ def node_run(
     dry_run: Annotated[
         bool, typer.Option(help="Print what this node would advertise and exit.")
     ] = False,
+    status_port: Annotated[
+        int | None,
+        typer.Option(help="Serve this node's status page on 127.0.0.1:PORT (0 = any free port)."),
+    ] = None,
 ) -> None:
     """Join the swarm, advertise this machine, pull leases and generate rollouts."""
     from node.main import run_from_cli
@@ -177,6 +181,7 @@ def node_run(
             config=config,
             state_dir=state_dir,
             dry_run=dry_run,
+            status_port=status_port,
         )
     )
 
