@@ -67,14 +67,23 @@ def ignore_stop_signals(rank: int) -> None:
         signal.signal(sig, note)
 
 
-def _stop_with_parent() -> None:
-    """In a rank, before exec (Linux): SIGTERM when the launcher dies, even by SIGKILL, so no
-    rank trains on alone (rank 0 then stops the job as on any stop request)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+#: set by :func:`launch_local` in each rank's environment: the launcher's pid.
+LAUNCHER_ENV = "RSWARM_LAUNCHER_PID"
 
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+def stop_with_launcher() -> None:
+    """In a rank started by :func:`launch_local` (Linux): SIGTERM when the launcher dies, even by
+    SIGKILL, so no rank trains on alone (rank 0 then stops the job as on any stop request).
+    Called first thing in the rank (no ``preexec_fn``: forking with threads around is unsafe)."""
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    if os.getppid() != int(launcher):  # it died before the line above
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _free_port() -> int:
@@ -103,6 +112,7 @@ def launch_local(nproc: int, argv: Sequence[str], *, stop_grace_s: float) -> int
         WORLD_SIZE=str(nproc),
         LOCAL_WORLD_SIZE=str(nproc),
     )
+    env[LAUNCHER_ENV] = str(os.getpid())
     cmd = [sys.executable, "-m", "swarm.cli", "trainer", "run", *argv]
     # (rank, exit code) from the waiter threads; (_STOP, signal) from the signal handler
     # (SimpleQueue.put is reentrant: safe in a handler that interrupts a get()).
@@ -117,9 +127,9 @@ def launch_local(nproc: int, argv: Sequence[str], *, stop_grace_s: float) -> int
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for rank in range(nproc):  # all started before any thread (preexec_fn and threads)
+        for rank in range(nproc):
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            procs.append(subprocess.Popen(cmd, env=rank_env, preexec_fn=_stop_with_parent))
+            procs.append(subprocess.Popen(cmd, env=rank_env))
         for rank, p in enumerate(procs):
             threading.Thread(
                 target=lambda r=rank, q=p: events.put((r, q.wait())),

@@ -413,6 +413,10 @@ def run_from_cli(
 
     world = torchrun_world_size()
     rank = int(os.environ.get("RANK", "0")) if world > 1 else 0
+    if world > 1:
+        from trainer.launch import stop_with_launcher
+
+        stop_with_launcher()
 
     def error(message: str, code: int) -> int:
         # Bad input is the same on every rank: rank 0 says it once.

@@ -35,7 +35,7 @@ from trainer.config import TrainerConfig
 from trainer.distributed import DistContext, init_distributed, shutdown_distributed
 from trainer.recipe import CHECKPOINT_DIR, InProcessSource, Trainer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # ~25 s of CPU; minutes when loaded
 EOS = 2
 LR_SGD = 0.5
 # Tolerances between the sharded and the single-process run (different summation orders):

@@ -3,7 +3,7 @@ the sharded trainer (FSDP2, 2 gloo ranks) trains on the node's rollouts and publ
 SIGKILLed mid-run makes the job fail cleanly (exit 1, one line naming the rank, no process left);
 what it published is, bit for bit, its last sharded checkpoint and loads in a node; started again
 it resumes from that checkpoint and publishes newer versions; SIGTERM then ends it with exit 0 and
-a final checkpoint.
+a final checkpoint; and when the launcher itself is SIGKILLed its ranks stop cleanly too.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from protocol.identity import Identity
 from protocol.manifest import verify_chunk, verify_manifest
 from swarm.chunks import ChunkStore
 
-pytestmark = pytest.mark.slow
+# Three trainer runs of 2 ranks each (every rank imports torch and transformers), a coordinator
+# and a node: about 2 minutes on 2 idle cores, past 5 on a loaded one.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _group_alive(pgid: int) -> bool:
@@ -138,5 +140,20 @@ async def test_sharded_trainer_fails_cleanly_resumes_and_publishes(
     assert json.loads((state / "published.json").read_text())["version"] == coordinator_version()
     order = published_versions(text0) + published_versions(run1.text())
     assert order == sorted(set(order)), order  # strictly newer every time
+
+    # --- run 2: the launcher itself SIGKILLed: its ranks do not train on alone; rank 0 stops
+    # them cleanly (a final checkpoint) as on SIGTERM
+    run2 = Proc(args, tmp_path / "trainer-2.log")
+    procs.append(run2)
+    await until(lambda: "resumed from" in run2.text(), "the third run to resume", 90, run2)
+    killed_at = time.time()
+    os.kill(run2.popen.pid, signal.SIGKILL)
+    run2.popen.wait(10)
+    deadline = time.monotonic() + 90
+    while _group_alive(run2.popen.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _group_alive(run2.popen.pid), "ranks outlived their launcher"
+    newest_dir = state / "checkpoints" / list(checkpoint_states(state))[-1]
+    assert (newest_dir / "state.json").stat().st_mtime >= killed_at, run2.text()[-3000:]
     with contextlib.suppress(Exception):
         backend.close()
