@@ -25,7 +25,7 @@ import os
 import shutil
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -49,8 +49,8 @@ from trainer.loss import (
     entropy_bonus,
     group_advantages,
     policy_loss,
-    token_entropy,
     token_logprobs,
+    token_logprobs_and_entropy,
     weight_stats,
 )
 from trainer.metrics import IdleClock, MetricsWriter
@@ -149,12 +149,18 @@ class Trainer:
         eos_token_id: int,
         dist: DistContext | None = None,
         metrics: MetricsWriter | None = None,
+        stop_token_ids: Collection[int] | None = None,
         engine: Engine | None = None,
     ) -> None:
         self.config = config
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
+        #: the leases' stop set: a completion is trained up to its first stop token
+        self.stop_token_ids = frozenset(stop_token_ids or ()) | {eos_token_id}
+        #: temperature/top-p/top-k of the leases: π_θ and π_prox come from the same processed
+        #: distribution as the nodes' μ (trainer/loss.py processed_log_softmax)
+        self.processing = config.processing
         self.dist = dist or DistContext()
         #: how the model runs: one process, or FSDP2 over the ranks (see :mod:`trainer.engine`).
         self.engine = engine or Engine(self.dist)
@@ -192,10 +198,12 @@ class Trainer:
         model: torch.nn.Module | None = None,
     ) -> Trainer:
         """Build model, optimizer and metrics from ``config``; resume from ``out_dir`` if asked."""
-        from policy.model import ModelSpec, build_model, load_tokenizer
+        from policy.model import ModelSpec, build_model, load_tokenizer, model_stop_ids
 
-        spec = ModelSpec(path=config.model_path, dtype=config.dtype)
         dist = dist or DistContext()
+        # Rank 0's config for every rank: it may have adopted the coordinator's sampling contract.
+        config = dist.share(config)
+        spec = ModelSpec(path=config.model_path, dtype=config.dtype)
         engine = make_engine(config, dist)
         if model is None:
             model = build_model(spec, seed=config.seed)
@@ -213,6 +221,7 @@ class Trainer:
             eos_token_id=tok.eos_token_id,
             dist=dist,
             metrics=writer,
+            stop_token_ids=model_stop_ids(spec, tok),
             engine=engine,
         )
         # Every rank resumes from what rank 0 finds (the same files on a shared filesystem).
@@ -272,9 +281,9 @@ class Trainer:
         self.idle = IdleClock()
         has_publisher = self.dist.share(publisher is not None)
         first = self.published_version is None or self._publish_first
-        if self.dist.enabled:  # rank 0 alone knows the swarm's version numbers
-            first, self.version, self.published_version = self.dist.share(
-                (first, self.version, self.published_version)
+        if self.dist.enabled:  # rank 0 alone knows the swarm's version numbers and stop set
+            first, self.version, self.published_version, self.stop_token_ids = self.dist.share(
+                (first, self.version, self.published_version, self.stop_token_ids)
             )
         if has_publisher and first:
             await self._publish(publisher)
@@ -459,7 +468,7 @@ class Trainer:
                 [it[1] for it in local],
                 [it[2] for it in local],
                 pad_token_id=self.pad_token_id,
-                eos_token_id=self.eos_token_id,
+                eos_token_id=self.stop_token_ids,
             )
             out.append(batch.to(self.device))
         return out
@@ -481,8 +490,10 @@ class Trainer:
                 logits_to_keep=t_len + 1,
             )
         logits = out.logits[:, :-1]
-        logp = token_logprobs(logits, batch.completion_ids)
-        return logp, token_entropy(logits) if entropy else None
+        if entropy:
+            logp, ent = token_logprobs_and_entropy(logits, batch.completion_ids, **self.processing)
+            return logp, ent
+        return token_logprobs(logits, batch.completion_ids, **self.processing), None
 
     def _micro_plans(self, minibatches: list[TrainBatch | None]) -> list[list[MicroBatch | None]]:
         """Each minibatch's micro-batches (``micro_batch_tokens``); every rank runs as many
