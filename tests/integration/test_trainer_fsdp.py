@@ -37,6 +37,7 @@ from trainer.recipe import CHECKPOINT_DIR, InProcessSource, Trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # ~25 s of CPU; minutes when loaded
 EOS = 2
+LEASE_STOP = 25  # a stop token of the leases that the test's completions never contain
 LR_SGD = 0.5
 # Tolerances between the sharded and the single-process run (different summation orders):
 # SGD's update is linear in the gradient, so float32 rounding of the reduce-scatter stays at
@@ -145,10 +146,17 @@ def _worker(rank: int, port: int, out: str, setup: Setup) -> None:
     dev = setup.device
     ok = False
     try:
-        # A: AdamW with every memory lever, publishing and checkpointing; SGD plain.
+        # A: AdamW with every memory lever, publishing and checkpointing; SGD plain. Rank 0's
+        # config (which adopted the coordinator's sampling contract) and its stop set (the
+        # leases') hold on every rank: rank 1 starts from other ones.
         cfg = _config(root / "a", dev, micro_batch_tokens=20, activation_checkpointing=True)
-        trainer = Trainer.setup(cfg, dist=ctx)
+        own = cfg if rank == 0 else cfg.model_copy(update={"temperature": 0.5, "lr": 1.0})
+        trainer = Trainer.setup(own, dist=ctx)
+        assert trainer.config == cfg
+        if rank == 0:
+            trainer.stop_token_ids |= {LEASE_STOP}
         _run(trainer, rank, FilePublisher(root / "published") if rank == 0 else None)
+        assert LEASE_STOP in trainer.stop_token_ids
         assert (trainer.step, trainer.version, trainer.published_version) == (2, 2, 2)
         gathered = trainer.state_dict_for_publish()
         shards = {n: p.to_local().detach().cpu() for n, p in trainer.model.named_parameters()}
