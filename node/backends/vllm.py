@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import logging
-import os
 import tempfile
-from collections.abc import Mapping
+import threading
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,18 @@ from node.backends.base import (
     SamplingConfig,
     sample_seed,
 )
+from node.backends.vllm_sampler import FQCN as DRAW_PROCESSOR
+from node.backends.vllm_sampler import extra_args
+from node.backends.vllm_weights import (
+    DEFAULT_CHUNK_BYTES,
+    UpdateStats,
+    reset_prefix_cache_checked,
+    staging_candidates,
+    staging_need,
+    stream_update,
+    worker_load_file,
+)
+from node.backends.vllm_weights import staging_dir as pick_staging_dir
 from policy.model import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -69,9 +82,12 @@ class VLLMBackend(InferenceBackend):
         gpu_memory_utilization: float = 0.85,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        staging_dir: str | None = None,
+        update_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        reset_timeout_s: float = 10.0,
         **engine_kwargs: Any,
     ) -> None:
-        self.spec = spec or ModelSpec()
+        self._configure(spec, staging_dir, update_chunk_bytes, reset_timeout_s)
         if device not in ("auto", "cuda") and not device.startswith("cuda"):
             raise BackendUnavailable(f"the vllm backend runs on CUDA only (device={device!r})")
         try:
@@ -87,7 +103,6 @@ class VLLMBackend(InferenceBackend):
             raise BackendUnavailable(f"vllm is not importable ({exc}): {INSTALL_HINT}") from exc
 
         self._vllm_version = str(getattr(vllm, "__version__", "unknown"))
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
         model_dir = self._model_dir()
         cfg = _read_config(model_dir)
         self.vocab_size = int(cfg["vocab_size"])
@@ -128,21 +143,51 @@ class VLLMBackend(InferenceBackend):
         self._extension = _engine_supports("worker_extension_cls")
         if self._extension:
             kwargs["worker_extension_cls"] = f"{__name__}.{VLLMWorkerExtension.__name__}"
+        # the swarm's seeded inverse-CDF draw runs as a Model Runner V2 logits processor
+        self.seeded_draws = self._extension and _engine_supports("logits_processors")
+        if self.seeded_draws:
+            kwargs["logits_processors"] = [DRAW_PROCESSOR]
         kwargs.update(engine_kwargs)
         try:
             self._llm = LLM(**kwargs)
         except Exception as exc:
             raise BackendError(f"vLLM could not start on {model_dir}: {exc}") from exc
-        if not hasattr(self._llm, "collective_rpc"):
-            raise BackendUnavailable(
-                f"vLLM {self._vllm_version} lacks LLM.collective_rpc (weight updates); "
-                "install vllm>=0.8"
-            )
         from vllm import SamplingParams
 
-        self._sampling_params_cls = SamplingParams
-        self._top_k_off = int(SamplingParams().top_k)  # -1 on older vLLM, 0 on newer
-        engine = self._llm.llm_engine
+        self._adopt_engine(self._llm, SamplingParams)
+
+    def _configure(
+        self,
+        spec: ModelSpec | None,
+        staging_dir: str | None,
+        update_chunk_bytes: int,
+        reset_timeout_s: float,
+    ) -> None:
+        """The engine-independent options (documented on :class:`VLLMBackend`)."""
+        self.spec = spec or ModelSpec()
+        #: where weight chunks are staged (None: $ROLLOUT_SWARM_STAGING_DIR, /dev/shm, /tmp).
+        self.staging_dir = staging_dir
+        #: upper bound of one staged chunk of a weight update (bytes).
+        self.update_chunk_bytes = update_chunk_bytes
+        #: bounded wait for reset_prefix_cache() to succeed before a version is refused (s).
+        self.reset_timeout_s = reset_timeout_s
+        self.last_update: UpdateStats | None = None
+        self._lock = threading.Lock()  # generate and weight updates never overlap
+        self._tags = itertools.count()
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._vllm_version = "unknown"
+
+    def _adopt_engine(self, llm: Any, sampling_params_cls: Any) -> None:
+        """Check and keep a started ``LLM`` (the tests hand in a fake with the same surface)."""
+        for needed in ("collective_rpc", "reset_prefix_cache"):
+            if not hasattr(llm, needed):
+                raise BackendUnavailable(
+                    f"vLLM {self._vllm_version} lacks LLM.{needed} (weight updates); {INSTALL_HINT}"
+                )
+        self._llm = llm
+        self._sampling_params_cls = sampling_params_cls
+        self._top_k_off = int(sampling_params_cls().top_k)  # -1 on older vLLM, 0 on newer
+        engine = llm.llm_engine
         model_config = getattr(engine, "model_config", None) or engine.vllm_config.model_config
         self.max_model_len = int(model_config.max_model_len)
 
@@ -161,37 +206,59 @@ class VLLMBackend(InferenceBackend):
         return Path(self._tmp.name)
 
     # ------------------------------------------------------------------ weights
-    def load_state_dict(self, version: int, state_dict: Mapping[str, Any]) -> None:
-        from safetensors.torch import save_file
-
-        tensors: dict[str, Any] = {}
-        seen: set[int] = set()
-        for name, tensor in state_dict.items():
-            t = tensor.detach().to("cpu").contiguous()
-            if t.data_ptr() in seen:  # tied weights share storage; safetensors refuses that
-                t = t.clone()
-            seen.add(t.data_ptr())
-            tensors[name] = t
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, path = tempfile.mkstemp(prefix="rollout-swarm-weights-", suffix=".safetensors", dir=shm)
-        os.close(fd)
-        try:
-            save_file(tensors, path)
-            method: Any = "rollout_swarm_load_weights" if self._extension else _worker_load_weights
+    def load_state_dict(
+        self,
+        version: int,
+        state_dict: Mapping[str, Any],
+        changed: Collection[str] | None = None,
+    ) -> None:
+        """Stream ``version`` into the engine (only ``changed`` when given), between two checked
+        prefix-cache resets (:mod:`node.backends.vllm_weights`). A busy cache before the update
+        refuses the version with the old weights untouched; any failure after weights moved
+        leaves ``loaded_version`` None (the node reloads in full)."""
+        with self._lock:
+            self._reset_prefix_cache()  # refuse before touching weights: the old version stays
+            if changed is not None and not changed:
+                self.loaded_version = version
+                return
+            previous = self.loaded_version
+            send = changed if previous is not None else None  # unknown base: load in full
+            need = staging_need(
+                state_dict, send, dtype=self.spec.dtype, chunk_bytes=self.update_chunk_bytes
+            )
+            where = pick_staging_dir(need, staging_candidates(self.staging_dir))  # before any write
+            method: Any = "rollout_swarm_load_file" if self._extension else _worker_load_file
+            self.loaded_version = None  # from here on the engine may hold a mix of versions
             try:
-                self._llm.collective_rpc(method, args=(path,))
+                stats = stream_update(
+                    state_dict,
+                    send,
+                    lambda path: self._llm.collective_rpc(method, args=(path,)),
+                    dtype=self.spec.dtype,
+                    chunk_bytes=self.update_chunk_bytes,
+                    staging=[where],
+                )
+            except BackendError:
+                raise
             except Exception as exc:
                 raise BackendError(
                     f"loading version {version} into vLLM {self._vllm_version} failed: {exc}"
                 ) from exc
-        finally:
-            os.unlink(path)
-        reset = getattr(self._llm, "reset_prefix_cache", None)
-        if reset is not None:
-            reset()
-        else:  # pragma: no cover - very old vLLM
-            log.warning("vLLM has no reset_prefix_cache(); cached prompt KV may be stale")
-        self.loaded_version = version
+            self._reset_prefix_cache()
+            self.loaded_version = version
+            self.last_update = stats
+            log.info(
+                "vLLM loaded v%d: %d tensors, %.1f MiB in %d chunks via %s, %.2f s",
+                version,
+                stats.tensors,
+                stats.bytes / (1 << 20),
+                stats.chunks,
+                stats.staging_dir,
+                stats.seconds,
+            )
+
+    def _reset_prefix_cache(self) -> None:
+        reset_prefix_cache_checked(self._llm.reset_prefix_cache, timeout_s=self.reset_timeout_s)
 
     # ------------------------------------------------------------------ sampling
     def generate(
@@ -210,6 +277,63 @@ class VLLMBackend(InferenceBackend):
                 f"max_model_len {self.max_model_len}"
             )
         stops = sorted(self.stop_set(sampling))
+        with self._lock:
+            if self.seeded_draws:
+                return self._generate_seeded(requests, sampling, stops)
+            return self._generate_own_sampler(requests, sampling, stops)
+
+    def _generate_seeded(
+        self, requests: list[GenerationRequest], sampling: SamplingConfig, stops: list[int]
+    ) -> list[list[SampleOut]]:
+        """Every token drawn by :class:`node.backends.vllm_sampler.SeededInverseCDFProcessor`
+        with ``draw_tokens`` at the sample's seeded uniforms; vLLM's own request settings are
+        plain, and the behaviour log-probs are the processor's, read back from the workers."""
+        prompts: list[dict[str, Any]] = []
+        params: list[Any] = []
+        tags: list[str] = []
+        for req in requests:
+            for j in range(req.n):
+                tag = f"{id(self):x}-{next(self._tags)}"
+                tags.append(tag)
+                prompts.append({"prompt_token_ids": list(req.prompt_token_ids)})
+                params.append(
+                    self._sampling_params_cls(
+                        n=1,
+                        temperature=1.0,
+                        top_p=1.0,
+                        top_k=self._top_k_off,
+                        max_tokens=sampling.max_new_tokens,
+                        stop_token_ids=stops,
+                        seed=sample_seed(req.seed, j),
+                        detokenize=False,
+                        extra_args=extra_args(
+                            tag,
+                            sample_seed(req.seed, j),
+                            len(req.prompt_token_ids),
+                            sampling.temperature,
+                            sampling.top_p,
+                            sampling.top_k,
+                        ),
+                    )
+                )
+        try:
+            outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        finally:  # drained even when generate failed: no draws left behind in the workers
+            drawn = self._llm.collective_rpc("rollout_swarm_drain_draws", args=(tags,))[0]
+        if len(outputs) != len(prompts):
+            raise BackendError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+        stop_set = set(stops)
+        flat = [
+            _seeded_sample(o.outputs[0], drawn.get(tag, []), stop_set)
+            for o, tag in zip(outputs, tags, strict=True)
+        ]
+        return _group(requests, flat)
+
+    def _generate_own_sampler(
+        self, requests: list[GenerationRequest], sampling: SamplingConfig, stops: list[int]
+    ) -> list[list[SampleOut]]:
+        """vLLM's own sampler (no seeded-draw processor in this vLLM): processed log-probs, but
+        draws the coordinator cannot replay (local benchmarks only)."""
         prompts: list[dict[str, Any]] = []
         params: list[Any] = []
         for req in requests:
@@ -232,13 +356,7 @@ class VLLMBackend(InferenceBackend):
         if len(outputs) != len(prompts):
             raise BackendError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
         stop_set = set(stops)
-        flat = [_to_sample(o.outputs[0], stop_set) for o in outputs]
-        out: list[list[SampleOut]] = []
-        k = 0
-        for req in requests:
-            out.append(flat[k : k + req.n])
-            k += req.n
-        return out
+        return _group(requests, [_to_sample(o.outputs[0], stop_set) for o in outputs])
 
     def close(self) -> None:
         llm = getattr(self, "_llm", None)
@@ -257,13 +375,43 @@ class VLLMBackend(InferenceBackend):
             self._tmp = None
 
 
+def _group(requests: list[GenerationRequest], flat: list[SampleOut]) -> list[list[SampleOut]]:
+    out: list[list[SampleOut]] = []
+    k = 0
+    for req in requests:
+        out.append(flat[k : k + req.n])
+        k += req.n
+    return out
+
+
+def _seeded_sample(
+    completion: Any, drawn: list[tuple[int, float]], stop_set: set[int]
+) -> SampleOut:
+    """A :class:`SampleOut` from vLLM's tokens and the processor's draws, which must agree token
+    for token (anything else means the processor did not run on every row: refuse the batch)."""
+    token_ids = [int(t) for t in completion.token_ids]
+    if len(drawn) != len(token_ids) or any(
+        d[0] != t for d, t in zip(drawn, token_ids, strict=False)
+    ):
+        raise BackendError(
+            f"vLLM's tokens disagree with the seeded draws ({len(token_ids)} tokens, "
+            f"{len(drawn)} draws): is the logits processor loaded (speculative decoding off)?"
+        )
+    return _finish(token_ids, [float(lp) for _, lp in drawn], completion.finish_reason, stop_set)
+
+
 def _to_sample(completion: Any, stop_set: set[int]) -> SampleOut:
     """Convert one vLLM ``CompletionOutput`` (n=1) to a :class:`SampleOut`, checking it."""
     token_ids = [int(t) for t in completion.token_ids]
     if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
         raise BackendError("vLLM returned no per-token logprobs; is logprobs=0 supported?")
     logprobs = [float(completion.logprobs[i][t].logprob) for i, t in enumerate(token_ids)]
-    reason = completion.finish_reason
+    return _finish(token_ids, logprobs, completion.finish_reason, stop_set)
+
+
+def _finish(
+    token_ids: list[int], logprobs: list[float], reason: Any, stop_set: set[int]
+) -> SampleOut:
     if reason == "stop":
         if not token_ids or token_ids[-1] not in stop_set:
             raise BackendError(f"vLLM stopped without a stop token (stop_reason={reason!r})")
@@ -275,23 +423,24 @@ def _to_sample(completion: Any, stop_set: set[int]) -> SampleOut:
 
 class VLLMWorkerExtension:
     """Mixed into vLLM's worker class via ``worker_extension_cls`` (vLLM >= 0.8.3), so the
-    engine can call :meth:`rollout_swarm_load_weights` by name through ``collective_rpc``."""
+    engine can call these by name through ``collective_rpc`` (no pickled code)."""
 
-    def rollout_swarm_load_weights(self, path: str) -> int:
-        return _worker_load_weights(self, path)
+    def rollout_swarm_load_file(self, path: str) -> int:
+        return _worker_load_file(self, path)
+
+    def rollout_swarm_drain_draws(self, tags: list[str]) -> dict[str, list[tuple[int, float]]]:
+        from node.backends.vllm_sampler import drain
+
+        return drain(tags)
 
 
-def _worker_load_weights(worker: Any, path: str) -> int:
-    """Runs inside each vLLM worker (via ``collective_rpc``): load a safetensors file into the
-    worker's model with vLLM's own name mapping (stacked qkv / gate_up, tied embeddings)."""
-    from safetensors.torch import load_file
-
+def _worker_load_file(worker: Any, path: str) -> int:
+    """Runs inside each vLLM worker: stream one staged safetensors file into the worker's model
+    tensor by tensor, with vLLM's own name mapping (stacked qkv / gate_up, tied embeddings)."""
     runner = worker.model_runner
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model
     device = next(model.parameters()).device
-    weights = load_file(path, device=str(device))
-    model.load_weights(iter(weights.items()))
-    return len(weights)
+    return worker_load_file(model, path, device)
 
 
 def _engine_supports(field_name: str) -> bool:

@@ -50,7 +50,7 @@ def test_worker_extension_loads_safetensors_into_model(tmp_path: Path) -> None:
             super().__init__()
             self.w = torch.nn.Parameter(torch.zeros(3))
 
-        def load_weights(self, weights: object) -> set[str]:
+        def load_weights(self, weights: object) -> set[str]:  # vLLM: an iterable of (name, tensor)
             names = set()
             for name, tensor in weights:  # type: ignore[attr-defined]
                 getattr(self, name).data.copy_(tensor)
@@ -61,5 +61,5 @@ def test_worker_extension_loads_safetensors_into_model(tmp_path: Path) -> None:
     save_file({"w": torch.tensor([1.0, 2.0, 3.0])}, str(path))
     worker = type("Worker", (VLLMWorkerExtension,), {})()
     worker.model_runner = SimpleNamespace(model=Model())
-    assert worker.rollout_swarm_load_weights(str(path)) == 1
+    assert worker.rollout_swarm_load_file(str(path)) == 1
     assert worker.model_runner.model.w.tolist() == [1.0, 2.0, 3.0]
