@@ -100,6 +100,10 @@ def demo(
         typer.Option(help="Where logs, metrics and the plot go (default runs/demo-TIME)."),
     ] = None,
     live: Annotated[bool, typer.Option(help="Show the live view (off: plain log lines).")] = True,
+    node_backend: Annotated[
+        list[str] | None,
+        typer.Option(help="Backend of the honest nodes, repeat to cycle (hf, vllm) [hf]."),
+    ] = None,
 ) -> None:
     """Start a real local swarm on 127.0.0.1 and train the embedded default (or --model)."""
     from swarm.demo import DemoOptions, run_demo
@@ -122,6 +126,7 @@ def demo(
             max_steps=max_steps,
             run_dir=run_dir,
             live=live,
+            node_backends=node_backend or ["hf"],
         )
     except ValueError as exc:
         _fail(str(exc))

@@ -74,6 +74,8 @@ class DemoOptions:
     run_dir: Path | None = None
     live: bool = True
     extra_node_args: list[str] = field(default_factory=list)
+    #: backend of each honest node, cycled (``--node-backend``; e.g. vllm,hf on a GPU host)
+    node_backends: list[str] = field(default_factory=lambda: ["hf"])
     #: learner settings of the profile (not flags)
     lr: float | None = None
     entropy_coef: float | None = None
@@ -124,6 +126,9 @@ class DemoOptions:
             )
         if self.batch_prompts < 1:
             raise ValueError(f"--batch-prompts must be positive, got {self.batch_prompts}")
+        bad = [b for b in self.node_backends if b not in ("hf", "vllm")]
+        if bad or not self.node_backends:
+            raise ValueError(f"--node-backend must be hf or vllm, got {bad or 'none'}")
         if not 0 <= self.byzantine <= 16:
             raise ValueError(f"--byzantine must be between 0 and 16, got {self.byzantine}")
         if not 0 < self.target <= 1:
@@ -354,12 +359,23 @@ class Demo:
              maddr, "--coordinator-key", fp, "--state-dir", str(self.run_dir / "trainer")]
             + (["--max-steps", str(self.opts.max_steps)] if self.opts.max_steps else []),
         )  # fmt: skip
+        self._start_nodes(maddr, fp)
+        (self.run_dir / "demo.json").write_text(
+            json.dumps(
+                {"coordinator": self.coordinator, "pids": {p.name: p.pid for p in self.procs}},
+                indent=2,
+            )
+        )
+
+    def _start_nodes(self, maddr: str, fp: str) -> None:
+        """Write each node's config (backend cycled from ``node_backends``) and start it."""
         assert self.opts.nodes is not None
         names = [f"node-{i}" for i in range(self.opts.nodes)]
         names += [f"byzantine-{i}" for i in range(self.opts.byzantine)]
         for i, name in enumerate(names):
             cfg = self.run_dir / f"{name}.toml"
-            lines = ['backend = "hf"\n', 'host_maddrs = ["/ip4/127.0.0.1/tcp/0"]\n',
+            backend = self.opts.node_backends[i % len(self.opts.node_backends)]
+            lines = [f'backend = "{backend}"\n', 'host_maddrs = ["/ip4/127.0.0.1/tcp/0"]\n',
                      "status_interval_s = 5.0\n", "status_port = 0\n"]  # fmt: skip
             if self.opts.model_dir:
                 lines.append(f'model_path = "{self.opts.model_dir}"\n')
@@ -372,12 +388,6 @@ class Demo:
                 ["node", "run", "--coordinator", maddr, "--coordinator-key", fp, "--config",
                  str(cfg), "--state-dir", str(self.run_dir / name)],
             )  # fmt: skip
-        (self.run_dir / "demo.json").write_text(
-            json.dumps(
-                {"coordinator": self.coordinator, "pids": {p.name: p.pid for p in self.procs}},
-                indent=2,
-            )
-        )
 
     def _wait_for(self, ready: Any, what: str) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -1,29 +1,26 @@
 """``vllm`` backend: a vLLM ``LLM`` engine on a CUDA host, weights swapped without restart.
 
 vLLM is imported inside :class:`VLLMBackend` only, so this module loads anywhere; building the
-backend on a machine without CUDA or vLLM raises :class:`BackendUnavailable` in one line.
+backend on a machine without CUDA or vLLM raises :class:`BackendUnavailable` in one line. The
+``[vllm]`` extra pins vLLM 0.33.0 (docs/backends.md).
 
-Correctness choices (all checked by ``tests/unit/test_backends_vllm.py``, marker ``gpu``):
-- log-probs: the engine is built with ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2) so
-  ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob under the distribution
-  after temperature/top-k/top-p. On older vLLM only plain sampling (T=1, top_p=1, top_k=0) is
-  accepted, where raw == processed; anything else raises instead of returning wrong log-probs.
-- seeds: each sample is its own vLLM request with ``n=1`` and ``seed=sample_seed(seed, j)``
-  (prefix caching shares the prompt's KV across the group), so samples do not depend on ``n``.
-- sampling rule: not yet the swarm's. vLLM draws with its own sampler (torch RNG), so its tokens
-  are not ``policy.draw.draw_tokens`` at the sample's seeded uniforms and the coordinator's replay
-  refuses them; :attr:`sampling_rule` is None and a node will not run this backend until a vLLM
-  sampler (logits processor) calls ``draw_tokens`` with ``sample_uniforms(sample seed)[t]`` for
-  each row's position ``t`` and sets ``sampling_rule = policy.draw.SAMPLING_RULE`` (the vLLM
-  issue).
+- sampling rule: every token is ``policy.draw.draw_tokens`` at the sample's seeded uniform,
+  drawn by :class:`node.backends.vllm_sampler.SeededInverseCDFProcessor` (a Model Runner V2
+  logits processor loaded with ``LLM(logits_processors=[...])``); the behaviour log-probs are the
+  processor's, read back from the workers with ``collective_rpc``, and vLLM's tokens must agree
+  with them token for token. :attr:`sampling_rule` stays None (a node refuses the backend)
+  unless ``ROLLOUT_SWARM_VLLM_SEEDED_DRAWS=1``: the path has not yet run on a GPU
+  (bench/vllm_gpu.sh is the check). Without the processor (older vLLM) the engine samples with
+  its own sampler and ``logprobs_mode="processed_logprobs"`` (local benchmarks only).
+- seeds: each sample is its own vLLM request with ``n=1`` (prefix caching shares the prompt's
+  KV across the group), so samples do not depend on ``n``.
 - EOS: the engine runs with ``skip_tokenizer_init=True`` (token ids in, token ids out), where
   vLLM does not know the EOS id, so EOS ids are always passed as ``stop_token_ids``; vLLM keeps
   the stop token in ``token_ids``.
-- weights: :meth:`load_state_dict` writes a safetensors file (``/dev/shm`` when present) and
-  runs ``model.load_weights`` inside every worker through ``LLM.collective_rpc`` (vLLM >= 0.8):
-  by method name via :class:`VLLMWorkerExtension` (``worker_extension_cls``, no pickled code),
-  else with a module-level callable; then it resets the prefix cache (cached KV of the old
-  weights would otherwise be reused).
+- weights: :meth:`load_state_dict` streams the checkpoint (only the ``changed`` tensors when
+  given) in chunks staged as safetensors files (``/dev/shm`` when it has room, else the disk)
+  into every worker's ``model.load_weights`` one tensor at a time, between two checked
+  prefix-cache resets (:mod:`node.backends.vllm_weights`). Generation and updates never overlap.
   Unquantized models only.
 """
 
@@ -33,12 +30,14 @@ import dataclasses
 import gc
 import itertools
 import logging
+import os
 import tempfile
 import threading
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from node.backends import vllm_sampler
 from node.backends.base import (
     BackendError,
     BackendUnavailable,
@@ -60,11 +59,15 @@ from node.backends.vllm_weights import (
     worker_load_file,
 )
 from node.backends.vllm_weights import staging_dir as pick_staging_dir
+from policy.draw import SAMPLING_RULE
 from policy.model import ModelSpec
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "install 'rollout-swarm[vllm]' on a CUDA host"
+#: set to 1 to declare the seeded draws as the swarm's sampling rule (a node then runs this
+#: backend); off by default until a GPU run has shown the coordinator's replay accepts them
+SEEDED_TRIAL_ENV = "ROLLOUT_SWARM_VLLM_SEEDED_DRAWS"
 
 
 class VLLMBackend(InferenceBackend):
@@ -144,7 +147,11 @@ class VLLMBackend(InferenceBackend):
         if self._extension:
             kwargs["worker_extension_cls"] = f"{__name__}.{VLLMWorkerExtension.__name__}"
         # the swarm's seeded inverse-CDF draw runs as a Model Runner V2 logits processor
-        self.seeded_draws = self._extension and _engine_supports("logits_processors")
+        self.seeded_draws = (
+            self._extension
+            and _engine_supports("logits_processors")
+            and hasattr(vllm_sampler, "SeededInverseCDFProcessor")
+        )
         if self.seeded_draws:
             kwargs["logits_processors"] = [DRAW_PROCESSOR]
         kwargs.update(engine_kwargs)
@@ -155,6 +162,9 @@ class VLLMBackend(InferenceBackend):
         from vllm import SamplingParams
 
         self._adopt_engine(self._llm, SamplingParams)
+        if self.seeded_draws and os.environ.get(SEEDED_TRIAL_ENV) == "1":
+            # opt-in until bench/vllm_gpu.sh has shown the coordinator accepts these draws
+            self.sampling_rule = SAMPLING_RULE
 
     def _configure(
         self,

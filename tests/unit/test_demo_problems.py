@@ -67,3 +67,19 @@ def test_swarm_inspect_shows_node_problems_as_plain_text() -> None:
     text = console.export_text()
     assert "node ed25519:aaaaaaaaaaaa" in text and "256 positions" in text
     assert "[red]x[/red]" in text  # shown literally, not interpreted
+
+
+def test_node_backends_cycle_and_bad_ones_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValueError, match="--node-backend must be hf or vllm"):
+        DemoOptions(nodes=2, run_dir=tmp_path / "a", node_backends=["hf", "sglang"])
+    demo = Demo(DemoOptions(nodes=3, run_dir=tmp_path / "run", live=False,
+                            node_backends=["vllm", "hf"]))  # fmt: skip
+    spawned: list[str] = []
+    monkeypatch.setattr(demo, "_spawn", lambda name, args: spawned.append(name))
+    demo.run_dir.mkdir(parents=True)
+    demo.coordinator = {"multiaddrs": ["/ip4/127.0.0.1/tcp/1"], "fingerprint": "ed25519:x"}
+    demo._start_nodes("/ip4/127.0.0.1/tcp/1", "ed25519:x")
+    backends = [(demo.run_dir / f"{n}.toml").read_text().splitlines()[0] for n in spawned]
+    assert backends == ['backend = "vllm"', 'backend = "hf"', 'backend = "vllm"']
