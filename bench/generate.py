@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -186,7 +187,9 @@ def render(results: list[dict[str, float | str]]) -> str:
 
 
 def run_gpu(repeats: int) -> str:
-    """vLLM vs the hf backend on CUDA (fp16, h256/4-layer random model, 64 prompts x 8 x 64)."""
+    """The vllm backend (seeded draws through its logits processor) vs vLLM's offline engine
+    alone (its own sampler, no processor, no log-probs) and the hf backend, on CUDA (fp16,
+    h256/4-layer random model, 64 prompts x 8 samples x up to 64 new tokens)."""
     import tempfile
 
     from node.backends.vllm import VLLMBackend
@@ -195,27 +198,47 @@ def run_gpu(repeats: int) -> str:
     ps = prompts(64)
     reqs = [GenerationRequest(p, 8, seed=i) for i, p in enumerate(ps)]
     cfg = SamplingConfig(max_new_tokens=64)
-    results = {}
+    warmup = SamplingConfig(max_new_tokens=8)
+    results: dict[str, float] = {}
+
+    def timed(run: Callable[[SamplingConfig], int]) -> float:
+        run(warmup)
+        best = 0.0
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            tokens = run(cfg)
+            torch.cuda.synchronize()
+            best = max(best, tokens / (time.perf_counter() - start))
+        return best
+
+    def count(out: list[list[Any]]) -> int:
+        return sum(len(s.token_ids) for g in out for s in g)
+
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         spec = ModelSpec(path=tmp, dtype="float16")
-        backends = {
-            "hf": HFBackend(spec, device="cuda", model=model, eos_token_ids=()),
-            "vllm": VLLMBackend(spec, gpu_memory_utilization=0.5),
-        }
-        warmup = SamplingConfig(max_new_tokens=8)
-        for name, backend in backends.items():
-            backend.generate(reqs, warmup)
-            best = 0.0
-            for _ in range(repeats):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                out = backend.generate(reqs, cfg)
-                torch.cuda.synchronize()
-                tokens = sum(len(s.token_ids) for g in out for s in g)
-                best = max(best, tokens / (time.perf_counter() - start))
-            results[name] = best
-        backends["vllm"].close()
+        hf = HFBackend(spec, device="cuda", model=model, eos_token_ids=())
+        results["hf backend"] = timed(lambda c: count(hf.generate(reqs, c)))
+        hf.close()
+        backend = VLLMBackend(spec, gpu_memory_utilization=0.5)
+        results["vllm backend"] = timed(lambda c: count(backend.generate(reqs, c)))
+        stops = sorted(backend.eos_token_ids)
+        backend.close()
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=tmp, dtype="float16", skip_tokenizer_init=True,
+                  gpu_memory_utilization=0.5, enable_prefix_caching=True, seed=0)  # fmt: skip
+        prompts_in = [{"prompt_token_ids": list(p)} for p in ps for _ in range(8)]
+
+        def offline(c: SamplingConfig) -> int:
+            params = SamplingParams(n=1, temperature=1.0, max_tokens=c.max_new_tokens,
+                                    stop_token_ids=stops, detokenize=False)  # fmt: skip
+            outs = llm.generate(prompts_in, params, use_tqdm=False)
+            return sum(len(o.outputs[0].token_ids) for o in outs)
+
+        results["vllm offline alone"] = timed(offline)
+    ratio = results["vllm backend"] / results["vllm offline alone"]
     return "\n".join(
         [
             "<!-- bench:generate_gpu:start -->",
@@ -223,9 +246,12 @@ def run_gpu(repeats: int) -> str:
             "",
             f"{torch.cuda.get_device_name(0)}, fp16, random Qwen2 h256/4 layers, 64 prompts x 8 "
             "samples, up to 64 new tokens (vLLM stops at EOS, hf runs all steps); tokens/s, best "
-            "of runs.",
+            "of runs. `vllm backend` draws every token with the swarm's seeded inverse-CDF rule "
+            "(logits processor) and reads the log-probs back; `vllm offline alone` is "
+            f"`LLM.generate` with vLLM's own sampler. Backend / offline: **{ratio:.0%}** "
+            "(target >= 90%).",
             "",
-            "| backend | tok/s |",
+            "| engine | tok/s |",
             "|---|---|",
             *(f"| {k} | {v:,.0f} |" for k, v in results.items()),
             "<!-- bench:generate_gpu:end -->",
