@@ -51,7 +51,7 @@ def summarise(entries: list[dict[str, Any]], backends: list[str], min_checked: i
             ok = False
     for line in refusals:
         print(f"  REFUSED {line}")
-    print("PASS: both backends accepted" if ok else "FAIL")
+    print(f"PASS: {', '.join(backends)} accepted" if ok else "FAIL")
     return 0 if ok else 1
 
 
