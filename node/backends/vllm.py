@@ -314,8 +314,7 @@ class VLLMBackend(InferenceBackend):
                         top_k=self._top_k_off,
                         max_tokens=sampling.max_new_tokens,
                         stop_token_ids=stops,
-                        seed=sample_seed(req.seed, j),
-                        detokenize=False,
+                        detokenize=False,  # no seed: vLLM's RNG cannot change a one-hot row
                         extra_args=extra_args(
                             tag,
                             sample_seed(req.seed, j),
