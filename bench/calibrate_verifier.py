@@ -106,7 +106,9 @@ def verifier_logits(
     return [logits[i, width - len(c) - 1 : width - 1] for i, c in enumerate(completions)]
 
 
-def run(dtype: str, setting: str, n_samples: int, seeds: int, tally: Tally, *, mixed: bool) -> None:
+def run(
+    dtype: str, setting: str, n_samples: int, seeds: int, tally: Tally, *, mixed: bool
+) -> None:
     """``mixed``: the node holds the weights in ``dtype`` but computes in fp32 (another
     machine's kernels: e.g. a GPU accumulating and keeping activations at higher precision)
     while the verifier computes in ``dtype`` — a pessimistic stand-in for honest cross-hardware
@@ -162,7 +164,9 @@ def run(dtype: str, setting: str, n_samples: int, seeds: int, tally: Tally, *, m
                 tally.tokens += sum(map(len, comps))
                 tally.boundary += sum(a.boundary for a in audits)
                 if tol.tail_delta is not None:  # the forgery of hole 2
-                    forged = [[-20.0] * int(0.4 * len(c)) + c[int(0.4 * len(c)) :] for c in claimed]
+                    forged = [
+                        [-20.0] * int(0.4 * len(c)) + c[int(0.4 * len(c)) :] for c in claimed
+                    ]
                     caught = judge(
                         audits, forged, tol, label="", version=1, z_max=6.0,
                         temperature=cfg.temperature, replayed=True,
@@ -245,7 +249,7 @@ def main() -> None:
         "registered dtype, seeded replay, the dtype's logit margin) and judged in checks of 8 "
         "samples with the default tolerance. Δ is the distance of a claimed log-prob from its "
         "admissible interval. Same CPU for node and verifier; the paths differ (KV cache one "
-        'token at a time vs one left-padded batch). The rows "node computing in fp32" hold '
+        "token at a time vs one left-padded batch). The rows \"node computing in fp32\" hold "
         "the weights in the dtype but compute in fp32 on the node, a pessimistic stand-in for "
         "another machine's kernels (the verifier computes in the dtype).\n\n" + table + "\n"
     )
