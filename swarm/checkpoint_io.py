@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-__all__ = ["files_to_state_dict", "state_dict_to_files"]
+__all__ = ["cast_floats", "files_to_state_dict", "state_dict_to_files"]
 
 DEFAULT_FILE = "model.safetensors"
 
@@ -33,6 +33,26 @@ def _untie(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             t = t.clone(memory_format=torch.contiguous_format)
         seen.add(storage)
         out[name] = t
+    return out
+
+
+def cast_floats(state_dict: Mapping[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """Floating-point tensors converted to ``dtype`` ("bfloat16", "float16", "float32"; round to
+    nearest even), other tensors as they are. Tensors that shared storage still do afterwards
+    (tied weights stay tied), so :func:`state_dict_to_files` writes them as before."""
+    target = getattr(torch, dtype, None)
+    if not isinstance(target, torch.dtype) or not target.is_floating_point:
+        raise ValueError(f"publish dtype {dtype!r} is not a floating-point torch dtype")
+    out: dict[str, torch.Tensor] = {}
+    converted: dict[tuple[object, ...], torch.Tensor] = {}
+    for name, t in state_dict.items():
+        if not t.is_floating_point() or t.dtype == target:
+            out[name] = t
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), str(t.device), tuple(t.shape))
+        if key not in converted:
+            converted[key] = t.detach().to(target)
+        out[name] = converted[key]
     return out
 
 
