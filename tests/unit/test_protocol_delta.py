@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -310,7 +311,7 @@ def test_manifest_parts_and_rules() -> None:
     assert part_size(m, "delta") == len(VECTOR_DELTA)
     assert part_size(m, "full") == len(NEW["model.safetensors"])
     assert sorted(part_indices(m, "full") + part_indices(m, "delta")) == list(range(len(chunks)))
-    bad = [
+    bad: list[tuple[dict[str, Any], str]] = [
         ({"delta": info, "tensors": None}, "must list its tensors"),
         (
             {"delta": DeltaInfo(base_version=2, base_root_hash=bytes(32), files=["delta.rsd"])},
@@ -334,7 +335,7 @@ def test_manifest_parts_and_rules() -> None:
     ]
     for change, message in bad:
         with pytest.raises(Exception, match=message):
-            build_manifest(files, **{**kw, **change})  # type: ignore[arg-type]
+            build_manifest(files, **{**kw, **change})
     with pytest.raises(Exception, match="no full checkpoint files"):
         build_manifest({"delta.rsd": VECTOR_DELTA}, delta=info, **kw)  # type: ignore[arg-type]
 

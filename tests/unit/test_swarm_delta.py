@@ -313,9 +313,11 @@ async def test_delta_nobody_serves_right_falls_back_to_full(world: World) -> Non
     await liar.download(2, ["seed"])
     delta_chunks = set(part_indices(m2, "delta"))
     serve = world.seed.server.load_chunk
-    world.seed.server.load_chunk = (  # type: ignore[method-assign]
-        lambda v, i: None if v == 2 and i in delta_chunks else serve(v, i)
-    )
+
+    def no_deltas(version: int, index: int) -> bytes | None:
+        return None if version == 2 and index in delta_chunks else serve(version, index)
+
+    world.seed.server.load_chunk = no_deltas  # type: ignore[method-assign]
     node = await world.node("node")
     await node.download(1, ["seed"])
     assert await node.download(2, ["seed"]) == files_of(2)
