@@ -352,3 +352,15 @@ def test_vector_printed_in_the_protocol_doc_is_this_one() -> None:
     assert digests == VECTOR_DIGESTS
     hex_parts = [re.split(r"\s{2,}", line.strip())[0] for line in blocks[2].strip().splitlines()]
     assert bytes.fromhex("".join(hex_parts).replace(" ", "")) == VECTOR_DELTA
+
+
+def test_delta_code_imports_without_the_ml_stack() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, protocol.delta, protocol.safetensors_layout, swarm.publication\n"
+        "bad = [m for m in ('torch', 'hivemind', 'vllm', 'transformers') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
