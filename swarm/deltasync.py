@@ -91,11 +91,21 @@ class VersionSync:
         self.refusals: list[Refusal] = []
         #: the last fetch's outcome
         self.last: Fetched | None = None
+        # One fetch at a time: a later version waits for the one it is likely based on (the
+        # coordinator fetches every published version as it appears), and no two fetches apply
+        # or store the same intermediate version of a chain at once.
+        self._lock = asyncio.Lock()
 
     async def fetch(
         self, version: int | None, seeds: Sequence[str], *, on_progress: ProgressFn | None = None
     ) -> dict[str, bytes]:
         """The verified full checkpoint of ``version`` (None = newest the seeds have)."""
+        async with self._lock:
+            return await self._fetch(version, seeds, on_progress)
+
+    async def _fetch(
+        self, version: int | None, seeds: Sequence[str], on_progress: ProgressFn | None
+    ) -> dict[str, bytes]:
         env, manifest = await self.downloader.fetch_manifest(version, seeds)
         v, full = manifest.version, self._missing(manifest, "full")
         if self.store.is_complete(v):
@@ -231,7 +241,10 @@ class VersionSync:
         for i in full:
             c = manifest.chunks[i]
             ends[c.file] = c.offset + c.size
-        base_files = self.store.load_mutable(base)
+        try:
+            base_files = self.store.load_mutable(base)
+        except KeyError as exc:  # pruned or lost from disk since the plan was made
+            raise DeltaError(ReasonCode.DELTA_BASE_MISSING, f"v{v}: {exc}") from None
         if sorted(base_files) != sorted(ends):
             raise DeltaError(
                 ReasonCode.DELTA_MISMATCH,
