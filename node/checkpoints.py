@@ -48,6 +48,7 @@ from protocol.identity import fingerprint_of, short_fingerprint
 from protocol.manifest import part_indices, part_size, verify_chunk, verify_manifest
 from protocol.messages import Manifest, ManifestRequest, ManifestResponse
 from swarm.broadcast import MANIFEST_RPC, BroadcastNode
+from swarm.deltasync import Files
 from swarm.errors import BroadcastError, TransportError
 
 __all__ = [
@@ -261,10 +262,10 @@ class CheckpointManager:
         self.broadcast.downloader.pinned_key = key  # the downloader verifies with it from now on
         return key
 
-    async def _download(self, version: int) -> dict[str, bytes]:
+    async def _download(self, version: int) -> Files:
         seeds = list(self.seeds())
         progress = _Progress(version) if self.progress else None
-        files: dict[str, bytes] | None = None
+        files: Files | None = None
         try:
             async with asyncio.timeout(self.download_timeout_s):
                 files = await self.broadcast.download(
@@ -289,7 +290,7 @@ class CheckpointManager:
             if progress is not None:
                 progress.close(complete=files is not None)
 
-    def _verify(self, version: int, key: bytes, files: dict[str, bytes]) -> Manifest:
+    def _verify(self, version: int, key: bytes, files: Files) -> Manifest:
         """Check the manifest signature (pinned key) and every chunk of ``files``."""
         entry = self.broadcast.store.manifest(version)
         if entry is None:
@@ -309,7 +310,7 @@ class CheckpointManager:
                     f"v{version}: files {sorted(files)} differ from the manifest's {sorted(names)}",
                 )
             for c in full:
-                data = files[c.file]
+                data = memoryview(files[c.file])
                 verify_chunk(manifest, c.index, data[c.offset : c.offset + c.size])
             for name in names:
                 end = max(c.offset + c.size for c in full if c.file == name)

@@ -66,17 +66,18 @@ __all__ = [
 HashAlgorithm = Literal["sha256", "blake3"]
 Part = Literal["full", "delta"]
 ROOT_DOMAIN = b"rollout-swarm/manifest-root/v1\x00"
-_HASHERS: dict[str, Callable[[bytes], bytes]] = {
+Buffer = bytes | bytearray | memoryview
+_HASHERS: dict[str, Callable[[Buffer], bytes]] = {
     "sha256": lambda b: hashlib.sha256(b).digest(),
     "blake3": lambda b: blake3.blake3(b).digest(),
 }
 _ENTRY = struct.Struct(">QQ")
 
 
-def chunk_digest(algorithm: str, data: bytes | memoryview) -> bytes:
+def chunk_digest(algorithm: str, data: Buffer) -> bytes:
     """32-byte digest of ``data`` with ``algorithm`` ("sha256" or "blake3")."""
     try:
-        return _HASHERS[algorithm](bytes(data) if isinstance(data, memoryview) else data)
+        return _HASHERS[algorithm](data)
     except KeyError:
         raise ValueError(f"unknown hash algorithm {algorithm!r}; use sha256 or blake3") from None
 
@@ -287,7 +288,7 @@ def part_size(manifest: Manifest, part: Part) -> int:
     return sum(manifest.chunks[i].size for i in part_indices(manifest, part))
 
 
-def verify_chunk(manifest: Manifest, index: int, data: bytes) -> None:
+def verify_chunk(manifest: Manifest, index: int, data: Buffer) -> None:
     """Raise :class:`ChunkHashMismatch` (naming the chunk) unless ``data`` is chunk ``index``."""
     if not 0 <= index < len(manifest.chunks):
         raise ManifestError(

@@ -36,7 +36,7 @@ from protocol.messages import (
 )
 from swarm import keys
 from swarm.chunks import ChunkStore
-from swarm.deltasync import VersionSync
+from swarm.deltasync import Files, VersionSync
 from swarm.errors import ManifestUnavailable, NoDiskSpace, TransportError
 from swarm.fetcher import DownloadConfig, ProgressFn, Transfer
 from swarm.holders import HolderAnnouncer, HolderDirectory
@@ -329,7 +329,7 @@ class BroadcastNode:
 
     async def download(
         self, version: int | None, seeds: Sequence[str], *, on_progress: ProgressFn | None = None
-    ) -> dict[str, bytes]:
+    ) -> Files:
         """The verified full checkpoint of ``version`` (None = newest the seeds have), by delta
         against a version held here when that is fewer bytes (:class:`VersionSync`); the node
         relays chunks while downloading. Raises like :meth:`Downloader.download`."""

@@ -86,12 +86,40 @@ def state_dict_to_files(
     }
 
 
-def files_to_state_dict(files: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
-    """Load safetensors bytes (one or more files) into one state_dict; duplicate names fail."""
+def files_to_state_dict(files: Mapping[str, bytes | bytearray]) -> dict[str, torch.Tensor]:
+    """Load safetensors bytes (one or more files) into one state_dict; duplicate names fail.
+
+    A ``bytearray`` (a checkpoint rebuilt from a delta) is not copied: its tensors are views
+    of it (``torch.frombuffer``), so the caller must not change it while they are in use."""
     out: dict[str, torch.Tensor] = {}
     for file_name in sorted(files):
-        for name, tensor in st_load(files[file_name]).items():
+        data = files[file_name]
+        loaded = _views(file_name, data) if isinstance(data, bytearray) else st_load(data)
+        for name, tensor in loaded.items():
             if name in out:
                 raise ValueError(f"tensor {name!r} appears in more than one file ({file_name})")
             out[name] = tensor
+    return out
+
+
+_TORCH_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+    "U16": torch.uint16, "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32,
+    "U32": torch.uint32, "F32": torch.float32, "I64": torch.int64, "U64": torch.uint64,
+    "F64": torch.float64, "F8_E5M2": torch.float8_e5m2, "F8_E4M3": torch.float8_e4m3fn,
+}  # fmt: skip
+
+
+def _views(file_name: str, data: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file as views of ``data`` (little-endian hosts)."""
+    from protocol.safetensors_layout import parse_layout
+
+    out: dict[str, torch.Tensor] = {}
+    for span in parse_layout(file_name, data):
+        dtype = _TORCH_DTYPES[span.dtype]
+        if span.numel == 0:
+            out[span.name] = torch.empty(span.shape, dtype=dtype)
+            continue
+        flat = torch.frombuffer(data, dtype=dtype, count=span.numel, offset=span.start)
+        out[span.name] = flat.reshape(span.shape)
     return out

@@ -174,8 +174,26 @@ class ChunkStore:
     def load_mutable(self, version: int, part: Part = "full") -> dict[str, bytearray]:
         """Like ``load_files(version, part, verify=False)``, as fresh ``bytearray`` s the caller
         may patch in place (:func:`protocol.delta.apply_delta`)."""
-        pieces = self._pieces(version, part, verify=False)
-        return {k: bytearray().join(v) for k, v in pieces.items()}
+        entry = self._manifests.get(version)
+        if entry is None or not self.is_complete(version, part):
+            raise KeyError(f"the {part} part of version {version} is not complete in the store")
+        chunks = entry[1].chunks
+        indices = part_indices(entry[1], part)
+        sizes: dict[str, int] = {}
+        for i in indices:
+            sizes[chunks[i].file] = chunks[i].offset + chunks[i].size
+        out = {name: bytearray(size) for name, size in sizes.items()}
+        for i in indices:  # read straight into place: one copy from the page cache
+            c = chunks[i]
+            try:
+                with open(self._chunk_path(version, i), "rb") as f:
+                    n = f.readinto(memoryview(out[c.file])[c.offset : c.offset + c.size])
+            except OSError:
+                n = -1
+            if n != c.size:
+                self._have[version].discard(i)
+                raise KeyError(f"version {version}: chunk {i} vanished from disk")
+        return out
 
     def _pieces(self, version: int, part: Part, *, verify: bool) -> dict[str, list[bytes]]:
         entry = self._manifests.get(version)

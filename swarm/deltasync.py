@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,6 +49,9 @@ if TYPE_CHECKING:
     from swarm.holders import HolderAnnouncer
 
 logger = logging.getLogger(__name__)
+
+Files = Mapping[str, bytes | bytearray]
+"""A version's full checkpoint, file name -> bytes (a ``bytearray`` when rebuilt from a delta)."""
 
 Step = tuple[SignedEnvelope, Manifest, Part]
 """One download of a plan: (signed manifest, manifest, part to fetch)."""
@@ -98,21 +101,21 @@ class VersionSync:
 
     async def fetch(
         self, version: int | None, seeds: Sequence[str], *, on_progress: ProgressFn | None = None
-    ) -> dict[str, bytes]:
+    ) -> Files:
         """The verified full checkpoint of ``version`` (None = newest the seeds have)."""
         async with self._lock:
             return await self._fetch(version, seeds, on_progress)
 
     async def _fetch(
         self, version: int | None, seeds: Sequence[str], on_progress: ProgressFn | None
-    ) -> dict[str, bytes]:
+    ) -> Files:
         env, manifest = await self.downloader.fetch_manifest(version, seeds)
         v, full = manifest.version, self._missing(manifest, "full")
         if self.store.is_complete(v):
             self.last = Fetched(v, "held", 0, full)
             return self.store.load_files(v)
         steps, cost, path = await self._plan(env, manifest, seeds)
-        files: dict[str, bytes] | None = None
+        files: Files | None = None
         if path != "full":
             try:
                 files = await self._run(steps, seeds, on_progress)
@@ -210,8 +213,8 @@ class VersionSync:
     # -- running -------------------------------------------------------------------------------
     async def _run(
         self, steps: list[Step], seeds: Sequence[str], on_progress: ProgressFn | None
-    ) -> dict[str, bytes]:
-        files: dict[str, bytes] = {}
+    ) -> Files:
+        files: Files = {}
         for env, manifest, part in steps:
             await self.downloader.fetch_part(env, manifest, seeds, part, on_progress=on_progress)
             if part == "delta":
@@ -223,7 +226,7 @@ class VersionSync:
             files = self.store.load_files(steps[-1][1].version)
         return files
 
-    def _apply(self, manifest: Manifest) -> dict[str, bytes]:
+    def _apply(self, manifest: Manifest) -> dict[str, bytearray]:
         """Apply the (held) delta part of ``manifest`` to its (held) base and store the result
         as the full part; return the full files. Raises :class:`DeltaError`."""
         assert manifest.delta is not None and manifest.tensors is not None
@@ -280,4 +283,4 @@ class VersionSync:
         logger.info(
             "v%d: applied the delta against v%d (%d tensors changed)", v, base, len(_changed)
         )
-        return {name: bytes(data) for name, data in new.items()}
+        return new

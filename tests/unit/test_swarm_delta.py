@@ -350,3 +350,23 @@ async def test_base_with_another_root_is_not_used(world: World) -> None:
     assert node.sync.last is not None and node.sync.last.path == "full"
     assert codes(node) == [ReasonCode.DELTA_BASE_MISSING]
     assert m2.delta is not None and m2.delta.base_root_hash != m1b.root_hash
+
+
+def test_rebuilt_checkpoint_loads_as_views_equal_to_a_normal_load() -> None:
+    from swarm.checkpoint_io import files_to_state_dict
+
+    sd = {
+        "bf": torch.randn(3, 5).to(torch.bfloat16),
+        "f32": torch.randn(7),
+        "i64": torch.arange(4),
+        "flag": torch.tensor([True, False]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+    }
+    files = state_dict_to_files(sd)
+    normal = files_to_state_dict(files)
+    views = files_to_state_dict({k: bytearray(v) for k, v in files.items()})
+    assert normal.keys() == views.keys() == sd.keys()
+    for name, t in sd.items():
+        assert views[name].dtype == t.dtype and views[name].shape == t.shape, name
+        assert torch.equal(views[name], normal[name]) and torch.equal(views[name], t), name
