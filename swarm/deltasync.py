@@ -94,21 +94,15 @@ class VersionSync:
         self.refusals: list[Refusal] = []
         #: the last fetch's outcome
         self.last: Fetched | None = None
-        # One fetch at a time: a later version waits for the one it is likely based on (the
-        # coordinator fetches every published version as it appears), and no two fetches apply
-        # or store the same intermediate version of a chain at once.
-        self._lock = asyncio.Lock()
+        # Fetches run concurrently (the coordinator fetches every version as it is published,
+        # and a version nobody serves yet must not hold up the next one); two of them may meet
+        # on the same link of a chain, which is applied and stored once.
+        self._applying: dict[int, asyncio.Lock] = {}
 
     async def fetch(
         self, version: int | None, seeds: Sequence[str], *, on_progress: ProgressFn | None = None
     ) -> Files:
         """The verified full checkpoint of ``version`` (None = newest the seeds have)."""
-        async with self._lock:
-            return await self._fetch(version, seeds, on_progress)
-
-    async def _fetch(
-        self, version: int | None, seeds: Sequence[str], on_progress: ProgressFn | None
-    ) -> Files:
         env, manifest = await self.downloader.fetch_manifest(version, seeds)
         v, full = manifest.version, self._missing(manifest, "full")
         if self.store.is_complete(v):
@@ -129,6 +123,9 @@ class VersionSync:
             files = self.store.load_files(v)
         self.last = Fetched(v, path, cost, full)
         self.store.prune(protect={v})
+        oldest = min(self.store.versions(), default=v)
+        for u in [u for u, lock in self._applying.items() if u < oldest and not lock.locked()]:
+            del self._applying[u]
         return files
 
     # -- planning ------------------------------------------------------------------------------
@@ -216,11 +213,15 @@ class VersionSync:
     ) -> Files:
         files: Files = {}
         for env, manifest, part in steps:
+            v = manifest.version
             await self.downloader.fetch_part(env, manifest, seeds, part, on_progress=on_progress)
             if part == "delta":
-                files = await asyncio.to_thread(self._apply, manifest)
+                async with self._applying.setdefault(v, asyncio.Lock()):
+                    if self.store.is_complete(v):  # another fetch applied it meanwhile
+                        files = self.store.load_files(v)
+                    else:
+                        files = await asyncio.to_thread(self._apply, manifest)
                 if self.announcer is not None:
-                    v = manifest.version
                     self.announcer.update(v, self.store.have(v), len(manifest.chunks))
         if steps[-1][2] == "full":  # pragma: no cover - a plan ends with its target's delta
             files = self.store.load_files(steps[-1][1].version)

@@ -194,5 +194,5 @@ class VersionBuilder:
         if k == 1:
             return "deltas are off (keyframe_every = 1)"
         if k > 1 and base.chain + 1 >= k:
-            return f"every {k}th version is a keyframe"
+            return f"keyframe_every = {k}: {k - 1} deltas since the last keyframe"
         return ""

@@ -370,3 +370,36 @@ def test_rebuilt_checkpoint_loads_as_views_equal_to_a_normal_load() -> None:
     for name, t in sd.items():
         assert views[name].dtype == t.dtype and views[name].shape == t.shape, name
         assert torch.equal(views[name], normal[name]) and torch.equal(views[name], t), name
+
+
+async def test_fetches_run_side_by_side_and_share_chain_links(world: World) -> None:
+    """A version nobody serves yet does not hold up the next one (the coordinator fetches each
+    published version as it appears), and two fetches that need the same link apply it once."""
+    import asyncio
+
+    world.publish(1)
+    world.publish(2)
+    world.publish(3)
+    env4, m4 = world.build(4)  # signed, but nobody serves its chunks
+    node = await world.node("node")
+    await node.download(1, ["seed"])
+    node.store.put_manifest(env4, m4)
+    stuck = asyncio.create_task(node.download(4, []))
+    await asyncio.sleep(0.1)
+    applied: list[int] = []
+    apply = node.sync._apply
+
+    def counting(manifest: Manifest) -> dict[str, bytearray]:
+        applied.append(manifest.version)
+        return apply(manifest)
+
+    node.sync._apply = counting  # type: ignore[method-assign]
+    two, three = await asyncio.wait_for(
+        asyncio.gather(node.download(2, ["seed"]), node.download(3, ["seed"])), 30
+    )
+    assert (two, three) == (files_of(2), files_of(3))
+    assert sorted(applied) == [2, 3]  # v2 once, though both fetches needed it
+    assert not stuck.done()
+    stuck.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stuck

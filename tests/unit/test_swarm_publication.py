@@ -77,7 +77,7 @@ def test_builder_publishes_deltas_unless_a_keyframe_is_due() -> None:
     assert build(builder(keyframe_every=1), 2, base)[1].startswith("deltas are off")
     assert build(builder(keyframe_every=3), 2, Base(m1, files(1), 1))[0] == "delta"
     assert build(builder(keyframe_every=3), 2, Base(m1, files(1), 2))[1] == (
-        "every 3th version is a keyframe"
+        "keyframe_every = 3: 2 deltas since the last keyframe"
     )
     assert "of the full checkpoint" in build(builder(max_delta_ratio=0.001), 2, base)[1]
     other = {"x.weight": torch.zeros(3)}
