@@ -38,8 +38,8 @@ def launch_from_cli(
 
     from coordinator.errors import ConfigError
     from protocol.errors import KeyFileError
-    from swarm.cli import install_fork_signal_reset
     from swarm.errors import SwarmError
+    from swarm.signals import install_fork_signal_reset
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -115,6 +115,7 @@ def launch_from_cli(
         for maddr in service.multiaddrs:
             print(f"multiaddr: {maddr}", flush=True)
         print(f"coordinator key: {service.fingerprint}", flush=True)
+        print(f"dashboard: {service.http_url}/", flush=True)
         print(f"status: {service.http_url}/status  metrics: {service.http_url}/metrics", flush=True)
         await stop.wait()
         log.info("shutting down")

@@ -6,7 +6,9 @@
 * a :class:`~swarm.broadcast.BroadcastNode` that downloads every published version (it signs the
   manifests the trainer proposes, the trainer seeds the chunks) so it can re-score log-probs and
   serve as a manifest source for nodes;
-* a read-only HTTP endpoint (:mod:`coordinator.http`): ``/status`` JSON and ``/metrics``;
+* a read-only HTTP endpoint (:mod:`coordinator.http`): the dashboard, ``/status`` JSON, its
+  history (:mod:`coordinator.history`) and ``/metrics``; a holder census of the recent versions
+  (:mod:`coordinator.dissemination`);
 * an upkeep task: lease expiry, re-planning, DHT records, the status snapshot.
 
 Every RPC answer is a protocol message; refusals are ``Reject(code, detail)``, never a dropped
@@ -31,7 +33,9 @@ import msgspec
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core import Coordinator
+from coordinator.dissemination import HolderCensus, coordinator_census
 from coordinator.errors import Rejection
+from coordinator.history import StatusHistory
 from coordinator.http import StatusHttpServer
 from coordinator.logprobs import InProcessLogprobVerifier, VerifierUnavailable
 from coordinator.status import TrainerGauges, build_status, wire_status
@@ -103,6 +107,8 @@ class CoordinatorService:
         self.transport: P2PTransport | None = None
         self.broadcast: BroadcastNode | None = None
         self.http: StatusHttpServer | None = None
+        self.history = StatusHistory()  # what the dashboard draws over time
+        self.census: HolderCensus | None = None  # who holds which recent version
         self.multiaddrs: list[str] = []
         self.trainer_stats: dict[str, Any] = {}
         self._new_rollouts = asyncio.Event()
@@ -136,7 +142,7 @@ class CoordinatorService:
         cfg = self.config
         db_path = cfg.db_path if cfg.db_path.is_absolute() else self.state_dir / cfg.db_path.name
         spec = _model_spec(cfg)
-        from node.model import load_tokenizer
+        from policy.model import load_tokenizer
 
         tokenizer = load_tokenizer(spec)
         store = Store(db_path)
@@ -178,9 +184,16 @@ class CoordinatorService:
         await self.register_handlers(self.transport)
         self.multiaddrs = await self.peer.visible_maddrs()
         self.http = StatusHttpServer(
-            cfg.network.http_host, cfg.network.http_port, core_registry=self.core.registry
+            cfg.network.http_host,
+            cfg.network.http_port,
+            core_registry=self.core.registry,
+            history=self.history,
         )
         self.http.start()
+        self.census = coordinator_census(
+            store, self.broadcast.store, DhtHolderDirectory(self.peer), cfg.staleness_bound + 1
+        )
+        self.census.start()
         self._refresh_snapshot()
         self._upkeep = asyncio.create_task(self._upkeep_loop(), name="coordinator-upkeep")
         (self.state_dir / "coordinator.json").write_text(json.dumps(self.address_info(), indent=2))
@@ -219,6 +232,8 @@ class CoordinatorService:
                 await self._upkeep
         for task in [*self._version_tasks.values(), *self._preload_tasks]:
             task.cancel()
+        if self.census is not None:
+            await self.census.stop()
         if self.broadcast is not None:
             with contextlib.suppress(Exception):
                 await self.broadcast.stop()
@@ -260,7 +275,10 @@ class CoordinatorService:
 
     def _refresh_snapshot(self) -> None:
         if self.http is not None:
-            self.http.set_status(self.status())
+            status = self.status()
+            self.http.set_status(status)
+            census = self.census
+            self.history.record_tick(status, census.counts if census and census.taken_at else None)
 
     def status(self) -> dict[str, Any]:
         """The ``/status`` document (also served over ``rswarm/status``)."""
@@ -272,6 +290,7 @@ class CoordinatorService:
             started_at=self._started_at,
             trainer_stats=self.trainer_stats,
             broadcast=self.broadcast,
+            census=self.census,
         )
         status["versions_loaded"] = self.loaded_versions()  # ready for log-prob spot checks
         return status
@@ -442,7 +461,7 @@ class CoordinatorService:
         """Model loader of the log-prob verifier: ``version`` from the weights in the local chunk
         store (runs in a worker thread)."""
         assert self.broadcast is not None
-        from node.model import build_model, load_weights
+        from policy.model import build_model, load_weights
         from swarm.checkpoint_io import files_to_state_dict
 
         if not self.broadcast.store.is_complete(version):
@@ -460,6 +479,7 @@ class CoordinatorService:
         msg = self._open_trainer(request, FetchRollouts)
         if msg.trainer_stats:
             self.trainer_stats = dict(msg.trainer_stats)
+            self.history.record_trainer(self.trainer_stats)
             step_time = self.trainer_stats.get("step_time_s")
             if isinstance(step_time, int | float) and step_time > 0:  # measured T_train
                 self.core.t_train_s = float(step_time)
@@ -531,13 +551,13 @@ def _import_model_stack(spec: Any) -> None:
     """Import what building and scoring the model of ``spec`` needs, without building it."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    import node.scoring  # noqa: F401  (the re-scoring code and its torch imports)
-    from node.model import load_config
+    import policy.scoring  # noqa: F401  (the re-scoring code and its torch imports)
+    from policy.model import load_config
 
     MODEL_FOR_CAUSAL_LM_MAPPING[type(load_config(spec))]  # imports the architecture's modules
 
 
 def _model_spec(cfg: CoordinatorConfig) -> Any:
-    from node.model import ModelSpec
+    from policy.model import ModelSpec
 
     return ModelSpec(path=cfg.model_path)

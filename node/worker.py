@@ -9,8 +9,8 @@ named tasks:
 * ``work``      pull a lease (one over local limits, :func:`~node.rollouts.lease_problem`, is
                 released unrun) -> make ``lease.policy_version`` the loaded weights -> generate
                 each prompt ``group_size`` times (prompt ``i`` seeded with
-                :func:`~node.rollouts.prompt_seed` ``(lease.sampling.seed, i)``; sample ``j`` with
-                :func:`~node.backends.base.sample_seed` ``(prompt seed, j)``, recorded in
+                :func:`~policy.sampling.prompt_seed` ``(lease.sampling.seed, i)``; sample ``j`` with
+                :func:`~policy.sampling.sample_seed` ``(prompt seed, j)``, recorded in
                 ``Sample.seed``) -> sign and submit -> repeat. ``Standby`` waits ``retry_after_s``;
                 coordinator or network errors back off exponentially with jitter and the loop
                 resumes by itself when the coordinator answers again;
@@ -59,8 +59,8 @@ from protocol.messages import (
 from swarm.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
-    from node.model import Tokenizer
     from node.probe import Capability
+    from policy.model import Tokenizer
     from swarm.dht import SwarmPeer
     from swarm.holders import HolderDirectory
     from swarm.transport import Transport
@@ -114,6 +114,8 @@ class NodeWorker:
         self._gen_future: asyncio.Future[Any] | None = None
         self._prefetch: asyncio.Task[None] | None = None
         self._current: Lease | None = None
+        #: what the node is doing now, in a few words (the status page shows it)
+        self.phase = "starting"
         self._hb_seq = 0
         self.active = True
         self.heartbeat_interval_s = config.heartbeat_interval_s or 10.0
@@ -129,6 +131,11 @@ class NodeWorker:
         if self._transport is None:
             return "-"
         return self._transport.peer_id
+
+    @property
+    def current_lease(self) -> Lease | None:
+        """The lease being worked on, if any."""
+        return self._current
 
     @property
     def generation_in_flight(self) -> bool:
@@ -218,6 +225,7 @@ class NodeWorker:
         """Stop taking work (graceful shutdown starts; see :meth:`stop`)."""
         if not self._stopping.is_set():
             log.info("stopping: no new leases; submitting or releasing what is in hand")
+        self.phase = "stopping"
         self._stopping.set()
 
     @property
@@ -417,6 +425,7 @@ class NodeWorker:
     async def _work_loop(self) -> None:
         assert self.client is not None
         while not self.stopping:
+            self.phase = "asking for work"
             req = LeaseRequest(
                 peer_id=self.peer_id,
                 policy_version=self.backend.loaded_version,
@@ -430,6 +439,7 @@ class NodeWorker:
             except CoordinatorError as exc:
                 self.stats.coordinator_errors += 1
                 delay = self.backoff.next_delay()
+                self.phase = f"coordinator unreachable, retrying in {delay:.0f} s"
                 log.warning("lease request failed (%s); retrying in %.1f s", exc, delay)
                 await self._sleep(delay)
                 continue
@@ -437,6 +447,7 @@ class NodeWorker:
                 log.info("coordinator reachable again")
             self.backoff.reset()
             if isinstance(got, Standby):
+                self.phase = f"standby: {got.reason}"
                 log.info("standby (%s); asking again in %.1f s", got.reason, got.retry_after_s)
                 await self._sleep(got.retry_after_s)
                 continue
@@ -456,10 +467,12 @@ class NodeWorker:
             return
         if exc.code is ReasonCode.BANNED:
             delay = exc.retry_after_s or self.config.backoff_max_s
+            self.phase = f"banned: {exc.detail}"
             log.error("this node is banned: %s; asking again in %.0f s", exc.detail, delay)
             await self._sleep(delay)
             return
         delay = self.backoff.next_delay()
+        self.phase = f"lease refused ({exc.code.value}), retrying in {delay:.0f} s"
         log.error("lease request refused: %s; retrying in %.1f s", exc, delay)
         await self._sleep(delay)
 
@@ -484,6 +497,7 @@ class NodeWorker:
         except ValueError as exc:
             await self._release(lease, f"unsupported sampling parameters: {exc}")
             return
+        self.phase = f"loading policy v{lease.policy_version}"
         try:
             ok, _ = await self._unless_stopped(self.checkpoints.ensure(lease.policy_version))
         except CheckpointError as exc:
@@ -500,6 +514,7 @@ class NodeWorker:
         started = self.clock()
         t0 = time.perf_counter()
         log.debug("generating lease %s", lease.lease_id)
+        self.phase = f"generating {len(lease.prompts)} prompts × {lease.group_size}"
         generate: Callable[..., list[list[SampleOut]]] = self.backend.generate
         if "greedy" in self.config.misbehave:  # testing only: swarm demo --byzantine
             from node.byzantine import greedy_generate
@@ -565,6 +580,7 @@ class NodeWorker:
     async def _submit(self, lease: Lease, sub: RolloutSubmission) -> None:
         """Submit, retrying network errors until the lease deadline (re-sends are idempotent)."""
         assert self.client is not None
+        self.phase = "submitting rollouts"
         backoff = Backoff(self.config.backoff_initial_s, self.config.backoff_max_s, self.rng)
         while True:
             try:
@@ -590,6 +606,7 @@ class NodeWorker:
         else:
             self.stats.leases_rejected += 1
             self.stats.last_reject = f"{verdict.code.value}: {verdict.detail}"
+            self.stats.last_reject_at = self.clock()
             log.warning("lease %s rejected: %s", lease.lease_id, self.stats.last_reject)
 
     async def _release(self, lease: Lease, reason: str) -> None:

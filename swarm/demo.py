@@ -176,6 +176,8 @@ class Demo:
         self.status: dict[str, Any] = {}
         self.reached_at: float | None = None
         self.coordinator: dict[str, Any] = {}
+        #: node name -> URL of its status page, once the node has written its node.json
+        self.node_pages: dict[str, str] = {}
 
     # --- set-up ----------------------------------------------------------------------------------
     def _write_configs(self, trainer_fp: str) -> None:
@@ -229,6 +231,11 @@ class Demo:
 
         self._wait_for(read_info, "the coordinator to come up")
         maddr, fp = self.coordinator["multiaddrs"][0], self.coordinator["fingerprint"]
+        print(
+            f"dashboard: {self.coordinator['http_url']}/  (open it in a browser while the demo "
+            "runs)",
+            flush=True,
+        )
         self._spawn(
             "trainer",
             ["trainer", "run", "--config", str(self.run_dir / "trainer.toml"), "--coordinator",
@@ -240,7 +247,7 @@ class Demo:
         for i, name in enumerate(names):
             cfg = self.run_dir / f"{name}.toml"
             lines = ['backend = "hf"\n', 'host_maddrs = ["/ip4/127.0.0.1/tcp/0"]\n',
-                     "status_interval_s = 5.0\n"]  # fmt: skip
+                     "status_interval_s = 5.0\n", "status_port = 0\n"]  # fmt: skip
             if self.opts.model_dir:
                 lines.append(f'model_path = "{self.opts.model_dir}"\n')
             if name.startswith("byzantine"):
@@ -276,6 +283,19 @@ class Demo:
                 )
 
     # --- watching --------------------------------------------------------------------------------
+    def find_node_pages(self) -> dict[str, str]:
+        """Status pages that came up since the last call (``{node name: URL}``)."""
+        new = {}
+        for p in self.procs:
+            if p.name in self.node_pages or not p.name.startswith(("node", "byzantine")):
+                continue
+            try:
+                url = json.loads((self.run_dir / p.name / "node.json").read_text())["status_url"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            self.node_pages[p.name] = new[p.name] = f"{url}/"
+        return new
+
     def poll(self) -> dict[str, Any]:
         url = self.coordinator.get("http_url", "") + "/status"
         try:

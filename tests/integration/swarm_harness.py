@@ -190,7 +190,7 @@ async def launch_coordinator(
 @cache
 def policy_state_dict(version: int) -> dict[str, Any]:
     """Weights of policy ``version`` as the test trainer publishes them (seeded random init)."""
-    from node.model import ModelSpec, build_model
+    from policy.model import ModelSpec, build_model
 
     return dict(build_model(ModelSpec(), seed=version).state_dict())
 
@@ -284,8 +284,12 @@ class TestNode:
         self.transport = transport
         self.client = CoordinatorClient(transport, coordinator_peer_id, self.identity)
 
-    async def register(self) -> None:
-        await self.client.register(
+    async def register(self, **advert_changes: Any) -> None:
+        """Register with a CPU advert; ``advert_changes`` replace its fields (forged adverts)."""
+        await self.client.register(self.advert(**advert_changes))
+
+    def advert(self, **changes: Any) -> CapabilityAdvert:
+        return msgspec.structs.replace(
             CapabilityAdvert(
                 peer_id=self.transport.peer_id,
                 node_key=self.identity.public_key,
@@ -300,7 +304,8 @@ class TestNode:
                 reachability="unknown",
                 software_version="test",
                 expires_at=time.time() + 600,
-            )
+            ),
+            **changes,
         )
 
     async def lease(self, max_prompts: int = 2) -> Lease:
@@ -328,7 +333,7 @@ def _backend(version: int) -> Any:
     import torch
 
     from node.backends.hf import HFBackend
-    from node.model import ModelSpec, build_model, load_weights
+    from policy.model import ModelSpec, build_model, load_weights
 
     torch.set_num_threads(1)
     model = build_model(ModelSpec())

@@ -14,7 +14,7 @@ from test_swarm_delta import FAST, World, weights
 
 from node.backends.hf import HFBackend
 from node.checkpoints import CheckpointManager, CheckpointRefused
-from node.model import ModelSpec, build_model
+from policy.model import ModelSpec, build_model
 from swarm.broadcast import BroadcastNode
 from swarm.chunks import ChunkStore
 
