@@ -35,7 +35,7 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from protocol.delta import apply_delta
 from protocol.errors import ChunkHashMismatch, DeltaError, ReasonCode
@@ -44,11 +44,32 @@ from protocol.messages import Manifest, SignedEnvelope
 from swarm.errors import BroadcastError, ChunkUnavailable, ManifestUnavailable
 
 if TYPE_CHECKING:
-    from swarm.broadcast import Downloader
+    from swarm.chunks import ChunkStore
     from swarm.fetcher import ProgressFn
     from swarm.holders import HolderAnnouncer
 
 logger = logging.getLogger(__name__)
+
+
+class Downloader(Protocol):
+    """What a :class:`VersionSync` needs of :class:`swarm.broadcast.Downloader`."""
+
+    store: ChunkStore
+
+    async def fetch_manifest(
+        self, version: int | None, sources: Sequence[str]
+    ) -> tuple[SignedEnvelope, Manifest]: ...
+
+    async def fetch_part(
+        self,
+        env: SignedEnvelope,
+        manifest: Manifest,
+        seeds: Sequence[str],
+        part: Part,
+        *,
+        on_progress: ProgressFn | None = None,
+    ) -> None: ...
+
 
 Files = Mapping[str, bytes | bytearray]
 """A version's full checkpoint, file name -> bytes (a ``bytearray`` when rebuilt from a delta)."""
