@@ -219,3 +219,45 @@ async def test_swarm_publisher_sends_bf16_keyframe_then_deltas(tmp_path: Path) -
     assert store.manifest(3)[1].delta is None  # type: ignore[index]
     await pub.publish(4, weights(4))
     assert store.manifest(4)[1].delta is not None  # type: ignore[index]
+
+
+async def test_census_counts_holders_of_the_full_checkpoint_not_of_the_delta(
+    tmp_path: Path,
+) -> None:
+    """A node that fetched a delta version in full (no base) holds it; one with only the delta
+    chunks does not (the coordinator's dissemination census)."""
+    from coordinator.dissemination import coordinator_census
+    from protocol.manifest import part_indices
+    from swarm import keys
+
+    h = Harness(tmp_path)
+    b = builder()
+    built1 = b.build(
+        files(1),
+        version=1,
+        parent_version=None,
+        base=None,
+        created_at=h.clock(),
+        expires_at=h.clock() + 60,
+    )
+    h.core.publish_version(sign_manifest(built1.manifest, h.publisher, h.clock()))
+    built2 = b.build(
+        files(2),
+        version=2,
+        parent_version=1,
+        base=Base(built1.manifest, files(1), 0),
+        created_at=h.clock(),
+        expires_at=h.clock() + 60,
+    )
+    m2 = built2.manifest
+    h.core.publish_version(sign_manifest(m2, h.publisher, h.clock()))
+    chunks = ChunkStore(tmp_path / "chunks")
+    chunks.put_manifest(sign_manifest(m2, h.publisher, h.clock()), m2)
+    n = len(m2.chunks)
+    mem = MemoryHolderDirectory()
+    await mem.publish(2, "QmFull", keys.bitmap_from_indices(part_indices(m2, "full"), n), 60)
+    await mem.publish(2, "QmDelta", keys.bitmap_from_indices(part_indices(m2, "delta"), n), 60)
+    census = coordinator_census(h.store, chunks, mem, keep=3)
+    census.node_peers = lambda: {"QmFull", "QmDelta"}
+    await census.refresh()
+    assert census.counts == {2: 1} and census.by_peer == {"QmFull": [2]}
