@@ -4,7 +4,7 @@
 (:mod:`swarm.holders`: every peer announces, per version, a bitmap of the chunks it has verified)
 every ``period`` seconds and keeps, for the dashboard and ``/status``:
 
-* :attr:`HolderCensus.counts`   -- version -> registered nodes holding all of its chunks;
+* :attr:`HolderCensus.counts`   -- version -> registered nodes holding its full checkpoint;
 * :attr:`HolderCensus.by_peer`  -- libp2p peer id -> versions it holds in full.
 
 Holder records are unsigned (a peer may claim chunks it lacks; downloads verify every chunk and
