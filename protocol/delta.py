@@ -81,8 +81,9 @@ def tensor_digest(algorithm: str, dtype: str, shape: Sequence[int], data: Buffer
     hasher: Any
     if algorithm == "sha256":
         hasher = hashlib.sha256()
-    elif algorithm == "blake3":
-        hasher = blake3.blake3()
+    elif algorithm == "blake3":  # large tensors on every core (blake3 splits the input)
+        threads = blake3.blake3.AUTO if len(memoryview(data)) >= 1 << 20 else 1
+        hasher = blake3.blake3(max_threads=threads)
     else:
         raise ValueError(f"unknown hash algorithm {algorithm!r}; use sha256 or blake3")
     hasher.update(b"".join(prefix))
@@ -114,12 +115,20 @@ def tensor_infos(files: Mapping[str, Buffer], algorithm: str) -> list[TensorInfo
 def _planes(values: np.ndarray[Any, Any]) -> bytes:
     """Little-endian elements as byte planes: byte 0 of every element, then byte 1, ..."""
     width = values.dtype.itemsize
-    return np.ascontiguousarray(values.view(np.uint8).reshape(values.size, width).T).tobytes()
+    if width == 1:
+        return values.astype(np.uint8).tobytes()
+    v = values.astype(_UINT[width], copy=False)
+    return b"".join((v >> (8 * k)).astype(np.uint8).tobytes() for k in range(width))
 
 
 def _from_planes(raw: np.ndarray[Any, np.dtype[np.uint8]], width: int) -> np.ndarray[Any, Any]:
-    count = raw.size // width
-    return np.ascontiguousarray(raw.reshape(width, count).T).view(_UINT[width]).reshape(count)
+    """Inverse of :func:`_planes` (shift-or of contiguous planes; all-zero planes skipped)."""
+    planes = raw.reshape(width, raw.size // width)
+    out: np.ndarray[Any, Any] = planes[0].astype(_UINT[width])
+    for k in range(1, width):
+        if planes[k].any():
+            out |= planes[k].astype(_UINT[width]) << np.array(8 * k, dtype=_UINT[width])
+    return out
 
 
 def gap_width(numel: int) -> int:
@@ -279,26 +288,29 @@ def _record(
     buf = np.frombuffer(raw, dtype=np.uint8)
     pos_len = len(raw) - count * width
     if encoding == GAPS:
-        gaps = _from_planes(buf[:pos_len], gap_width(numel)).astype(np.uint64)
+        gaps = _from_planes(buf[:pos_len], gap_width(numel))
         if int(gaps.max()) >= numel:
             raise _invalid(f"{where}: position gap beyond the tensor")
-        positions = np.cumsum(gaps + np.uint64(1)) - np.uint64(1)
+        # p_i = sum of the first i+1 gaps + i; exact in int64 while count * numel < 2^63
+        positions = np.cumsum(gaps, dtype=np.uint64).astype(np.int64, copy=False)
+        positions += np.arange(count, dtype=np.int64)
     else:
         bits = np.unpackbits(buf[:pos_len], bitorder="little")
         if bits[numel:].any():
             raise _invalid(f"{where}: bitmap has bits set past element {numel}")
-        positions = np.flatnonzero(bits[:numel]).astype(np.uint64)
+        positions = np.flatnonzero(bits[:numel])
         if positions.size != count:
             raise _invalid(f"{where}: bitmap marks {positions.size} elements, record says {count}")
-    # An overflowing sum would break the order, so strictly increasing + in range suffices.
-    if count > 1 and not bool(np.all(positions[1:] > positions[:-1])):
+    # Gaps give strictly increasing positions unless the sum overflowed, which only a tensor of
+    # more than 2^31 elements allows (count * numel >= 2^63): check the order there.
+    if numel > 1 << 31 and count > 1 and not bool(np.all(positions[1:] > positions[:-1])):
         raise _invalid(f"{where}: positions are not strictly increasing")
     if int(positions[-1]) >= numel:
         raise _invalid(f"{where}: position {int(positions[-1])} beyond {numel} elements")
     values = _from_planes(buf[pos_len:], width)
     if not bool(values.all()):
         raise _invalid(f"{where}: a listed element does not change (zero XOR)")
-    return Record(index, positions.astype(np.intp), values)
+    return Record(index, positions.astype(np.intp, copy=False), values)
 
 
 # --- applying -----------------------------------------------------------------------------------
