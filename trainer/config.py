@@ -93,6 +93,23 @@ class TrainerConfig(BaseModel):
     fetch_timeout_s: float = Field(
         30.0, gt=0.0, description="Seconds one rollout fetch may wait before it is retried/logged."
     )
+    overlap: bool = Field(
+        True,
+        description="Keep the swarm's plumbing off the learner's critical path: train in a worker "
+        "thread while the next rollouts are fetched and the last version is published in the "
+        "background. False: fetch, train and publish one after the other (for comparison).",
+    )
+    prefetch_batches: int = Field(
+        2,
+        ge=1,
+        description="With overlap: rollouts buffered ahead of the learner, in batches "
+        "(batch_prompts × group_size each).",
+    )
+    idle_window_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="idle_frac and its breakdown are measured over this many recent seconds.",
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> TrainerConfig:

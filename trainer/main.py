@@ -83,11 +83,13 @@ class CoordinatorSource:
         self.received = 0
         self.failures = 0
 
-    async def fetch(self, max_items: int, after: int) -> list[Rollout] | None:
+    async def fetch(
+        self, max_items: int, after: int, min_version: int | None = None
+    ) -> list[Rollout] | None:
         req = FetchRollouts(
             after_seq=after,
             max_rollouts=max(1, min(max_items, 4096)),
-            min_policy_version=None,
+            min_policy_version=min_version,
             wait_s=self.wait_s,
             trainer_stats=_wire_stats(self.stats),
         )
@@ -160,22 +162,31 @@ class SwarmPublisher:
         self.tokenizer_hash = tokenizer_hash
         self.chunk_size = chunk_size
         self.last_version: int | None = None
+        #: seconds the last publication spent serialising and hashing before the coordinator saw it
+        self.last_prepare_s: float | None = None
 
     async def publish(self, version: int, state_dict: Mapping[str, Any]) -> None:
         from swarm.checkpoint_io import state_dict_to_files
 
-        files = state_dict_to_files(dict(state_dict))
-        now = time.time()
-        manifest, chunks = build_manifest(
-            files,
-            version=version,
-            parent_version=self.last_version,
-            chunk_size=self.chunk_size,
-            model_config_hash=self.model_config_hash,
-            tokenizer_hash=self.tokenizer_hash,
-            created_at=now,
-            expires_at=now + MANIFEST_TTL_S,
-        )
+        def prepare() -> tuple[Manifest, list[bytes]]:
+            files = state_dict_to_files(dict(state_dict))
+            now = time.time()
+            return build_manifest(
+                files,
+                version=version,
+                parent_version=self.last_version,
+                chunk_size=self.chunk_size,
+                model_config_hash=self.model_config_hash,
+                tokenizer_hash=self.tokenizer_hash,
+                created_at=now,
+                expires_at=now + MANIFEST_TTL_S,
+            )
+
+        # Serialising and hashing are CPU work: off the event loop, which meanwhile keeps
+        # fetching rollouts and serving chunks of the versions already published.
+        t0 = time.monotonic()
+        manifest, chunks = await asyncio.to_thread(prepare)
+        self.last_prepare_s = time.monotonic() - t0
         req = PublishVersion(manifest=encode(manifest), source=self.transport.peer_id)
         for attempt in range(PUBLISH_ATTEMPTS):
             try:  # publishing is idempotent on the coordinator: a retry gets the same manifest
@@ -311,7 +322,7 @@ async def run_trainer(
         # The coordinator may hold a version this trainer has no record of (killed between the
         # coordinator's answer to PublishVersion and published.json): continue after it.
         trainer.sync_published(await publisher.latest_version())
-        _attach_stats(trainer, source)
+        _attach_stats(trainer, source, publisher)
         run = asyncio.create_task(trainer.run(source, publisher), name="trainer-loop")
         waiters = [run] + ([asyncio.create_task(stop.wait(), name="stop")] if stop else [])
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -355,7 +366,24 @@ async def _coordinator_public_key(peer: Any, fingerprint: str) -> bytes:
     )
 
 
-def _attach_stats(trainer: Any, source: CoordinatorSource) -> None:
+#: Step-record keys reported to the coordinator for capacity planning and the idle breakdown.
+CAPACITY_STATS = (
+    "t_train_s",
+    "batch_rollouts",
+    "publish_s",
+    "publish_deferred",
+    "idle_rollouts_frac",
+    "idle_stale_frac",
+    "idle_fetch_frac",
+    "idle_publish_frac",
+    "idle_checkpoint_frac",
+    "idle_other_frac",
+)
+
+
+def _attach_stats(
+    trainer: Any, source: CoordinatorSource, publisher: SwarmPublisher | None = None
+) -> None:
     """Mirror each step's metrics into the stats the source reports to the coordinator."""
 
     def on_step(record: dict[str, Any]) -> None:
@@ -376,6 +404,11 @@ def _attach_stats(trainer: Any, source: CoordinatorSource) -> None:
                 "rollout_cursor": trainer.cursor,
             }
         )
+        # Capacity planning and the idle breakdown (docs/capacity.md): smoothed T_train, B,
+        # how long publishing takes, and where the idle time went.
+        source.stats.update({k: record[k] for k in CAPACITY_STATS if k in record})
+        if publisher is not None and publisher.last_prepare_s is not None:
+            source.stats["publish_prepare_s"] = publisher.last_prepare_s
 
     trainer.on_step.append(on_step)
 

@@ -26,6 +26,7 @@ import shutil
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -47,6 +48,7 @@ from trainer.loss import (
     weight_stats,
 )
 from trainer.metrics import IdleClock, MetricsWriter
+from trainer.pipeline import PublicationSlot, RolloutFeed
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +59,11 @@ PUBLISHED_FILE = "published.json"
 class RolloutSource(Protocol):
     """Where verified rollouts come from (the coordinator client, or :class:`InProcessSource`)."""
 
-    async def fetch(self, max_items: int, after: int) -> list[Rollout] | None:
-        """Up to ``max_items`` rollouts with ``seq > after`` (may wait; ``[]`` when none arrived in
+    async def fetch(
+        self, max_items: int, after: int, min_version: int | None = None
+    ) -> list[Rollout] | None:
+        """Up to ``max_items`` rollouts with ``seq > after`` and, with ``min_version``, a policy
+        version of at least that (older ones are skipped; may wait; ``[]`` when none arrived in
         the source's own wait time); ``None`` when the source is finished for good."""
         ...
 
@@ -102,18 +107,24 @@ class InProcessSource:
         self._closed = True
         self._event.set()
 
-    async def fetch(self, max_items: int, after: int) -> list[Rollout] | None:
-        ready = [r for r in self._items if r.seq > after]
-        if not ready and not self._closed:
+    async def fetch(
+        self, max_items: int, after: int, min_version: int | None = None
+    ) -> list[Rollout] | None:
+        def ready() -> list[Rollout]:
+            low = -1 if min_version is None else min_version
+            return [r for r in self._items if r.seq > after and r.policy_version >= low]
+
+        found = ready()
+        if not found and not self._closed:
             self._event.clear()
             try:
                 await asyncio.wait_for(self._event.wait(), timeout=self._wait_s)
             except TimeoutError:
                 return []
-            ready = [r for r in self._items if r.seq > after]
-        if not ready and self._closed:
+            found = ready()
+        if not found and self._closed:
             return None
-        return ready[:max_items]
+        return found[:max_items]
 
 
 class MemoryPublisher:
@@ -162,11 +173,20 @@ class Trainer:
         #: publish the current weights when :meth:`run` starts (see :meth:`sync_published`).
         self._publish_first = False
         self._stop_requested = False
+        self._feed: RolloutFeed | None = None
+        #: a step is running in the worker thread (the feed then fetches for the next version)
+        self._training = False
         #: highest rollout ``seq`` fetched; see :attr:`cursor` for the resumable one.
         self._fetched = 0
         self._pending: dict[str, list[Rollout]] = {}
         self._dropped_at_fetch = 0
-        self.idle = IdleClock()
+        self.idle = IdleClock(window_s=config.idle_window_s)
+        #: T_train: exponential moving average of the time in train_step (weight 0.2 per step)
+        self.t_train_s: float | None = None
+        #: seconds the last publication took (weights copied -> the publisher returned)
+        self.publish_s: float | None = None
+        #: publications deferred because the previous one was still in flight
+        self.publish_deferred = 0
         #: called with each step's metrics record (after it is written), e.g. to report upstream.
         self.on_step: list[Callable[[dict[str, Any]], None]] = []
 
@@ -246,37 +266,120 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     async def run(self, source: RolloutSource, publisher: Publisher | None = None) -> None:
         """Fetch → train → publish every κ versions → checkpoint, until ``max_steps`` or the
-        source ends. Every rank runs this; rank 0 fetches and shares each batch."""
+        source ends. Every rank runs this; rank 0 fetches and shares each batch.
+
+        With ``overlap`` (the default) the swarm's plumbing stays off the critical path
+        (:mod:`trainer.pipeline`): the step runs in a worker thread while rank 0 keeps fetching
+        rollouts and publishes the previous version in the background."""
         cfg = self.config
-        self.idle = IdleClock()
-        first = self.published_version is None or self._publish_first
-        if publisher is not None and self.dist.is_leader and first:
-            await self._publish(publisher)
-        while (cfg.max_steps is None or self.step < cfg.max_steps) and not self._stop_requested:
-            batch = await self._next_batch(source) if self.dist.is_leader else None
-            if self.dist.enabled:  # the version too: a refused publication may have raised it
-                batch, self.version = self.dist.share((batch, self.version))
-            if batch is None:
-                break
-            self.train_step(batch)
+        self.idle = IdleClock(window_s=cfg.idle_window_s)
+        batch_size = cfg.batch_prompts * cfg.group_size
+        feed = RolloutFeed(
+            source,
+            after=self._fetched,
+            page=batch_size,
+            capacity=batch_size * cfg.prefetch_batches,
+            admissible=lambda r: not self._too_stale(r),
+            # While a step runs, what arrives is used at the next version: skip what will be
+            # stale by then (in an oversupplied swarm the queue's head sits at that edge).
+            min_version=lambda: max(0, self.version + self._training - cfg.max_staleness),
+            idle=self.idle,
+            background=cfg.overlap,
+        )
+        self._feed = feed
+        slot = PublicationSlot()
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-step")
+        threads = torch.get_num_threads()
+        try:
+            first = self.published_version is None or self._publish_first
+            if publisher is not None and self.dist.is_leader and first:
+                await self._blocking_publish(publisher)
             if self.dist.is_leader:
-                due = self.published_version is None or (
-                    self.version - self.published_version >= cfg.kappa
-                )
-                if publisher is not None and due:
-                    await self._publish(publisher)
-                if self.step % cfg.checkpoint_every == 0:
-                    self.save_checkpoint()
+                feed.start()
+            while (cfg.max_steps is None or self.step < cfg.max_steps) and not self._stop_requested:
+                batch = await self._next_batch(feed) if self.dist.is_leader else None
+                if self.dist.enabled:  # the version too: a refused publication may have raised it
+                    batch, self.version = self.dist.share((batch, self.version))
+                if batch is None:
+                    break
+                if cfg.overlap:
+                    loop = asyncio.get_running_loop()
+                    self._training = True
+                    try:
+                        await loop.run_in_executor(
+                            executor, _train_in_thread, self, batch, threads
+                        )
+                    finally:
+                        self._training = False
+                else:
+                    self.train_step(batch)
+                if self.dist.is_leader:
+                    if publisher is not None:
+                        await self._publish_due(publisher, slot)
+                    if self.step % cfg.checkpoint_every == 0:
+                        t0 = time.monotonic()
+                        self.save_checkpoint()
+                        self.idle.add_wait(time.monotonic() - t0, "checkpoint")
+            if publisher is not None and slot.busy:
+                await self._finish_publication(publisher, slot, await_it=True)
+        finally:
+            self._feed = None
+            await feed.stop()
+            executor.shutdown(wait=True)
         if self.dist.is_leader and (self._stop_requested or self.step % cfg.checkpoint_every):
             self.save_checkpoint()
 
     def request_stop(self) -> None:
         """End :meth:`run` soon, cleanly: a step or a publication in progress finishes (the
         coordinator may already have recorded that version: ``published.json`` must say so too),
-        a wait for rollouts ends after the source's current fetch; then a checkpoint is saved."""
+        a wait for rollouts ends at once; then a checkpoint is saved."""
         self._stop_requested = True
+        if self._feed is not None:
+            self._feed.interrupt()
 
-    async def _next_batch(self, source: RolloutSource) -> list[Rollout] | None:
+    async def _publish_due(self, publisher: Publisher, slot: PublicationSlot) -> None:
+        """At a step boundary: collect a finished background publication, then start the next
+        one if κ versions have passed since the last (in flight or done)."""
+        cfg = self.config
+        await self._finish_publication(publisher, slot, await_it=False)
+        last = slot.version if slot.busy else self.published_version
+        due = last is None or self.version - last >= cfg.kappa
+        if not due:
+            return
+        if not cfg.overlap:
+            await self._blocking_publish(publisher)
+        elif slot.busy:
+            slot.deferred += 1  # published at the first boundary after the one in flight lands
+        else:
+            version, state = self.version, self.state_dict_for_publish()
+            slot.start(version, self._publish_version(publisher, version, state))
+
+    async def _finish_publication(
+        self, publisher: Publisher, slot: PublicationSlot, *, await_it: bool
+    ) -> None:
+        try:
+            if await_it:
+                await slot.wait()
+            else:
+                slot.collect()
+        except VersionNotNewer as exc:  # the swarm is ahead of our record: renumber, in the loop
+            log.warning("%s; publishing the current weights instead", exc)
+            self.version = max(self.version, exc.latest + 1)
+            await self._blocking_publish(publisher)
+        if slot.last_s is not None:
+            self.publish_s = slot.last_s
+        self.publish_deferred = slot.deferred
+
+    async def _blocking_publish(self, publisher: Publisher) -> None:
+        """Publish the current weights now; the learner waits (counted as ``publish`` idle)."""
+        t0 = time.monotonic()
+        try:
+            await self._publish(publisher)
+        finally:
+            self.publish_s = time.monotonic() - t0
+            self.idle.add_wait(self.publish_s, "publish")
+
+    async def _next_batch(self, feed: RolloutFeed) -> list[Rollout] | None:
         """``batch_prompts`` complete groups (``group_size`` samples each), oldest first."""
         cfg = self.config
         while True:
@@ -288,20 +391,15 @@ class Trainer:
                 break
             need = (cfg.batch_prompts - len(complete)) * cfg.group_size
             t0 = time.monotonic()
-            try:
-                items = await asyncio.wait_for(
-                    source.fetch(need, after=self._fetched), timeout=cfg.fetch_timeout_s
-                )
-            except TimeoutError:
+            items = await feed.take(need, cfg.fetch_timeout_s)
+            self._dropped_at_fetch += feed.take_dropped()
+            if items == [] and time.monotonic() - t0 >= cfg.fetch_timeout_s:
                 log.warning(
                     "waiting for rollouts: %d/%d complete groups after %.0f s",
                     len(complete),
                     cfg.batch_prompts,
                     cfg.fetch_timeout_s,
                 )
-                items = []
-            finally:
-                self.idle.add_wait(time.monotonic() - t0)
             if items is None or self._stop_requested:
                 return None
             for r in items:
@@ -364,7 +462,13 @@ class Trainer:
 
         self.step += 1
         self.version += 1
-        record = self._record(flat, staleness, admitted, sums, updates, time.monotonic() - t0)
+        step_time = time.monotonic() - t0
+        self.idle.add_busy(step_time)
+        self.idle.mark()
+        self.t_train_s = (
+            step_time if self.t_train_s is None else 0.8 * self.t_train_s + 0.2 * step_time
+        )
+        record = self._record(flat, staleness, admitted, sums, updates, step_time)
         if self.metrics is not None:
             self.metrics.write(record)
         for callback in self.on_step:
@@ -527,10 +631,21 @@ class Trainer:
             "ess_frac": ess / g["units"] if g["units"] > 0 else 0.0,
             "grad_norm": g["grad_norm"] / max(1, updates),
             "updates": updates,
-            "idle_frac": self.idle.fraction(),
             "step_time_s": step_time,
+            "t_train_s": self.t_train_s,
+            "batch_rollouts": self.config.batch_prompts * self.config.group_size,
             "completion_tokens": int(g["tokens"]),
+            "publish_s": self.publish_s,
+            "publish_deferred": self.publish_deferred,
+            **self._idle_figures(),
         }
+
+    def _idle_figures(self) -> dict[str, float]:
+        """``idle_frac`` and its breakdown over the window; cumulative seconds since run()."""
+        out = {"idle_frac": self.idle.fraction()}
+        out.update({f"idle_{k}_frac": v for k, v in self.idle.breakdown().items()})
+        out.update(self.idle.totals())
+        return out
 
     # ------------------------------------------------------------------ publish / checkpoint
     def state_dict_for_publish(self) -> dict[str, Tensor]:
@@ -549,6 +664,17 @@ class Trainer:
         self._publish_first = False
         self.out_dir.mkdir(parents=True, exist_ok=True)
         _atomic_write_json(self.out_dir / PUBLISHED_FILE, {"version": self.version})
+
+    async def _publish_version(
+        self, publisher: Publisher, version: int, state: Mapping[str, Tensor]
+    ) -> None:
+        """The background publication of ``state`` as ``version`` (see :meth:`run`)."""
+        await publisher.publish(version, state)
+        if self.published_version is None or version > self.published_version:
+            self.published_version = version
+            self._publish_first = False
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            _atomic_write_json(self.out_dir / PUBLISHED_FILE, {"version": version})
 
     def latest_checkpoint(self) -> Path | None:
         """The newest complete checkpoint (a ``.tmp`` one left by a crash mid-save is not)."""
@@ -614,6 +740,13 @@ class Trainer:
         self.version = max(int(state["version"]), self.published_version or 0, self.version)
         self._fetched = int(state["cursor"])
         self._pending.clear()
+
+
+def _train_in_thread(trainer: Trainer, batch: list[Rollout], threads: int) -> None:
+    """:meth:`Trainer.train_step` on the step thread, with the loop thread's torch thread count."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    trainer.train_step(batch)
 
 
 def _complete_checkpoints(root: Path) -> list[Path]:
