@@ -116,6 +116,10 @@ class NodeWorker:
         self._current: Lease | None = None
         #: what the node is doing now, in a few words (the status page shows it)
         self.phase = "starting"
+        #: capacity figures (Timings.load_s / overhead_s): when the last generation ended
+        #: (monotonic) and the deliberate waits since then
+        self._gen_ended: float | None = None
+        self._waited_s = 0.0
         self._hb_seq = 0
         self.active = True
         self.heartbeat_interval_s = config.heartbeat_interval_s or 10.0
@@ -403,9 +407,11 @@ class NodeWorker:
 
     # ------------------------------------------------------------------ the work loop
     async def _sleep(self, seconds: float) -> None:
-        """Sleep, but return at once when stopping."""
+        """Sleep, but return at once when stopping (a deliberate wait: not plumbing overhead)."""
+        t0 = time.monotonic()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), max(0.0, seconds))
+        self._waited_s += time.monotonic() - t0
 
     async def _unless_stopped(self, aw: Awaitable[T]) -> tuple[bool, T | None]:
         """Run ``aw`` unless a stop arrives first (then ``aw`` is cancelled: (False, None))."""
@@ -498,6 +504,7 @@ class NodeWorker:
             await self._release(lease, f"unsupported sampling parameters: {exc}")
             return
         self.phase = f"loading policy v{lease.policy_version}"
+        load_t0 = time.monotonic()
         try:
             ok, _ = await self._unless_stopped(self.checkpoints.ensure(lease.policy_version))
         except CheckpointError as exc:
@@ -513,6 +520,7 @@ class NodeWorker:
         requests = lease_requests(lease)
         started = self.clock()
         t0 = time.perf_counter()
+        load_s, overhead_s = self._lease_plumbing(load_t0)
         log.debug("generating lease %s", lease.lease_id)
         self.phase = f"generating {len(lease.prompts)} prompts × {lease.group_size}"
         generate: Callable[..., list[list[SampleOut]]] = self.backend.generate
@@ -532,8 +540,21 @@ class NodeWorker:
             await self._release(lease, "node shutting down")
             return
         gen_s = time.perf_counter() - t0
-        sub = self._submission(lease, requests, outs, started, gen_s)
+        self._gen_ended, self._waited_s = time.monotonic(), 0.0
+        sub = self._submission(
+            lease, requests, outs, started, gen_s, load_s=load_s, overhead_s=overhead_s
+        )
         await self._submit(lease, sub)
+
+    def _lease_plumbing(self, load_t0: float) -> tuple[float, float]:
+        """(load_s, overhead_s) of the lease whose generation starts now (Timings): the wait for
+        its version since ``load_t0``, and the rest of the time since the previous generation
+        ended, deliberate waits (standby, back-off) excluded."""
+        now = time.monotonic()
+        load_s = max(0.0, now - load_t0)
+        if self._gen_ended is None:
+            return load_s, 0.0
+        return load_s, max(0.0, now - self._gen_ended - load_s - self._waited_s)
 
     def _submission(
         self,
@@ -542,6 +563,9 @@ class NodeWorker:
         outs: list[list[SampleOut]],
         started: float,
         gen_s: float,
+        *,
+        load_s: float = 0.0,
+        overhead_s: float = 0.0,
     ) -> RolloutSubmission:
         for req, samples in zip(requests, outs, strict=True):
             if len(samples) != lease.group_size:
@@ -554,7 +578,13 @@ class NodeWorker:
             set(self.backend.eos_token_ids),
             backend=self.backend.name,
             dtype=self.backend.dtype,
-            timings=Timings(started_at=started, finished_at=self.clock(), generate_s=gen_s),
+            timings=Timings(
+                started_at=started,
+                finished_at=self.clock(),
+                generate_s=gen_s,
+                load_s=load_s,
+                overhead_s=overhead_s,
+            ),
         )
         if self.config.misbehave:
             from node.byzantine import misbehave

@@ -266,6 +266,15 @@ class Timings(WireStruct):
     started_at: Finite  # generation start, Unix seconds
     finished_at: Finite  # generation end, Unix seconds
     generate_s: Finite  # seconds spent inside the backend, >= 0
+    # seconds this lease waited for its policy version (download, verify, load), >= 0; 0 = loaded
+    load_s: Finite = 0.0
+    # seconds between the previous lease's generation and this one's spent on round trips
+    # (submitting it, asking for this lease), loads and deliberate waits excluded, >= 0
+    overhead_s: Finite = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("generate_s", "load_s", "overhead_s"):
+            check_range(name, getattr(self, name), 0.0, L.MAX_FLOAT)
 
 
 class RolloutSubmission(MessageBase):
