@@ -30,6 +30,7 @@ from coordinator.logprobs import LogprobVerifier
 from coordinator.problems import Task
 from coordinator.reputation import Reputation
 from coordinator.store import ACK, LeaseRecord, NodeRecord, RolloutRow, Store, Verdict
+from coordinator.throughput import ThroughputBook
 from policy.model import Tokenizer
 from protocol.codec import encode
 from protocol.envelope import ReplayGuard, open_envelope
@@ -119,9 +120,16 @@ class Coordinator:
         self._g_version = Gauge(
             "swarm_policy_version", "Latest published version", registry=self.registry
         )
+        #: T_bcast: weights ready at the trainer -> leases name them (seconds); measured by the
+        #: service from the configured starting value
         self.t_bcast_s = config.capacity.t_bcast_s
         #: T_train estimate: the configured value until the trainer reports its step time.
         self.t_train_s = config.capacity.t_train_s
+        #: B and κ: configured until the trainer reports its own (the learner's figures win)
+        self.batch_rollouts = config.capacity.batch_rollouts
+        self.kappa = config.kappa
+        #: per-node μ_i, g_i, o_i, d_i measured from accepted leases (coordinator.throughput)
+        self.throughput = ThroughputBook(config.leases.throughput_ewma)
         self.plan: Plan | None = None
         self._standby: frozenset[str] = frozenset()
         self.leases.expire_due()
@@ -376,6 +384,16 @@ class Coordinator:
             prompts = sorted({a.prompt_index for a in rows})
             tokens = sum(len(a.completion_tokens) for a in rows)
             self.leases.record_result(lease, prompts, tokens=tokens, samples=len(rows))
+            t = sub.timings
+            self.throughput.record(
+                node_key,
+                samples=sum(len(g.samples) for g in sub.groups),  # what it generated
+                version=lease.version,
+                generate_s=t.generate_s,
+                load_s=t.load_s,
+                overhead_s=t.overhead_s,
+                observed_s=now - lease.issued_at,
+            )
             skipped = len(sub.groups) - len(prompts)
             verdict = Verdict(
                 ACK, f"{len(rows)} samples of {len(prompts)} prompts accepted; {skipped} groups "
@@ -442,11 +460,11 @@ class Coordinator:
     def fetch_rollouts(
         self, after_seq: int, max_rollouts: int, min_policy_version: int | None = None
     ) -> RolloutBatch:
-        """Accepted rollouts with ``seq > after_seq`` in arrival order (the trainer's feed)."""
-        rows = self.store.rollouts_after(after_seq, max_rollouts)
+        """Accepted rollouts with ``seq > after_seq`` in arrival order (the trainer's feed); with
+        ``min_policy_version``, older ones are skipped in the query (a stale backlog costs the
+        learner nothing: it never travels)."""
+        rows = self.store.rollouts_after(after_seq, max_rollouts, min_policy_version)
         last = rows[-1].seq if rows else after_seq
-        if min_policy_version is not None:
-            rows = [r for r in rows if r.version >= min_policy_version]
         return RolloutBatch(
             rollouts=[
                 AcceptedRollout(
@@ -497,25 +515,35 @@ class Coordinator:
             n for n in self.store.nodes() if n.last_seen >= horizon and n.node_key not in banned
         ]
 
+    def node_capacity(self, node: NodeRecord) -> NodeCapacity | None:
+        """What the planner knows of ``node``: its lease-by-lease figures (generation rate, lease
+        time, round-trip overhead, version-load delay); before any, the durable end-to-end rate;
+        None when it has not completed a lease yet."""
+        fig = self.throughput.get(node.node_key)
+        if fig is not None:
+            return NodeCapacity(
+                node.node_key.hex(), fig.gen_rate, node.price_per_hour, node.reliability,
+                overhead_s=fig.overhead_s, lease_s=fig.lease_s, load_s=fig.load_s or 0.0,
+            )  # fmt: skip
+        if not node.rollouts_per_s:
+            return None
+        return NodeCapacity(node.node_key.hex(), node.rollouts_per_s, node.price_per_hour,
+                            node.reliability)  # fmt: skip
+
     def replan(self) -> Plan:
         """Recompute the active set (call when nodes join/leave or their μ changes)."""
         cap = self.config.capacity
         nodes = self.alive_nodes()
-        measured = [n for n in nodes if n.rollouts_per_s]
+        measured = [c for c in map(self.node_capacity, nodes) if c is not None]
         t_gen = max(
             (self.config.group_size * self.config.sampling.max_new_tokens / n.tokens_per_s
              for n in nodes if n.tokens_per_s), default=0.0,
         )  # fmt: skip
         plan = plan_activation(
-            [
-                NodeCapacity(
-                    n.node_key.hex(), n.rollouts_per_s or 0.0, n.price_per_hour, n.reliability
-                )
-                for n in measured
-            ],
-            batch=cap.batch_rollouts,
+            measured,
+            batch=self.batch_rollouts,
             t_train=self.t_train_s,
-            kappa=self.config.kappa,
+            kappa=self.kappa,
             t_bcast=self.t_bcast_s,
             headroom=cap.headroom,
             staleness_bound=self.config.staleness_bound,
@@ -560,6 +588,13 @@ class Coordinator:
             "rollouts_accepted": self.store.rollout_count(),
             "plan": self.plan.explanation if self.plan else None,
             "plan_required_rollouts_per_s": self.plan.required if self.plan else None,
+            "plan_predicted_idle_frac": self.plan.predicted_idle if self.plan else None,
+            "plan_pool_idle_frac": self.plan.pool_idle if self.plan else None,
+            "plan_step_period_s": self.plan.step_period if self.plan else None,
+            "plan_t_train_s": self.t_train_s,
+            "plan_t_bcast_s": self.t_bcast_s,
+            "plan_batch_rollouts": self.batch_rollouts,
+            "plan_kappa": self.kappa,
             "plan_standby": [
                 fingerprint_of(bytes.fromhex(k)) for k in (self.plan.standby if self.plan else ())
             ],

@@ -364,10 +364,19 @@ class Store:
                 new += cur.rowcount
         return new
 
-    def rollouts_after(self, after_seq: int, limit: int) -> list[RolloutRow]:
-        """Accepted samples with ``seq > after_seq`` in arrival order (at most ``limit``)."""
-        sql = f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE seq > ? ORDER BY seq LIMIT ?"
-        return [rollout_from_row(r) for r in self._all(sql, (after_seq, limit))]
+    def rollouts_after(
+        self, after_seq: int, limit: int, min_version: int | None = None
+    ) -> list[RolloutRow]:
+        """Accepted samples with ``seq > after_seq`` (and ``version >= min_version``) in arrival
+        order (at most ``limit``)."""
+        if min_version is None:
+            sql = f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE seq > ? ORDER BY seq LIMIT ?"
+            return [rollout_from_row(r) for r in self._all(sql, (after_seq, limit))]
+        sql = (
+            f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE seq > ? AND version >= ? "
+            "ORDER BY seq LIMIT ?"
+        )
+        return [rollout_from_row(r) for r in self._all(sql, (after_seq, min_version, limit))]
 
     def rollout_count(self) -> int:
         return int(self._all("SELECT COUNT(*) FROM rollouts")[0][0])
@@ -440,9 +449,7 @@ class Store:
         """Per node with strikes: ``(strikes ever, latest reason, its detail, its time)`` (one
         query for the whole swarm; SQLite takes the bare columns from the row of ``MAX(at)``)."""
         sql = "SELECT node_key, COUNT(*), reason, detail, MAX(at) FROM strikes GROUP BY node_key"
-        return {
-            bytes(k): (int(n), str(r), str(d), float(at)) for k, n, r, d, at in self._all(sql)
-        }
+        return {bytes(k): (int(n), str(r), str(d), float(at)) for k, n, r, d, at in self._all(sql)}
 
     def bans(self) -> dict[bytes, tuple[int, float, str]]:
         """Every node with a ban on record: ``(bans so far, banned_until, reason)``."""

@@ -109,6 +109,21 @@ def _version(v: Any) -> str:
     return "–" if v is None else f"v{v}"
 
 
+def _idle_breakdown(c: dict[str, Any]) -> str:
+    """`` (rollouts 3 %, fetch 1 %, ...)``: the causes the learner reported, largest first."""
+    parts = {
+        cause: c.get(f"trainer_idle_{cause}_frac")
+        for cause in ("rollouts", "stale", "fetch", "publish", "checkpoint", "other")
+    }
+    shown = sorted(
+        ((k, v) for k, v in parts.items() if isinstance(v, int | float) and v >= 0.005),
+        key=lambda kv: -kv[1],
+    )
+    if not shown:
+        return ""
+    return " (" + ", ".join(f"{k} {fmt_number(100 * v)} %" for k, v in shown) + ")"
+
+
 def _coordinator_rows(c: dict[str, Any]) -> list[tuple[str, str]]:
     step_time = c.get("trainer_step_time_s")
     idle = c.get("trainer_idle_frac")
@@ -122,7 +137,10 @@ def _coordinator_rows(c: dict[str, Any]) -> list[tuple[str, str]]:
             if c.get("versions") else "")),
         ("exact match", fmt_number(c.get("trainer_exact_match"))),
         ("mean reward", fmt_number(c.get("trainer_reward_mean"))),
-        ("learner idle", "–" if idle is None else f"{fmt_number(100 * idle)} % of wall time"),
+        ("learner idle", "–" if idle is None else f"{fmt_number(100 * idle)} % of wall time"
+         + _idle_breakdown(c)),
+        ("predicted idle", "–" if c.get("plan_predicted_idle_frac") is None
+         else f"{fmt_number(100 * c['plan_predicted_idle_frac'])} % (capacity rule)"),
         ("mean staleness", fmt_rate(c.get("trainer_staleness_mean"), "versions")),
         ("staleness histogram", counts_line({f"Δ{k}": v for k, v in (hist or {}).items()})
          if isinstance(hist, dict) else "–"),
