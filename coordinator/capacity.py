@@ -83,8 +83,8 @@ class Pipeline:
     batch: int
     #: T_train: seconds per learner step when it does not wait.
     t_train: float
-    #: κ: learner steps between published versions.
-    kappa: int
+    #: κ: learner steps between published versions (a mean may be fractional).
+    kappa: float
     #: T_bcast: seconds from a version's weights existing to the coordinator leasing it.
     t_bcast: float = 0.0
     #: S: staleness bound; None = no admissibility check.
@@ -267,7 +267,7 @@ def plan_activation(
     *,
     batch: int,
     t_train: float,
-    kappa: int,
+    kappa: float,
     t_bcast: float,
     headroom: float = 0.2,
     staleness_bound: int | None = None,

@@ -128,6 +128,10 @@ class Coordinator:
         #: B and κ: configured until the trainer reports its own (the learner's figures win)
         self.batch_rollouts = config.capacity.batch_rollouts
         self.kappa = config.kappa
+        #: versions per publication as observed (a trainer whose publication outlasts κ steps
+        #: publishes less often: the window a version is the newest grows); running mean
+        self.published_kappa: float | None = None
+        self._last_published: int | None = None
         #: per-node μ_i, g_i, o_i, d_i measured from accepted leases (coordinator.throughput)
         self.throughput = ThroughputBook(config.leases.throughput_ewma)
         self.plan: Plan | None = None
@@ -501,6 +505,12 @@ class Coordinator:
                 )
             self.store.put_version(manifest.version, encode(manifest_env), self.clock())
         fault_point("publish.after_commit")
+        step = manifest.version - (self._last_published or 0)
+        # a jump far beyond κ is a restarted trainer renumbering, not its publication pace
+        if self._last_published is not None and 0 < step <= 8 * self.kappa:
+            old = self.published_kappa
+            self.published_kappa = step if old is None else 0.7 * old + 0.3 * step
+        self._last_published = manifest.version
         self._g_version.set(manifest.version)
         log.info("published policy version %d", manifest.version)
         return manifest
@@ -543,7 +553,7 @@ class Coordinator:
             measured,
             batch=self.batch_rollouts,
             t_train=self.t_train_s,
-            kappa=self.kappa,
+            kappa=self.effective_kappa,
             t_bcast=self.t_bcast_s,
             headroom=cap.headroom,
             staleness_bound=self.config.staleness_bound,
@@ -553,6 +563,11 @@ class Coordinator:
         self._standby = frozenset(plan.standby)
         self._g_active.set(len(plan.active) + len(nodes) - len(measured))
         return plan
+
+    @property
+    def effective_kappa(self) -> float:
+        """κ of the rule: the learner's, or the observed versions per publication if larger."""
+        return max(float(self.kappa), self.published_kappa or 0.0)
 
     def is_active(self, node_key: bytes) -> bool:
         """Unmeasured nodes are always active (they must run a lease to be measured)."""
@@ -594,7 +609,7 @@ class Coordinator:
             "plan_t_train_s": self.t_train_s,
             "plan_t_bcast_s": self.t_bcast_s,
             "plan_batch_rollouts": self.batch_rollouts,
-            "plan_kappa": self.kappa,
+            "plan_kappa": self.effective_kappa,
             "plan_standby": [
                 fingerprint_of(bytes.fromhex(k)) for k in (self.plan.standby if self.plan else ())
             ],

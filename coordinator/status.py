@@ -93,6 +93,7 @@ def build_status(
 
 #: Per-node capacity figures on /status (docs/capacity.md, "Measured inputs").
 CAPACITY_FIELDS = (
+    "node_reliability",
     "node_gen_rollouts_per_s",
     "node_lease_s",
     "node_lease_overhead_s",
@@ -102,16 +103,17 @@ CAPACITY_FIELDS = (
 
 
 def capacity_maps(core: Coordinator, nodes: list[NodeRecord]) -> dict[str, dict[str, Any]]:
-    """What the planner knows of each node: μ_i (per second of generation), g_i, o_i, d_i, and
-    ρ_i at T_train (admissible rollouts/s it counts for); None where not measured yet."""
+    """What the planner knows of each node: r_i, μ_i (per second of generation), g_i, o_i, d_i,
+    and ρ_i at T_train (admissible rollouts/s it counts for); None where not measured yet."""
     out: dict[str, dict[str, Any]] = {key: {} for key in CAPACITY_FIELDS}
     pipe = Pipeline(
-        max(1, core.batch_rollouts), core.t_train_s, core.kappa, core.t_bcast_s,
+        max(1, core.batch_rollouts), core.t_train_s, core.effective_kappa, core.t_bcast_s,
         core.config.staleness_bound,
     )  # fmt: skip
     for n in nodes:
         fp = n.fingerprint
         fig = core.throughput.get(n.node_key)
+        out["node_reliability"][fp] = n.reliability
         out["node_gen_rollouts_per_s"][fp] = fig.gen_rate if fig else None
         out["node_lease_s"][fp] = fig.lease_s if fig else None
         out["node_lease_overhead_s"][fp] = fig.overhead_s if fig else None

@@ -51,6 +51,8 @@ class DemoOptions:
     run_dir: Path | None = None
     live: bool = True
     extra_node_args: list[str] = field(default_factory=list)
+    #: extra flat keys for the trainer's TOML (benchmarks: e.g. ``{"overlap": False}``)
+    trainer_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= 64:
@@ -104,6 +106,15 @@ class DemoOptions:
         close = getattr(task, "close", None)
         if callable(close):
             close()
+
+
+def _toml_value(value: Any) -> str:
+    """A scalar as TOML (the trainer overrides of a benchmark)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value))
 
 
 def _max_new_tokens(task: str) -> int:
@@ -199,6 +210,7 @@ class Demo:
             f"{model}seed = {o.seed}\nbatch_prompts = {o.batch_prompts}\n"
             f"group_size = {o.group_size}\nmax_staleness = {o.staleness}\n"
             f'out_dir = "{self.run_dir / "trainer"}"\nresume = false\ncheckpoint_every = 50\n'
+            + "".join(f"{k} = {_toml_value(v)}\n" for k, v in o.trainer_overrides.items())
         )
 
     def _spawn(self, name: str, args: list[str]) -> Process:

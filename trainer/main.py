@@ -188,6 +188,7 @@ class SwarmPublisher:
         manifest, chunks = await asyncio.to_thread(prepare)
         self.last_prepare_s = time.monotonic() - t0
         req = PublishVersion(manifest=encode(manifest), source=self.transport.peer_id)
+        t_rpc = time.monotonic()
         for attempt in range(PUBLISH_ATTEMPTS):
             try:  # publishing is idempotent on the coordinator: a retry gets the same manifest
                 raw = await self.transport.call(
@@ -214,10 +215,14 @@ class SwarmPublisher:
             raise CoordinatorError(f"coordinator refused v{version}: {msg.code}: {msg.detail}")
         if not isinstance(msg, ManifestResponse) or msg.manifest is None:
             raise CoordinatorError(f"unexpected answer to publish: {type(msg).__name__}")
+        t_seed = time.monotonic()
         signed: Manifest = await self.broadcast.seed_version(msg.manifest, chunks)
         self.last_version = signed.version
-        log.info("published policy v%d (%d bytes in %d chunks)", version, signed.total_size,
-                 len(chunks))  # fmt: skip
+        log.info(
+            "published policy v%d (%d bytes in %d chunks; serialise+hash %.2f s, coordinator "
+            "%.2f s, seed %.2f s)", version, signed.total_size, len(chunks), self.last_prepare_s,
+            t_seed - t_rpc, time.monotonic() - t_seed,
+        )  # fmt: skip
 
     async def latest_version(self) -> int | None:
         """The newest version the coordinator holds (``rswarm/status``); None if it has none."""
