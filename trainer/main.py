@@ -412,6 +412,7 @@ def _attach_stats(
         # Capacity planning and the idle breakdown (docs/capacity.md): smoothed T_train, B,
         # how long publishing takes, and where the idle time went.
         source.stats.update({k: record[k] for k in CAPACITY_STATS if k in record})
+        source.stats["kappa"] = trainer.config.kappa
         if publisher is not None and publisher.last_prepare_s is not None:
             source.stats["publish_prepare_s"] = publisher.last_prepare_s
 
