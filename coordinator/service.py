@@ -42,6 +42,7 @@ from coordinator.logprobs import InProcessLogprobVerifier, VerifierUnavailable
 from coordinator.status import TrainerGauges, build_status, wire_status
 from coordinator.store import Store
 from coordinator.tasks import make_task
+from policy.preflight import PolicySetup
 from protocol import rpc
 from protocol.codec import decode, encode
 from protocol.envelope import open_envelope
@@ -91,7 +92,9 @@ MAX_LEARNER_BATCH = 1 << 24
 class CoordinatorService:
     """Coordinator core + libp2p RPC + checkpoint holder + HTTP status."""
 
-    def __init__(self, config: CoordinatorConfig, state_dir: Path) -> None:
+    def __init__(
+        self, config: CoordinatorConfig, state_dir: Path, *, setup: PolicySetup | None = None
+    ) -> None:
         self.config = config
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -109,6 +112,9 @@ class CoordinatorService:
             record_validators=swarm_validators(),
         )
         self.core: Coordinator | None = None
+        #: tokenizer, prompt renderer and stop set, checked at start (policy.preflight); the
+        #: launcher passes what it already checked, else :meth:`start` checks
+        self.setup: PolicySetup | None = setup
         self.transport: P2PTransport | None = None
         self.broadcast: BroadcastNode | None = None
         self.http: StatusHttpServer | None = None
@@ -149,9 +155,25 @@ class CoordinatorService:
         cfg = self.config
         db_path = cfg.db_path if cfg.db_path.is_absolute() else self.state_dir / cfg.db_path.name
         spec = _model_spec(cfg)
-        from policy.model import load_tokenizer
+        from policy.preflight import prepare
 
-        tokenizer = load_tokenizer(spec)
+        task = make_task(cfg.task, seed=cfg.task_seed, format_reward=cfg.format_reward)
+        try:  # the launcher already ran these checks; a service built directly runs them here
+            setup = self.setup or prepare(
+                spec,
+                task=task,
+                max_new_tokens=cfg.sampling.max_new_tokens,
+                extra_stop_ids=cfg.sampling.stop_token_ids,
+                template=cfg.prompt.template,
+                system_prompt=cfg.prompt.system_prompt,
+            )
+        except ValueError:
+            close = getattr(task, "close", None)
+            if callable(close):
+                close()
+            raise
+        self.setup = setup
+        tokenizer = setup.tokenizer
         store = Store(db_path)
         verifier = InProcessLogprobVerifier(
             self._load_model,
@@ -167,8 +189,10 @@ class CoordinatorService:
         self.core = Coordinator(
             cfg,
             store=store,
-            task=make_task(cfg.task, seed=cfg.task_seed),
+            task=task,
             tokenizer=tokenizer,
+            prompts=setup.renderer,
+            stop_token_ids=setup.stop_token_ids,
             verifier=verifier,
             publisher_key=self.identity.public_key,
             servable=self._holds,
@@ -300,6 +324,8 @@ class CoordinatorService:
             census=self.census,
         )
         status["versions_loaded"] = self.loaded_versions()  # ready for log-prob spot checks
+        if self.setup is not None:  # the trainer checks its positions against these
+            status["longest_prompt_tokens"] = self.setup.report.longest_prompt
         return status
 
     # --- handlers --------------------------------------------------------------------------------
@@ -358,7 +384,7 @@ class CoordinatorService:
     async def _on_release(self, caller: str, request: bytes) -> bytes:
         assert self.core is not None
         node_key, msg = self._open(request, ReleaseLease)
-        prompts = self.core.release(node_key, msg.lease_id, msg.epoch)
+        prompts = self.core.release(node_key, msg.lease_id, msg.epoch, msg.reason)
         from protocol.messages import Ack
 
         return encode(Ack(ref=msg.lease_id, detail=f"{len(prompts)} prompts released"))

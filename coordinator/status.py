@@ -68,6 +68,12 @@ def build_status(
             "node_last_seen_s": last_seen,
             "node_tokens_per_s": tokens_per_s,
             "node_leases_completed": leases_done,
+            # what a node said when it last gave a lease back (cleared by its next accepted work)
+            "node_problems": {
+                n.fingerprint: core.node_problems[n.node_key]
+                for n in nodes
+                if n.node_key in core.node_problems
+            },
             "rejected_by_reason": rejected,
             "queue_depth": core.store.rollout_count() - _count(trainer_stats.get("rollout_cursor")),
             "plan_available_rollouts_per_s": plan.available if plan else None,

@@ -127,6 +127,12 @@ class NodeConfig(BaseModel):
     backoff_max_s: float = Field(
         default=30.0, gt=0, description="Longest retry delay (exponential back-off with jitter)"
     )
+    max_identical_failures: int = Field(
+        default=3,
+        ge=1,
+        description="Stop taking leases after this many identical generation failures in a row "
+        "(a deterministic failure: the node says why in its status and to the coordinator)",
+    )
     download_timeout_s: float = Field(
         default=600.0, gt=0, description="A checkpoint download is abandoned after this"
     )

@@ -404,6 +404,8 @@ async def _run_worker(
     rc = EXIT_OK
     try:
         await worker.wait()
+        if worker.failures.gave_up:  # stopped by a signal after giving up: say so in the code
+            rc = EXIT_RUNTIME
     except Exception:
         log.exception("node failed")
         rc = EXIT_RUNTIME

@@ -48,6 +48,8 @@ def node_status(worker: NodeWorker, started_at: float, now: float) -> dict[str, 
     store = broadcast.store if broadcast is not None else None
     held = [v for v in store.versions() if store.is_complete(v)] if store is not None else []
     state = "stopping" if worker.stopping else ("active" if worker.active else "standby")
+    if worker.failures.gave_up:
+        state = "failed"  # stopped taking leases after identical generation failures
     return {
         "fingerprint": worker.identity.fingerprint,
         "peer_id": worker.peer_id,
@@ -79,6 +81,7 @@ def node_status(worker: NodeWorker, started_at: float, now: float) -> dict[str, 
         "leases_released": s.leases_released,
         "samples_accepted": s.samples_accepted,
         "coordinator_errors": s.coordinator_errors,
+        "problem": worker.failures.problem,  # the last generation failure (node/failures.py)
         "last_reject": s.last_reject,
         "last_reject_age_s": None if s.last_reject_at is None else round(now - s.last_reject_at, 1),
     }

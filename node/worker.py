@@ -42,6 +42,7 @@ from node.backends.base import GenerationRequest, InferenceBackend, SampleOut
 from node.checkpoints import CheckpointError, CheckpointManager
 from node.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable, Rejected
 from node.config import NodeConfig
+from node.failures import FailureTracker
 from node.rollouts import build_submission, lease_problem, lease_requests, to_sampling_config
 from node.status import Backoff, NodeStats, make_advert
 from protocol.errors import ReasonCode
@@ -128,6 +129,10 @@ class NodeWorker:
         self.checkpoints: CheckpointManager | None = None
         self.client: CoordinatorClient | None = None
         self.backoff = Backoff(config.backoff_initial_s, config.backoff_max_s, self.rng)
+        #: consecutive generation failures: their own back-off, and giving up (node.failures)
+        self.failures = FailureTracker(
+            config.max_identical_failures, config.backoff_initial_s, config.backoff_max_s, self.rng
+        )
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -387,10 +392,13 @@ class NodeWorker:
         tps = f"{s.tokens_per_s:.0f}" if s.tokens_per_s is not None else "-"
         v = self.backend.loaded_version
         state = "stopping" if self.stopping else ("active" if self.active else "standby")
+        if self.failures.gave_up:
+            state = "failed"
+        problem = self.failures.problem
         return (
             f"status: {state} v={'-' if v is None else v} leases={s.leases_done} "
             f"tok/s={tps} accepted={s.leases_accepted} rejected={s.leases_rejected} "
-            f"released={s.leases_released}"
+            f"released={s.leases_released}" + (f" problem: {problem}" if problem else "")
         )
 
     async def _status_loop(self) -> None:
@@ -403,6 +411,8 @@ class NodeWorker:
         out = dict(vars(self.stats))
         out["policy_version"] = self.backend.loaded_version
         out["active"] = self.active
+        out["problem"] = self.failures.problem
+        out["failed"] = self.failures.gave_up
         return out
 
     # ------------------------------------------------------------------ the work loop
@@ -431,6 +441,10 @@ class NodeWorker:
     async def _work_loop(self) -> None:
         assert self.client is not None
         while not self.stopping:
+            if self.failures.gave_up:  # stays up (heartbeats, adverts, chunks) until stopped
+                self.phase = "stopped taking leases"
+                await self._stopping.wait()
+                break
             self.phase = "asking for work"
             req = LeaseRequest(
                 peer_id=self.peer_id,
@@ -532,14 +546,21 @@ class NodeWorker:
         try:
             ok, outs = await self._unless_stopped(asyncio.shield(self._gen_future))
         except Exception as exc:  # a backend failure must not kill the node: give the work back
+            reason = f"generation failed: {type(exc).__name__}: {exc}"
+            delay = self.failures.record(reason)
+            if self.failures.gave_up:
+                log.error("%s; no more leases until this node is restarted", self.failures.problem)
+                await self._release(lease, self.failures.problem or reason)
+                return
             log.exception("generation failed for lease %s", lease.lease_id)
-            await self._release(lease, f"generation failed: {type(exc).__name__}: {exc}")
-            await self._sleep(self.backoff.next_delay())
+            await self._release(lease, self.failures.problem or reason)
+            await self._sleep(delay)
             return
         if not ok or outs is None:
             await self._release(lease, "node shutting down")
             return
         gen_s = time.perf_counter() - t0
+        self.failures.reset()
         self._gen_ended, self._waited_s = time.monotonic(), 0.0
         sub = self._submission(
             lease, requests, outs, started, gen_s, load_s=load_s, overhead_s=overhead_s

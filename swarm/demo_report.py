@@ -12,9 +12,9 @@ class DemoOptions(Protocol):
     """The options of a demo run that the report shows (``swarm.demo.DemoOptions``)."""
 
     target: float
-    nodes: int
+    nodes: int | None
     byzantine: int
-    staleness: int
+    staleness: int | None
 
 
 class Demo(Protocol):
@@ -86,6 +86,8 @@ class LiveView:
                 f"rejected {sum((s.get('rejected_by_reason') or {}).values()):.0f}",
                 flush=True,
             )
+            for fp, problem in sorted((s.get("node_problems") or {}).items()):
+                print(f"  node {fp[:20]}…: {problem}", flush=True)
 
     def _render(self) -> Any:
         from rich.console import Group
@@ -121,6 +123,12 @@ class LiveView:
             )
         rejected = s.get("rejected_by_reason") or {}
         parts: list[Any] = [head, nodes]
+        problems = s.get("node_problems") or {}
+        if problems:  # a node failing over and over: say why instead of an empty "step -"
+            from rich.text import Text
+
+            for fp, problem in sorted(problems.items()):
+                parts.append(Text(f"node {fp[:20]}…: {problem}", style="yellow"))
         dash = self.demo.coordinator.get("http_url")
         if dash:
             pages = ", ".join(f"{k} {v}" for k, v in sorted(self.demo.node_pages.items()))

@@ -64,6 +64,8 @@ def _advert_row(fp: str, advert: CapabilityAdvert, status: dict[str, Any]) -> di
         "reachability": advert.reachability,
         "software_version": advert.software_version,
         "state": states.get(fp, "unregistered"),
+        # what the node said when it last gave a lease back (e.g. a generation failure)
+        "problem": (status.get("node_problems") or {}).get(fp),
         "last_seen_s": (status.get("node_last_seen_s") or {}).get(fp),
         "advert_expires_in_s": round(advert.expires_at - time.time(), 1),
     }
@@ -202,6 +204,11 @@ def render(view: dict[str, Any], width: int = 80) -> Any:
     for what, value in _coordinator_rows(view["coordinator"]):
         coord.add_row(what, escape(value))
     parts: list[Any] = [nodes, coord]
+    from rich.text import Text
+
+    problems = view["coordinator"].get("node_problems") or {}
+    for fp, problem in sorted(problems.items()):  # the node's own words: never rich markup
+        parts.append(Text(f"node {ids.get(fp, fp[:20])}: {problem}", style="yellow"))
     if view.get("error"):
         parts.append(f"[yellow]{escape(view['error'])}[/yellow]")
     return Group(*parts)

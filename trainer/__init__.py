@@ -16,7 +16,14 @@ Modules:
   idle fraction and its causes (:class:`~trainer.metrics.IdleClock`).
 - :mod:`trainer.pipeline` — the loop's plumbing off the critical path: the rollout feed that
   fetches while the learner trains, the background publication slot.
-- :mod:`trainer.distributed` — data-parallel scale-out (torchrun; gloo on CPU, NCCL on GPU).
+- :mod:`trainer.distributed` — the process group (torchrun or ``--nproc``; gloo on CPU, NCCL on
+  GPU): rank 0 shares and scatters, keep-alives.
+- :mod:`trainer.engine` — one process or FSDP2 (``fully_shard`` per decoder layer): gradient
+  reduction, clipping, the gathered weights to publish, the memory levers.
+- :mod:`trainer.microbatch` — token-budgeted micro-batches (gradient accumulation).
+- :mod:`trainer.dcp_checkpoint` — sharded checkpoints (``torch.distributed.checkpoint``) and
+  resharding.
+- :mod:`trainer.launch` — ``swarm trainer run --nproc N``; the ranks other than 0.
 
 See docs/trainer.md for the objective, every knob and every metric.
 """

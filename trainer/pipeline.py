@@ -227,8 +227,12 @@ class PublicationSlot:
         task.result()
         return version
 
-    async def wait(self) -> int | None:
-        """Until the publication in flight (if any) has finished; then as :meth:`collect`."""
+    async def wait_done(self) -> None:
+        """Until the publication in flight (if any) has finished; :meth:`collect` takes it."""
         if self._task is not None:
             await asyncio.wait([self._task])
+
+    async def wait(self) -> int | None:
+        """Until the publication in flight (if any) has finished; then as :meth:`collect`."""
+        await self.wait_done()
         return self.collect()

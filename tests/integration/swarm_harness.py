@@ -178,7 +178,11 @@ async def launch_coordinator(
         tmp / "coordinator.log",
         env,
     )
-    await until(info_file.exists, "coordinator.json", 60, proc)
+    try:
+        await until(info_file.exists, "coordinator.json", 60, proc)
+    except BaseException:  # not handed to the caller yet: nobody else would stop it
+        proc.stop()
+        raise
     info = json.loads(info_file.read_text())
     key = Identity.load(state / "coordinator.key")
     assert key.fingerprint == info["fingerprint"]

@@ -80,9 +80,7 @@ def test_the_issue_example_has_no_pole() -> None:
     pool = [NodeCapacity("pool", 834.0)]
     assert step_period(pool, pipe) == pytest.approx(256 / 834)
     assert predicted_idle(pool, pipe) == pytest.approx(1 - 0.22 * 834 / 256)
-    plan = plan_activation(
-        pool, batch=256, t_train=0.22, kappa=1, t_bcast=0.196, staleness_bound=2
-    )
+    plan = plan_activation(pool, batch=256, t_train=0.22, kappa=1, t_bcast=0.196, staleness_bound=2)
     assert not plan.meets_rule and plan.pool_idle == pytest.approx(0.2833, abs=1e-3)
     assert "short of capacity" in plan.explanation and "idle 28%" in plan.explanation
 
