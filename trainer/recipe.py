@@ -439,8 +439,10 @@ class Trainer:
         if self.dist.is_leader and slot.busy:
             await self._leader_wait(slot.wait_done())
             refused = self._collect_publication(slot)
-        if self.dist.enabled:
-            refused, self.version = self.dist.share((refused, self.version))
+        if self.dist.enabled:  # the followers learn what landed (they checkpoint it too)
+            refused, self.version, self.published_version = self.dist.share(
+                (refused, self.version, self.published_version)
+            )
         if refused:
             await self._blocking_publish(publisher)
 
