@@ -146,8 +146,13 @@ class LeaseManager:
         return lease
 
     def expire_due(self) -> list[LeaseRecord]:
-        """Expire active leases past their deadline; their unfinished prompts are re-queued."""
+        """Expire active leases past their deadline; their unfinished prompts are re-queued.
+
+        Runs on every lease request and submission: when nothing is due (the common case) it is
+        one indexed read, without opening a write transaction."""
         now = self.clock()
+        if not self.store.due_leases(now):
+            return []
         with self.store.transaction():
             due = self.store.due_leases(now)
             for lease in due:

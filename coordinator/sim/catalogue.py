@@ -7,6 +7,7 @@ above the first listed size with rate 0 does not fit the card (rate 0: such node
 
 from __future__ import annotations
 
+import itertools
 import math
 import tomllib
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ class GpuKind:
             return live[0][1] * live[0][0] / params_b
         if params_b >= live[-1][0]:
             return live[-1][1] * live[-1][0] / params_b
-        for (s0, r0), (s1, r1) in zip(live, live[1:], strict=False):
+        for (s0, r0), (s1, r1) in itertools.pairwise(live):
             if s0 <= params_b <= s1:
                 w = (math.log(params_b) - math.log(s0)) / (math.log(s1) - math.log(s0))
                 return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))

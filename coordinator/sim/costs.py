@@ -132,7 +132,7 @@ def token_check_cost(tokens: int = 2048, repeats: int = 5) -> float:
     ``repeats``): what a long completion adds to the short-completion figure of bench/intake.py."""
     from coordinator.intake import IntakeContext, check_sample
     from coordinator.store import LeaseRecord
-    from node.model import CharTokenizer
+    from policy.model import CharTokenizer
     from protocol.messages import Sample, pack_logprobs, pack_tokens
 
     tok = CharTokenizer()

@@ -4,8 +4,9 @@ It fetches accepted rollouts from the real coordinator (``Coordinator.fetch_roll
 ``rswarm/fetch`` handler's call), keeps them by group (``lease_id/prompt_id``, as
 ``trainer.main`` names groups), drops rollouts and incomplete groups that fell more than S
 versions behind (``Trainer._next_batch``), takes ``B / G`` complete groups oldest first, admits
-them with the trainer's own :func:`trainer.loss.admission_mask` (0 ≤ Δ ≤ S), and spends the step
-time. Every κ versions it publishes (the coordinator records the version at once; the seed is ready
+them with :func:`admitted` (0 ≤ Δ ≤ S: the rule of :func:`trainer.loss.admission_mask`, which the
+coordinator may not import; a test holds the two equal), and spends the step time. Every κ
+versions it publishes (the coordinator records the version at once; the seed is ready
 ``publish_s`` later; the learner does not wait). Idle time is the time spent waiting for a batch.
 """
 
@@ -13,19 +14,18 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
 
+from coordinator.sim.base import Gen, WorldApi
 from protocol.messages import AcceptedRollout
 
-if TYPE_CHECKING:
-    from coordinator.sim.world import World
 
-Gen = Generator[Any, Any, Any]
+def admitted(staleness: int, bound: int) -> bool:
+    """The trainer's admission rule (``trainer.loss.admission_mask``): 0 ≤ Δ ≤ S."""
+    return 0 <= staleness <= bound
 
 
 class Learner:
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: WorldApi) -> None:
         self.w = world
         cfg = world.scenario.learner
         self.version = 0
@@ -75,10 +75,6 @@ class Learner:
         return [k for k, v in self.pending.items() if len(v) >= g]
 
     def run(self) -> Gen:
-        import torch
-
-        from trainer.loss import admission_mask
-
         w = self.w
         env = w.env
         cfg = w.scenario.learner
@@ -94,11 +90,10 @@ class Learner:
                     yield w.wait_for_rollouts()
             self.idle_s += self._clip(t0, env.now)
             batch = [r for gid in complete[: self.prompts_per_step] for r in self.pending.pop(gid)]
-            deltas = [self.version - r.policy_version for r in batch]
-            admitted = admission_mask(torch.tensor(deltas), self.s).tolist()
             in_window = w.window[0] <= env.now <= w.window[1]
-            for r, d, ok in zip(batch, deltas, admitted, strict=True):
-                if not ok:
+            for r in batch:
+                d = self.version - r.policy_version
+                if not admitted(d, self.s):
                     self.dropped_stale += 1
                     continue
                 self.trained_total += 1

@@ -78,17 +78,24 @@ class Dissemination:
 class NodeDownloads:
     """One node's sequential download queue (lazy: evaluated when a lease needs a version)."""
 
-    __slots__ = ("_diss", "_phase", "_down", "_joined", "_idx", "_free_at", "_ready", "_first")
+    __slots__ = ("_diss", "_down", "_first", "_free_at", "_idx", "_joined", "_phase", "_ready")
 
-    def __init__(self, diss: Dissemination, hb_phase: float, down_bps: float, joined: float):
+    def __init__(
+        self,
+        diss: Dissemination,
+        hb_phase: float,
+        down_bps: float,
+        joined: float,
+        holds_base: bool = False,
+    ) -> None:
         self._diss = diss
         self._phase = hb_phase
         self._down = down_bps
         self._joined = joined
         self._idx = 0  # next entry of diss.order to schedule
         self._free_at = joined
-        self._ready: dict[int, float] = {}
-        self._first = True
+        self._ready: dict[int, float] = {0: joined} if holds_base else {}
+        self._first = not holds_base
 
     def _learn(self, version: int, wanted: int, asked_at: float) -> float:
         learn = max(self._joined, self._diss.learn_at(version, self._phase))
@@ -104,14 +111,21 @@ class NodeDownloads:
         diss, order = self._diss, self._diss.order
         while self._idx < len(order):
             v = order[self._idx]
+            if v in self._ready:  # held from the start (the base model)
+                self._idx += 1
+                continue
             learn = self._learn(v, version, asked_at)
             if v != version and learn > asked_at:
                 break  # not known yet
             self._idx += 1
             start = max(self._free_at, learn)
-            if v != version and self._idx < len(order):
-                if self._learn(order[self._idx], version, asked_at) <= start:
-                    continue  # superseded before its download would start
+            superseded = (
+                v != version
+                and self._idx < len(order)
+                and self._learn(order[self._idx], version, asked_at) <= start
+            )
+            if superseded:
+                continue  # a newer version is known before this download would start
             self._free_at = start + diss.fetch_s(diss.bytes_of(self._first), self._down)
             self._first = False
             self._ready[v] = self._free_at

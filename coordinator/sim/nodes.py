@@ -21,11 +21,10 @@ that).
 from __future__ import annotations
 
 import math
-from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
 
 from coordinator.errors import Rejection
 from coordinator.intake import expected_seed
+from coordinator.sim.base import Gen, WorldApi, reference_logprob
 from coordinator.sim.catalogue import GpuKind
 from coordinator.sim.network import Link, NodeDownloads
 from protocol.errors import ReasonCode
@@ -46,33 +45,42 @@ from protocol.messages import (
     unpack_tokens,
 )
 
-if TYPE_CHECKING:
-    from coordinator.sim.world import World
-
-Gen = Generator[Any, Any, Any]
-
 #: Token id no vocabulary of the embedded task has (the garbage cheater's payload).
 OUT_OF_VOCAB = 4_000_000
-
-
-def reference_logprob(version: int, position: int, token: int) -> float:
-    """The simulation's "model": the log-prob of ``token`` at ``position`` under ``version``
-    (deterministic; honest nodes report it, the verifier recomputes it)."""
-    return -0.05 - 0.01 * ((token * 31 + position * 17 + version * 7) % 97)
 
 
 class SimNode:
     """State of one node (plain attributes: there are up to ~10^5 of them)."""
 
     __slots__ = (
-        "w", "idx", "key", "gpu", "price", "tps", "link", "cheat", "joined_at", "hb_phase",
-        "downloads", "loaded", "alive", "stalled_until", "fail_at", "fail_kind", "billing_since",
-        "cost", "registered", "request", "heartbeat", "leases", "busy_s",
+        "alive",
+        "billing_since",
+        "busy_s",
+        "cheat",
+        "cost",
+        "downloads",
+        "fail_at",
+        "fail_kind",
+        "gpu",
+        "hb_phase",
+        "heartbeat",
+        "idx",
+        "joined_at",
+        "key",
+        "leases",
+        "link",
+        "loaded",
+        "price",
+        "registered",
+        "request",
+        "stalled_until",
+        "tps",
+        "w",
     )  # fmt: skip
 
     def __init__(
         self,
-        w: World,
+        w: WorldApi,
         idx: int,
         gpu: GpuKind,
         price: float | None,
@@ -91,7 +99,10 @@ class SimNode:
         self.cheat = cheat
         self.joined_at = joined_at
         self.hb_phase = joined_at + w.rng.random() * w.heartbeat_s
-        self.downloads = NodeDownloads(w.diss, self.hb_phase, link.down_bps, joined_at)
+        preloaded = w.scenario.model.preloaded and joined_at <= w.scenario.churn.ramp_s
+        self.downloads = NodeDownloads(
+            w.diss, self.hb_phase, link.down_bps, joined_at, holds_base=preloaded
+        )
         self.loaded: int | None = None
         self.alive = True
         self.stalled_until = -1.0
@@ -121,7 +132,11 @@ class SimNode:
             total = churn.leave + churn.crash + churn.stall
             u = rng.random() * total
             self.fail_kind = (
-                "leave" if u < churn.leave else "crash" if u < churn.leave + churn.crash else "stall"
+                "leave"
+                if u < churn.leave
+                else "crash"
+                if u < churn.leave + churn.crash
+                else "stall"
             )
         else:  # hardware: half crash, half stall
             self.fail_kind = "crash" if rng.random() < 0.5 else "stall"

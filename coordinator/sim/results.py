@@ -14,7 +14,7 @@ Invariants (checked after every run from the coordinator's own store and the lea
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -91,11 +91,29 @@ class RunResult:
     def ok(self) -> bool:
         return all(ok for ok, _ in self.invariants.values())
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunResult:
+        """Inverse of :meth:`as_dict` (derived figures are recomputed, not read)."""
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in data.items() if k in names}
+        kw["coordinator_cpu"] = {
+            k: (int(v[0]), float(v[1])) for k, v in kw["coordinator_cpu"].items()
+        }
+        kw["staleness"] = {int(k): int(v) for k, v in kw["staleness"].items()}
+        kw["invariants"] = {k: (bool(v[0]), str(v[1])) for k, v in kw["invariants"].items()}
+        return cls(**kw)
+
     def as_dict(self) -> dict[str, Any]:
         out = dict(vars(self))
         out["invariants"] = {k: list(v) for k, v in self.invariants.items()}
-        for name in ("cost_per_accepted", "cost_per_trained", "sim_hours_per_wall_minute",
-                     "sim_hours_per_cpu_minute", "cpu_per_accepted_ms", "coordinator_cpu_s"):
+        for name in (
+            "cost_per_accepted",
+            "cost_per_trained",
+            "sim_hours_per_wall_minute",
+            "sim_hours_per_cpu_minute",
+            "cpu_per_accepted_ms",
+            "coordinator_cpu_s",
+        ):
             out[name] = getattr(self, name)  # fmt: skip
         return out
 
@@ -132,7 +150,8 @@ def collect(w: World, label: str, wall_s: float, cpu_s: float) -> RunResult:
     inv["nothing_lost"] = (
         accounted == len(rows) and ln.doubled == 0,
         f"{len(rows)} stored = {ln.trained_total} trained + {ln.dropped_stale} dropped stale + "
-        f"{pending} pending + {unfetched} not fetched yet ({accounted}); {ln.doubled} fetched twice",
+        f"{pending} pending + {unfetched} not fetched yet ({accounted}); "
+        f"{ln.doubled} fetched twice",
     )
     inv["no_bad_trained"] = (
         ln.bad_trained == 0,
@@ -165,7 +184,9 @@ def collect(w: World, label: str, wall_s: float, cpu_s: float) -> RunResult:
         staleness=dict(sorted(ln.staleness.items())),
         lost_to_churn=lost,
         refused_too_stale=st.refused_too_stale,
-        generated=sum(st.submitted.values()) + st.lost_in_flight + st.lost_refused
+        generated=sum(st.submitted.values())
+        + st.lost_in_flight
+        + st.lost_refused
         + st.refused_too_stale,
         bad_trained=ln.bad_trained,
         bad_submissions=len(st.bad_leases),

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import sys
@@ -20,12 +21,13 @@ import time
 from collections.abc import Callable
 
 from coordinator.capacity import NodeCapacity, plan_activation
+from coordinator.sim.base import PoolNode
 from coordinator.sim.catalogue import GpuKind
 from coordinator.sim.costs import Figures
 from coordinator.sim.network import draw_link
 from coordinator.sim.results import RunResult, collect
 from coordinator.sim.scenario import Policy, Scenario, ScenarioError
-from coordinator.sim.world import PoolNode, World
+from coordinator.sim.world import World
 
 
 def build_pool(scenario: Scenario, catalogue: dict[str, GpuKind]) -> list[PoolNode]:
@@ -45,8 +47,9 @@ def build_pool(scenario: Scenario, catalogue: dict[str, GpuKind]) -> list[PoolNo
     exact = [(k, scenario.nodes * v / total) for k, v in fits]
     counts = {k.name: math.floor(x) for k, x in exact}
     rest = scenario.nodes - sum(counts.values())
-    for k, x in sorted(exact, key=lambda kx: (-(kx[1] - math.floor(kx[1])), kx[0].name))[:rest]:
-        counts[k.name] += 1
+    by_remainder = sorted(exact, key=lambda kx: (-(kx[1] - math.floor(kx[1])), kx[0].name))
+    for kind, _ in by_remainder[:rest]:
+        counts[kind.name] += 1
     pool: list[PoolNode] = []
     for kind, _ in fits:
         link_spec = (
@@ -62,9 +65,9 @@ def build_pool(scenario: Scenario, catalogue: dict[str, GpuKind]) -> list[PoolNo
     n_cheat = round(b.fraction * len(pool))
     share = b.garbage / (b.garbage + b.forger) if b.garbage + b.forger > 0 else 1.0
     for i in rng.sample(range(len(pool)), n_cheat):
-        kind = "garbage" if rng.random() < share else "forger"
+        cheat = "garbage" if rng.random() < share else "forger"
         p = pool[i]
-        pool[i] = PoolNode(p.gpu, p.price, p.tps, p.link, kind)
+        pool[i] = PoolNode(p.gpu, p.price, p.tps, p.link, cheat)
     return pool
 
 
@@ -77,10 +80,15 @@ def planner_target(pool: list[PoolNode], scenario: Scenario, headroom: float) ->
     """The planner's rate target (rollouts/s, headroom included) on nominal rates."""
     lrn = scenario.learner
     m = scenario.model
-    t_bcast = m.checkpoint_bytes * m.version_fraction / (scenario.network.coordinator_mbit * 1e6 / 8)
+    t_bcast = (
+        m.checkpoint_bytes * m.version_fraction / (scenario.network.coordinator_mbit * 1e6 / 8)
+    )
     rates = [nominal_rate(p, scenario) for p in pool]
     plan = plan_activation(
-        [NodeCapacity(str(i), r, p.price) for i, (p, r) in enumerate(zip(pool, rates, strict=True))],
+        [
+            NodeCapacity(str(i), r, p.price)
+            for i, (p, r) in enumerate(zip(pool, rates, strict=True))
+        ],
         batch=lrn.batch_rollouts,
         t_train=lrn.step_s,
         kappa=lrn.kappa,
@@ -130,12 +138,16 @@ def run_one(
         raise ScenarioError(f"policy {policy}: the pool has no node to rent")
     hours = scenario.policy_hours.get(policy, scenario.hours)
     world = World(scenario, policy, pool, figures, hours=hours, token_check_s=token_check_s)
+    quiet = logging.getLogger("coordinator")  # bans and expiries by the thousand: not news here
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     t0, c0 = time.perf_counter(), time.process_time()
     try:
         world.run()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         return collect(world, label, wall, cpu)
     finally:
+        quiet.setLevel(level)
         world.close()
 
 

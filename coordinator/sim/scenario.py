@@ -43,6 +43,11 @@ class ModelSection(_Section):
         "checkpoints; e.g. 0.02 = sparse deltas). A node without any version first fetches "
         "the full checkpoint",
     )
+    preloaded: bool = Field(
+        default=True,
+        description="Nodes of the initial pool hold version 0 (the public base model, fetched "
+        "from a model hub beforehand); nodes joining later fetch a full checkpoint first",
+    )
     load_s: float = Field(
         default=8.0, ge=0, description="Seconds to swap a downloaded version into the engine"
     )
@@ -113,9 +118,12 @@ class NetworkSection(_Section):
     )
     datacenter: LinkSection = Field(
         default_factory=lambda: LinkSection(
-            rtt_ms_median=25, rtt_sigma=0.4, down_mbit_median=2000, up_mbit_median=2000,
+            rtt_ms_median=25,
+            rtt_sigma=0.4,
+            down_mbit_median=2000,
+            up_mbit_median=2000,
             bw_sigma=0.3,
-        ),  # fmt: skip
+        ),
         description="Cloud machines",
     )
     coordinator_mbit: float = Field(
@@ -196,9 +204,14 @@ class Scenario(_Section):
     seed: int = Field(default=1, ge=0, description="Seed of every random draw")
     mix: dict[str, float] = Field(
         default_factory=lambda: {
-            "rtx3060": 0.25, "rtx3090": 0.25, "rtx4090": 0.2, "l4": 0.1, "a10": 0.05,
-            "a100": 0.1, "h100": 0.05,
-        },  # fmt: skip
+            "rtx3060": 0.25,
+            "rtx3090": 0.25,
+            "rtx4090": 0.2,
+            "l4": 0.1,
+            "a10": 0.05,
+            "a100": 0.1,
+            "h100": 0.05,
+        },
         description="Share of the pool per GPU kind (keys of coordinator/sim/gpus.toml)",
     )
     volunteer_fraction: float = Field(
@@ -222,12 +235,8 @@ class Scenario(_Section):
         default="memory", description="Coordinator SQLite: in memory, or a temp file (WAL, FULL)"
     )
     model: ModelSection = Field(default_factory=lambda: ModelSection(), description="Model")
-    learner: LearnerSection = Field(
-        default_factory=lambda: LearnerSection(), description="Learner"
-    )
-    network: NetworkSection = Field(
-        default_factory=lambda: NetworkSection(), description="Network"
-    )
+    learner: LearnerSection = Field(default_factory=lambda: LearnerSection(), description="Learner")
+    network: NetworkSection = Field(default_factory=lambda: NetworkSection(), description="Network")
     churn: ChurnSection = Field(default_factory=lambda: ChurnSection(), description="Churn")
     byzantine: ByzantineSection = Field(
         default_factory=lambda: ByzantineSection(), description="Cheaters"
@@ -273,10 +282,8 @@ def _has_path(obj: BaseModel, dotted: str) -> bool:
     for part in dotted.split("."):
         if isinstance(cur, BaseModel) and part in type(cur).model_fields:
             cur = getattr(cur, part)
-        elif isinstance(cur, dict) and dotted.split(".")[0] in ("coordinator", "mix"):
-            return True
-        else:
-            return False
+        else:  # free-form tables: any key below them
+            return isinstance(cur, dict) and dotted.split(".")[0] in ("coordinator", "mix")
     return True
 
 

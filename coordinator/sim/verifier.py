@@ -3,7 +3,7 @@
 It implements :class:`coordinator.logprobs.LogprobVerifier` (what the intake calls for check 7) and
 decides with the production functions :func:`~coordinator.logprobs.tolerance_for` and
 :func:`~coordinator.logprobs.deviation`; only the re-scoring forward pass is replaced by
-:func:`~coordinator.sim.nodes.reference_logprob`. Its compute time is charged by the intake queue
+:func:`~coordinator.sim.base.reference_logprob`. Its compute time is charged by the intake queue
 of the simulation (:mod:`coordinator.sim.world`), not spent here.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from coordinator.config import Tolerance
 from coordinator.logprobs import LogprobVerdict, deviation, tolerance_for
-from coordinator.sim.nodes import reference_logprob
+from coordinator.sim.base import reference_logprob
 from protocol.errors import ReasonCode
 
 

@@ -25,9 +25,7 @@ import math
 import random
 import tempfile
 import time
-from collections import defaultdict
-from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +34,16 @@ import simpy
 from coordinator.config import CoordinatorConfig, parse_config
 from coordinator.core import Coordinator
 from coordinator.errors import Rejection
-from coordinator.sim.catalogue import GpuKind
+from coordinator.sim.base import Gen, PoolNode, Stats
 from coordinator.sim.costs import Figures
-from coordinator.sim.network import Dissemination, Link, draw_link
+from coordinator.sim.learner import Learner
+from coordinator.sim.network import Dissemination, draw_link
 from coordinator.sim.nodes import SimNode
 from coordinator.sim.scenario import Policy, Scenario
 from coordinator.sim.verifier import ReferenceVerifier
 from coordinator.store import Store
 from coordinator.tasks import ReverseTask
-from node.model import CharTokenizer
+from policy.model import CharTokenizer
 from protocol.errors import ReasonCode
 from protocol.identity import Identity
 from protocol.manifest import build_manifest, sign_manifest
@@ -55,41 +54,6 @@ TICK_S = 1.0  # coordinator.service.TICK_S
 #: Tokens of the reverse task's honest answer (3 characters + EOS): one wire token stands for
 #: ``completion_tokens_mean / 4`` simulated tokens (see :attr:`World.token_unit`).
 WIRE_TOKENS = 4
-
-Gen = Generator[Any, Any, Any]
-
-
-@dataclass(frozen=True)
-class PoolNode:
-    """A node of the pool before the run (the same draws serve every policy)."""
-
-    gpu: GpuKind
-    price: float | None
-    tps: float
-    link: Link
-    cheat: str | None
-
-
-@dataclass
-class Stats:
-    """Counters the processes update during a run."""
-
-    cpu: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0, 0.0]))
-    verdicts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    departures: dict[str, int] = field(default_factory=dict)
-    stalls: int = 0
-    joins: int = 0
-    lost_in_flight: int = 0  # samples of leases abandoned by a departing node
-    lost_refused: int = 0  # samples of honest submissions refused as late (expired / fenced)
-    refused_too_stale: int = 0  # samples refused because their version fell out of S
-    submitted: dict[str, int] = field(default_factory=dict)  # lease_id -> honest samples sent
-    acked: set[str] = field(default_factory=set)  # lease ids answered Ack
-    bad_leases: set[str] = field(default_factory=set)  # lease ids whose submission was a cheat
-    queue_wait_s: float = 0.0
-    verify_busy_s: float = 0.0
-    spot_checked: int = 0
-    max_queue: int = 0
-    dissemination: list[float] = field(default_factory=list)  # ready − publish, per lease fetch
 
 
 class World:
@@ -152,8 +116,6 @@ class World:
         self.nodes: list[SimNode] = []
         self.pool = pool
         self._waiters: list[simpy.Event] = []
-        from coordinator.sim.learner import Learner
-
         self.learner = Learner(self)
 
     # --- set-up ----------------------------------------------------------------------------------
@@ -232,7 +194,7 @@ class World:
         self.env.process(node.run())
         return node
 
-    def replace(self, gone: SimNode) -> None:
+    def replace(self, gone: Any) -> None:
         """A node left or crashed: a new one of the same kind joins after a while."""
         s = self.scenario
         klass = s.network.consumer if gone.gpu.klass == "consumer" else s.network.datacenter
@@ -282,9 +244,7 @@ class World:
             self._wake_learner()
         return verdict
 
-    def record_verdict(
-        self, node: SimNode, lease: Lease, verdict: Any, n: int, bad: bool
-    ) -> None:
+    def record_verdict(self, node: SimNode, lease: Lease, verdict: Any, n: int, bad: bool) -> None:
         if isinstance(verdict, Ack):
             self.stats.verdicts["ack"] += 1
             self.stats.acked.add(lease.lease_id)
