@@ -68,7 +68,7 @@ def run_cli(
     from coordinator.sim.costs import load_figures, token_check_cost
     from coordinator.sim.report import DOC, scenario_section, slug, write_section
     from coordinator.sim.runner import build_pool, run_one, run_scenario
-    from coordinator.sim.scaling import fsync_ms, profile_top, scaling_section
+    from coordinator.sim.scaling import fsync_ms, profile_top, scaling_section, simpy_event_us
 
     try:
         overrides = parse_sets(sets)
@@ -142,7 +142,8 @@ def run_cli(
             top = profile_top(prof)
             note = f"cProfile of {minutes:g} simulated minutes of `{name}`, policy cost_aware"
         text = scaling_section(
-            scaling_runs, figures, fsync=fsync_ms(), profile=top, profile_note=note,
+            scaling_runs, figures, fsync=fsync_ms(), event_us=simpy_event_us(), profile=top,
+            profile_note=note,
             out_dir=doc.parent, command=command,
         )  # fmt: skip
         if write:

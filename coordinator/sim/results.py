@@ -60,6 +60,10 @@ class RunResult:
     stalls: int
     plan: str
     invariants: dict[str, tuple[bool, str]] = field(default_factory=dict)
+    #: simulated tokens per rollout and CPU seconds per token of the intake's per-token checks
+    #: (the wire carries 4 tokens per sample: production adds tokens · this per rollout)
+    tokens_per_rollout: float = 0.0
+    token_check_s: float = 0.0
 
     @property
     def sim_hours_per_wall_minute(self) -> float:
@@ -205,6 +209,8 @@ def collect(w: World, label: str, wall_s: float, cpu_s: float) -> RunResult:
         stalls=st.stalls,
         plan=w.core.plan.explanation if w.core.plan else "",
         invariants=inv,
+        tokens_per_rollout=w.scenario.model.completion_tokens_mean,
+        token_check_s=w.token_check_s,
     )
 
 
