@@ -99,7 +99,19 @@ def run_cli(
     everything: list[dict[str, Any]] = []
     cache = doc.with_name(doc.stem + "-runs.json")
     for name, sc in loaded if runs else []:
-        results = run_scenario(sc, catalogue, figures, token_check_s=token_s)
+        pool = build_pool(sc, catalogue)
+
+        def report(
+            done: list[RunResult], sc: Scenario = sc, name: str = name, pool: Any = pool
+        ) -> None:
+            section = scenario_section(sc, name, pool, done, figures, token_s, doc.parent, command)
+            if write:
+                store_runs(cache, slug(sc.name), done)
+                write_section(slug(sc.name), section, doc)
+
+        results = run_scenario(sc, catalogue, figures, token_check_s=token_s, on_result=report)
+        if not write:
+            print(scenario_section(sc, name, pool, results, figures, token_s, doc.parent, command))
         everything += [r.as_dict() for r in results]
         broken = [
             (r.policy, r.label, k) for r in results for k in STRUCTURAL if not r.invariants[k][0]
@@ -117,16 +129,6 @@ def run_cli(
                 f"{verdict} all nodes {al.cost_per_accepted:.5f} USD",
                 file=sys.stderr,
             )
-        if write:
-            store_runs(cache, slug(sc.name), results)
-        section = scenario_section(
-            sc, name, build_pool(sc, catalogue), results, figures, token_s, doc.parent,
-            command,
-        )  # fmt: skip
-        if write:
-            write_section(slug(sc.name), section, doc)
-        else:
-            print(section)
     scaling_runs = [r for r in load_runs(cache) if r.policy == "cost_aware" and r.label == "base"]
     if scaling and scaling_runs:
         top: list[tuple[str, float, float]] = []

@@ -170,7 +170,10 @@ def run_scenario(
     token_check_s: float = 0.0,
     only: Callable[[str, Policy], bool] | None = None,
     log: Callable[[str], None] | None = None,
+    on_result: Callable[[list[RunResult]], None] | None = None,
 ) -> list[RunResult]:
+    """Every run of the scenario in turn; ``on_result`` sees the results so far after each one
+    (the CLI writes its report then, so a long scenario interrupted keeps what it finished)."""
     say = log or (lambda line: print(line, file=sys.stderr, flush=True))
     results = []
     runs = [r for r in plan_runs(scenario) if only is None or only(r[0], r[1])]
@@ -185,4 +188,6 @@ def run_scenario(
             f"{res.learner_idle:.1%}, invariants {'ok' if not bad else 'BROKEN: ' + ', '.join(bad)}"
         )
         results.append(res)
+        if on_result is not None:
+            on_result(results)
     return results
