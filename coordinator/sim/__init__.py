@@ -9,6 +9,7 @@ time with SimPy. docs/simulation.md is the user-facing description.
 - :mod:`coordinator.sim.catalogue`  the GPU catalogue (``gpus.toml``)
 - :mod:`coordinator.sim.costs`      measured figures from docs/benchmarks.md charged as time
 - :mod:`coordinator.sim.network`    WAN links and checkpoint dissemination
+- :mod:`coordinator.sim.base`       the world interface, pool entries, counters, reference model
 - :mod:`coordinator.sim.nodes`      ``SimNode``: one node's messages, disruptions, cheats
 - :mod:`coordinator.sim.verifier`   the log-prob verifier against the nodes' reference model
 - :mod:`coordinator.sim.learner`    the learner's fetch / admit / step / publish loop

@@ -25,6 +25,8 @@ def admitted(staleness: int, bound: int) -> bool:
 
 
 class Learner:
+    """The learner process and its ledger (what it trained, dropped, waited)."""
+
     def __init__(self, world: WorldApi) -> None:
         self.w = world
         cfg = world.scenario.learner

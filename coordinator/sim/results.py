@@ -215,7 +215,7 @@ def collect(w: World, label: str, wall_s: float, cpu_s: float) -> RunResult:
 
 
 def _billed_node_seconds(w: World) -> float:
-    """Node-seconds of paid-for time within the window (price-weighted cost over mean price)."""
+    """Node-seconds of paid-for time within the window (each priced node's bill / its price)."""
     total = 0.0
     for n in w.nodes:
         if n.price:
