@@ -210,6 +210,14 @@ class SwarmPublisher:
 
     async def latest_version(self) -> int | None:
         """The newest version the coordinator holds (``rswarm/status``); None if it has none."""
+        status = await self.status()
+        latest = status.get("policy_version")
+        if latest is not None and (not isinstance(latest, int) or isinstance(latest, bool)):
+            raise CoordinatorError(f"coordinator status has a bad policy_version: {latest!r}")
+        return latest
+
+    async def status(self) -> dict[str, Any]:
+        """The coordinator's status document (``rswarm/status``), retried like a publication."""
         for attempt in range(PUBLISH_ATTEMPTS):
             try:
                 raw = await self.transport.call(
@@ -230,10 +238,7 @@ class SwarmPublisher:
         msg = decode(raw)
         if not isinstance(msg, StatusResponse):
             raise CoordinatorError(f"unexpected answer to status: {type(msg).__name__}")
-        latest = msg.status.get("policy_version")
-        if latest is not None and (not isinstance(latest, int) or isinstance(latest, bool)):
-            raise CoordinatorError(f"coordinator status has a bad policy_version: {latest!r}")
-        return latest
+        return dict(msg.status)
 
 
 def _wire_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
@@ -263,7 +268,13 @@ async def run_trainer(
     stop: asyncio.Event | None = None,
 ) -> int:
     """Join the swarm, publish v0, then train on the coordinator's rollouts until stopped."""
-    from policy.model import ModelSpec, config_fingerprint, load_config, load_tokenizer
+    from policy.model import (
+        ModelSpec,
+        config_fingerprint,
+        load_config,
+        load_tokenizer,
+        max_positions,
+    )
     from protocol.identity import parse_fingerprint
     from swarm.adverts import swarm_validators
     from swarm.broadcast import BroadcastNode
@@ -296,9 +307,7 @@ async def run_trainer(
             pinned_key,
         )
         await broadcast.start()
-        trainer = Trainer.setup(config)
         spec = ModelSpec(path=config.model_path, dtype=config.dtype)
-        source = CoordinatorSource(transport, coordinator_peer, identity)
         publisher = SwarmPublisher(
             transport,
             broadcast,
@@ -308,6 +317,14 @@ async def run_trainer(
             tokenizer_hash=_digest_hex(load_tokenizer(spec).fingerprint()),
             chunk_size=chunk_size,
         )
+        # The sampling contract is the coordinator's: adopt it, or refuse what cannot match.
+        from trainer.contract import adopt_contract
+
+        config, lease_stops = adopt_contract(config, await publisher.status(), max_positions(spec))
+        log.info("sampling contract: %s, stop set %s", config.processing, list(lease_stops))
+        trainer = Trainer.setup(config)
+        trainer.stop_token_ids |= frozenset(lease_stops)
+        source = CoordinatorSource(transport, coordinator_peer, identity)
         # The coordinator may hold a version this trainer has no record of (killed between the
         # coordinator's answer to PublishVersion and published.json): continue after it.
         trainer.sync_published(await publisher.latest_version())
@@ -398,6 +415,7 @@ def run_from_cli(
     from protocol.errors import KeyFileError
     from protocol.identity import parse_fingerprint
     from swarm.errors import BootstrapUnreachable, SwarmError
+    from trainer.contract import ContractError
 
     def error(message: str, code: int) -> int:
         print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
@@ -479,6 +497,8 @@ def run_from_cli(
         return asyncio.run(main())
     except BootstrapUnreachable as exc:
         return error(f"cannot reach the coordinator at {coordinator}: {exc}", 1)
+    except ContractError as exc:
+        return error(str(exc), 2)
     except (SwarmError, CoordinatorError) as exc:
         return error(str(exc), 1)
     except Exception as exc:  # last resort: the traceback goes to the log, one line to the user
@@ -521,4 +541,10 @@ def _cli_config(config: Path | None, *, state_dir: Path | None, max_steps: int |
         raise ValueError(
             f"{source}: model_path {model!r} is not a local HF model directory (no config.json)"
         )
+    from policy.model import ModelSpec, load_tokenizer
+
+    try:  # a tokenizer without EOS (no sample could end) is refused here, not after start-up
+        load_tokenizer(ModelSpec(path=model))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{source}: {exc}") from exc
     return cfg
