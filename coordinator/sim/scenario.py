@@ -15,7 +15,14 @@ import copy
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 #: Provisioning policies compared by the simulation (docs/simulation.md explains each one).
 Policy = Literal["cost_aware", "all_nodes", "fastest_first", "premium_only"]
@@ -253,6 +260,12 @@ class Scenario(_Section):
         description='One-at-a-time sweeps: dotted field → values, e.g. "churn.per_hour" = [0, 0.3]',
     )
 
+    @field_validator("coordinator")
+    @classmethod
+    def _coordinator_overrides(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _check_coordinator_overrides(value)
+        return value
+
     @model_validator(mode="after")
     def _cross(self) -> Scenario:
         if self.warmup_minutes >= self.hours * 60:
@@ -275,6 +288,19 @@ class Scenario(_Section):
         for key, value in values.items():
             _set_path(data, key, value)
         return parse_scenario(data, source="override")
+
+
+def _check_coordinator_overrides(overrides: dict[str, Any]) -> None:
+    """Unknown keys and bad values of ``[coordinator]`` fail at load, not when a run starts."""
+    from coordinator.config import ConfigError, parse_config
+
+    data: dict[str, Any] = {"db_path": ":memory:"}
+    for key, value in overrides.items():
+        data[key] = copy.deepcopy(value)
+    try:
+        parse_config(data, source="coordinator")
+    except ConfigError as exc:
+        raise ValueError(str(exc).removeprefix("coordinator: ")) from None
 
 
 def _has_path(obj: BaseModel, dotted: str) -> bool:

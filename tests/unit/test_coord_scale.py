@@ -8,11 +8,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from coord_harness import Harness, advert, config
 
 from coordinator.core import Coordinator
 from coordinator.store import Store
 from coordinator.tasks import ReverseTask
+from protocol.identity import fingerprint_of
 from protocol.messages import Heartbeat, Lease, LeaseRequest, Standby
 
 HB = Heartbeat(peer_id="p", seq=1, policy_version=None, active_leases=[], tokens_per_s=None)
@@ -134,3 +136,14 @@ def test_example_config_documents_the_replan_interval() -> None:
     ).read_text()
     assert "replan_interval_s = 5.0" in text
     assert config(Path("/nonexistent")).capacity.replan_interval_s == 5.0
+
+
+def test_fingerprints_are_memoised() -> None:
+    """The trainer feed names a fingerprint per rollout: a hash per rollout is wasted work."""
+    key = bytes(range(32))
+    first = fingerprint_of(key)
+    hits = fingerprint_of.cache_info().hits
+    assert fingerprint_of(key) is first
+    assert fingerprint_of.cache_info().hits == hits + 1
+    with pytest.raises(ValueError, match="32 bytes"):
+        fingerprint_of(b"short")  # errors are not cached away

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from coordinator.sim.catalogue import load_catalogue
-from coordinator.sim.cli import run_cli
+from coordinator.sim.cli import parse_sets, run_cli
 from coordinator.sim.costs import RECORDED, load_figures
 from coordinator.sim.learner import admitted
 from coordinator.sim.network import Dissemination, NodeDownloads
@@ -125,13 +125,36 @@ def test_scenario_errors_name_the_field(tmp_path: Path) -> None:
         build_pool(sc, CATALOGUE)
 
 
+def test_overrides_replace_dotted_fields_and_keep_the_rest() -> None:
+    base = load_scenario("nodes100")
+    sc = load_scenario(
+        "nodes100",
+        parse_sets(["churn.per_hour=0.3", "learner.staleness_bound = 6", "store=file",
+                    "coordinator.intake.spot_check_fraction=0.5"]),
+    )  # fmt: skip
+    assert (sc.churn.per_hour, sc.learner.staleness_bound, sc.store) == (0.3, 6, "file")
+    assert sc.coordinator["intake"] == {"spot_check_fraction": 0.5}
+    assert sc.learner.batch_rollouts == base.learner.batch_rollouts and sc.nodes == base.nodes
+    assert sc.with_values({"learner.staleness_bound": 2}).learner.staleness_bound == 2
+
+
 def test_cli_refuses_bad_input_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_cli(["nodes100"], sets=["learner.staleness_bound=0"], write=False) == 2
-    assert run_cli(["nodes100"], sets=["nonsense"], write=False) == 2
-    assert run_cli(["nodes100"], policies=["cheapest"], write=False) == 2
+    bad: list[tuple[dict[str, object], str]] = [
+        ({"sets": ["learner.staleness_bound=0"]}, "learner.staleness_bound"),
+        ({"sets": ["nonsense"]}, "KEY=VALUE"),
+        ({"sets": ["learner.nope=1"]}, "learner.nope"),
+        ({"sets": ["churn.per_hour=fast"]}, "churn.per_hour"),
+        ({"sets": ["coordinator.intake.nope=1"]}, "intake.nope"),
+        ({"sets": ["coordinator.intake.spot_check_fraction=2"]}, "spot_check_fraction"),
+        ({"policies": ["cheapest"]}, "cheapest"),
+        ({"hours": -1.0}, "hours"),
+    ]
+    for kwargs, needle in bad:
+        assert run_cli(["nodes100"], write=False, **kwargs) == 2, kwargs  # type: ignore[arg-type]
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
     assert run_cli(["no-such-scenario"], write=False) == 2
-    lines = [x for x in capsys.readouterr().err.splitlines() if x]
-    assert len(lines) == 4 and all(x.startswith("error: ") for x in lines), lines
+    assert "no such config file" in capsys.readouterr().err
 
 
 def test_catalogue_interpolates_in_log_space() -> None:
