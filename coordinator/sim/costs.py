@@ -148,7 +148,7 @@ def token_check_cost(tokens: int = 2048, repeats: int = 5) -> float:
     ctx = IntakeContext(
         node_key=b"k", lease=lease, slots={}, open_prompts=frozenset(), known_versions=frozenset(),
         current_version=1, staleness_bound=1, vocab_size=tok.vocab_size,
-        eos_token_id=tok.eos_token_id, stop_token_ids=frozenset(),
+        eos_token_id=tok.eos_token_id, stop_token_ids=frozenset({tok.eos_token_id}),
     )  # fmt: skip
     best = math.inf
     for _ in range(repeats):

@@ -11,7 +11,7 @@ import torch
 
 from coordinator.sim.catalogue import load_catalogue
 from coordinator.sim.cli import parse_sets, run_cli
-from coordinator.sim.costs import RECORDED, load_figures
+from coordinator.sim.costs import RECORDED, load_figures, token_check_cost
 from coordinator.sim.learner import admitted
 from coordinator.sim.network import Dissemination, NodeDownloads
 from coordinator.sim.results import RunResult
@@ -187,3 +187,9 @@ def test_downloads_are_sequential_skip_superseded_versions_and_start_full() -> N
     base = NodeDownloads(diss, hb_phase=5.0, down_bps=10.0, joined=0.0, holds_base=True)
     assert base.ready_at(0, 0.0) == 0.0
     assert base.ready_at(1, 100.0) == pytest.approx(100.0 + 10.0)  # a delta, asked at once
+
+
+def test_token_check_cost_runs_the_real_checks() -> None:
+    """The per-token intake cost is measured at start-up on a sample the real checks accept."""
+    per_token = token_check_cost(tokens=256, repeats=1)
+    assert 0.0 < per_token < 1e-3  # ~0.3 µs here; a millisecond per token would be a broken check
