@@ -226,8 +226,7 @@ def scenario_section(
         f"({m.checkpoint_bytes / 1e9:.1f} GB per full checkpoint, a new version ships "
         f"{m.version_fraction:.0%} of it), completions {m.completion_tokens_mean:g} tokens on "
         f"average (cap {m.completion_tokens_max}). Churn {scenario.churn.per_hour:g}/node/h, "
-        f"cheaters {scenario.byzantine.fraction:.0%}, spot-check fraction "
-        f"{scenario.coordinator.get('intake', {}).get('spot_check_fraction', 0.1)}, "
+        f"cheaters {scenario.byzantine.fraction:.0%}, {_check_rates(scenario)}, "
         f"{scenario.verification.workers} intake verifier(s) at "
         f"{scenario.verification.verifier_tflops:g} TFLOP/s. Figures: {figures.source}; "
         f"per-token check cost {1e6 * token_check_s:.2f} µs measured at start-up.",
@@ -274,3 +273,13 @@ def scenario_section(
         parts += [f"- {r.policy} {r.label}: **{k}**: {d}" for r, k, d in broken]
         parts.append("")
     return "\n".join(parts)
+
+
+def _check_rates(scenario: Scenario) -> str:
+    """The intake's re-scoring rates in force (the coordinator's defaults unless overridden)."""
+    from coordinator.config import IntakeSection
+
+    intake = IntakeSection.model_validate(scenario.coordinator.get("intake", {}))
+    new = getattr(intake, "new_node_check_rate", None)  # issue 12's adaptive rate
+    floor = f"spot-check fraction {intake.spot_check_fraction:g}"
+    return floor if new is None else f"check rate {new:g} for new nodes, decaying to a {floor}"
