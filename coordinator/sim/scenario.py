@@ -292,7 +292,8 @@ class Scenario(_Section):
 
 def _check_coordinator_overrides(overrides: dict[str, Any]) -> None:
     """Unknown keys and bad values of ``[coordinator]`` fail at load, not when a run starts."""
-    from coordinator.config import ConfigError, parse_config
+    from coordinator.config import parse_config
+    from coordinator.errors import ConfigError
 
     data: dict[str, Any] = {"db_path": ":memory:"}
     for key, value in overrides.items():
