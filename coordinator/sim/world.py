@@ -213,12 +213,11 @@ class World:
         if node.cheat == "garbage":  # refused by check 5 before any re-scoring
             return cheap
         intake = self.core.intake
-        suspect = (
-            self.config.intake.suspect_full_check
-            and intake.verifier is not None
-            and self.core.reputation.suspect(node.key)
-        )
-        if not (suspect or intake.spot_checked(lease.lease_id)):
+        trust = self.core.trust.state(node.key)  # the adaptive check rate, as submit reads it
+        suspect = self.config.intake.suspect_full_check and trust.suspect
+        if intake.verifier is None or not (
+            suspect or intake.spot_checked(lease.lease_id, self.core.trust.rate_of(trust))
+        ):
             return cheap
         k = n if suspect else min(n, self.config.intake.spot_check_max_samples)
         self.stats.spot_checked += 1

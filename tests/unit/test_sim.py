@@ -73,17 +73,25 @@ def test_a_run_is_reproducible_from_its_seed() -> None:
     )  # fmt: skip
 
 
-def test_forged_logprobs_are_trained_on_between_spot_checks() -> None:
-    """The hole the simulation found: at the default 10% spot checks a forger's leases are used
-    until its first check (issue 12's adaptive verification closes it)."""
-    sc = parse_scenario(
-        {**SMALL, "nodes": 60, "hours": 6 / 60, "warmup_minutes": 1.0,
-         "byzantine": {"fraction": 0.3, "garbage": 0.0, "forger": 1.0},
-         "coordinator": {"intake": {"spot_check_fraction": 0.1}}}
-    )  # fmt: skip
-    r = run_one(sc, "all_nodes", CATALOGUE, RECORDED)
+def test_adaptive_check_rates_keep_forged_logprobs_out_where_a_flat_rate_does_not() -> None:
+    """The hole the simulation found: at a flat 10 % spot-check rate a forger's leases are trained
+    on until its first check. Issue 12's adaptive rate (a new node's leases all re-scored, the rate
+    halving with clean checks) catches every forger before anything of it is used."""
+    base = {**SMALL, "nodes": 60, "hours": 6 / 60, "warmup_minutes": 1.0,
+            "byzantine": {"fraction": 0.3, "garbage": 0.0, "forger": 1.0}}  # fmt: skip
+    flat = {"spot_check_fraction": 0.1, "new_node_check_rate": 0.1}
+    r = run_one(
+        parse_scenario({**base, "coordinator": {"intake": flat}}), "all_nodes", CATALOGUE, RECORDED
+    )
     assert r.bad_trained > 0 and not r.invariants["no_bad_trained"][0]
     assert all(r.invariants[k][0] for k in ("acked_durable", "one_group_per_prompt"))
+    adaptive = {"spot_check_fraction": 0.1}  # new_node_check_rate: the default, 1.0
+    r = run_one(
+        parse_scenario({**base, "coordinator": {"intake": adaptive}}), "all_nodes", CATALOGUE,
+        RECORDED,
+    )  # fmt: skip
+    assert r.bad_submissions > 0 and r.bad_trained == 0 and r.banned > 0
+    assert all(ok for ok, _ in r.invariants.values()), r.invariants
 
 
 def test_learner_admission_is_the_trainers_rule() -> None:
