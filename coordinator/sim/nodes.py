@@ -61,6 +61,7 @@ class SimNode:
         "downloads",
         "fail_at",
         "fail_kind",
+        "gen_end",
         "gpu",
         "hb_phase",
         "heartbeat",
@@ -117,6 +118,7 @@ class SimNode:
         )
         self.leases = 0
         self.busy_s = 0.0
+        self.gen_end: float | None = None  # wall clock of its last generation's end
         self._next_failure(joined_at)
 
     # --- disruptions and billing -----------------------------------------------------------------
@@ -273,14 +275,22 @@ class SimNode:
             return False
         self.busy_s += env.now - started
         self.loaded = lease.policy_version
-        sub, bad = self.submission(lease)
+        # what a real node reports (node/worker.py): its generation, the wait for the version,
+        # and the round trips since its previous generation (loads excluded)
+        finished = w.clock() - upload / self.link.up_bps - self.link.rtt_s / 2
+        waited = max(0.0, ready - arrive) + load
+        overhead = 0.0 if self.gen_end is None else max(0.0, finished - gen - waited - self.gen_end)
+        self.gen_end = finished
+        timings = Timings(started_at=finished - gen, finished_at=finished, generate_s=gen,
+                          load_s=waited, overhead_s=overhead)  # fmt: skip
+        sub, bad = self.submission(lease, timings)
         verdict = yield from w.intake(self, lease, sub, n, tokens, bad)
         w.record_verdict(self, lease, verdict, n, bad)
         if isinstance(verdict, Reject) and verdict.code is ReasonCode.BANNED:
             self.bill_stop(env.now)
         return (yield from self.wait(self.link.rtt_s / 2))
 
-    def submission(self, lease: Lease) -> tuple[RolloutSubmission, bool]:
+    def submission(self, lease: Lease, timings: Timings) -> tuple[RolloutSubmission, bool]:
         """What the node sends: honest reverse-task answers with reference log-probs, or a
         cheat. Returns (submission, whether it is bad)."""
         eos = self.w.tokenizer.eos_token_id
@@ -301,7 +311,6 @@ class SimNode:
                 for j in range(lease.group_size)
             ]  # fmt: skip
             groups.append(GroupResult(prompt_id=prompt.prompt_id, samples=samples))
-        now = self.w.clock()
         sub = RolloutSubmission(
             lease_id=lease.lease_id,
             epoch=lease.epoch,
@@ -309,6 +318,6 @@ class SimNode:
             backend="vllm",
             dtype="bfloat16",
             groups=groups,
-            timings=Timings(started_at=now, finished_at=now, generate_s=0.0),
+            timings=timings,
         )
         return sub, self.cheat is not None

@@ -275,9 +275,9 @@ async def test_switches_to_a_newly_published_version(swarm: Swarm) -> None:
 class SlowLoadBackend(FakeBackend):
     """Loading a version takes 0.3 s (a real checkpoint's download and load do)."""
 
-    def load_state_dict(self, version: int, state_dict: Any) -> None:
+    def load_state_dict(self, version: int, state_dict: Any, changed: Any = None) -> None:
         time.sleep(0.3)
-        super().load_state_dict(version, state_dict)
+        super().load_state_dict(version, state_dict, changed)
 
 
 async def test_timings_report_the_version_load_and_the_round_trips(swarm: Swarm) -> None:
