@@ -35,7 +35,9 @@ PackedLogprobs = Annotated[bytes, Meta(max_length=L.MAX_PACKED_LEN)]  # little-e
 Blob = Annotated[bytes, Meta(max_length=L.MAX_BLOB_LEN)]
 Dtype = Literal["float32", "float16", "bfloat16"]
 FinishReason = Literal["eos", "stop", "length"]
-Reachability = Literal["public", "relayed", "unknown"]
+Reachability = Literal["public", "relayed", "private", "unknown"]
+"""public: dialable (measured); relayed: via a relay; private: measured not dialable (behind NAT,
+download-only); unknown: not measured."""
 Scalar = bool | int | Finite | Text | None
 StatusValue = (
     bool

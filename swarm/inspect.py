@@ -22,6 +22,8 @@ from protocol.messages import CapabilityAdvert, StatusRequest, StatusResponse
 
 def _advert_row(fp: str, advert: CapabilityAdvert, status: dict[str, Any]) -> dict[str, Any]:
     states = status.get("node_states") or {}
+    # the coordinator's own dial-back result when it has one, else what the node advertises
+    measured = (status.get("node_reachability") or {}).get(fp)
     return {
         "fingerprint": fp,
         "peer_id": advert.peer_id,
@@ -45,7 +47,7 @@ def _advert_row(fp: str, advert: CapabilityAdvert, status: dict[str, Any]) -> di
         "rollouts_per_s": advert.rollouts_per_s,
         "price_per_hour": advert.price_per_hour,
         "policy_version": advert.policy_version,
-        "reachability": advert.reachability,
+        "reachability": measured if measured in ("public", "private") else advert.reachability,
         "software_version": advert.software_version,
         "state": states.get(fp, "unregistered"),
         "last_seen_s": (status.get("node_last_seen_s") or {}).get(fp),
@@ -79,7 +81,7 @@ def render(view: dict[str, Any]) -> Any:
 
     nodes = Table(title=f"nodes ({len(view['nodes'])})")
     for col in ("node", "hardware", "backend", "tok/s", "roll/s", "price/h", "version",
-                "state", "seen"):  # fmt: skip
+                "state", "reach", "seen"):  # fmt: skip
         nodes.add_column(col)
     for n in view["nodes"]:
         if n["gpus"]:
@@ -92,7 +94,7 @@ def render(view: dict[str, Any]) -> Any:
             n["fingerprint"][:20] + "…", hw, f"{n['backend']}/{n['dtype']}",
             f"{n['tokens_per_s']:.0f}", f"{n['rollouts_per_s']:.1f}",
             "-" if n["price_per_hour"] is None else f"${n['price_per_hour']:.2f}",
-            str(n["policy_version"]), n["state"],
+            str(n["policy_version"]), n["state"], n["reachability"],
             "-" if n["last_seen_s"] is None else f"{n['last_seen_s']:.0f}s ago",
         )  # fmt: skip
     c = view["coordinator"]
