@@ -35,6 +35,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -468,6 +469,8 @@ def main() -> None:
             raise SystemExit(f"--net netns is unavailable: {reason}; use --net loopback")
     if any(link.nat > min(ns) for link in links):
         raise SystemExit("--nat must not exceed the smallest N")
+    # SIGTERM ends the run like Ctrl-C: processes stopped, namespaces removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = asyncio.run(run_series(args, links, modes, ns))
     failed = [r for r in results if r.t_last is None]
     print(json.dumps({"runs": len(results), "failed": len(failed)}))

@@ -73,7 +73,7 @@ class DownloadConfig:
     manifest_timeout: float = 10.0  # deadline of one manifest request
     manifest_deadline: float = 60.0  # retry manifest requests (dial back-off, joins) this long
     holders_refresh: float = 1.0  # how often holder records are re-read from the DHT
-    first_lookup: float = 0.0  # wait this long for a first DHT holder lookup before asking
+    first_lookup: float = 0.3  # wait at most this long for a first DHT holder lookup
     busy_backoff: float = 0.2  # pause before asking a peer that answered "busy" again
     stall_backoff: float = 5.0  # pause before asking a peer whose request stalled again
     seed_backoff: float = 1.0  # first pause before retrying a failed seed (doubles, max 8x)

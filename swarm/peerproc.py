@@ -2,7 +2,7 @@
 
 Child protocol (one line each, stdout)::
 
-    READY <peer id> <json maddrs>   started and serving; waits for "GO" on stdin
+    READY <peer id> <json maddrs>   started and serving; "GO" on stdin starts the download
     PROGRESS <done bytes> <total>   while downloading (about every 5 %)
     DONE <unix time> <json stats>   version complete and written to --out
     FAIL <one-line error>
@@ -125,10 +125,10 @@ async def _amain(args: argparse.Namespace) -> int:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     print(f"READY {peer.peer_id} {json.dumps(await peer.visible_maddrs())}", flush=True)
     try:
-        if (await reader.readline()).strip() == b"GO":
-            await _download(node, args)
         while line := await reader.readline():  # serve (and answer queries) until stdin closes
-            if line.startswith(b"HOLDERS "):
+            if line.strip() == b"GO":
+                await _download(node, args)
+            elif line.startswith(b"HOLDERS "):
                 found = await _holders(peer, int(line.split()[1]))
                 print(f"HOLDERS {json.dumps(found)}", flush=True)
             elif line.startswith(b"GO "):

@@ -44,6 +44,7 @@ from protocol.messages import (
     tokens_array,
 )
 from swarm.errors import TransportError
+from swarm.tasks import cancel_and_wait
 from swarm.transport import Transport
 from trainer.batch import Rollout
 from trainer.recipe import VersionNotNewer
@@ -283,6 +284,7 @@ async def run_trainer(
     )
     await peer.start()
     broadcast: BroadcastNode | None = None
+    reach: asyncio.Task[None] | None = None
     try:
         transport = P2PTransport(peer.p2p)
         # The pinned key is a fingerprint; the raw key comes from the coordinator's signed
@@ -295,7 +297,11 @@ async def run_trainer(
             DhtHolderDirectory(peer),
             pinned_key,
         )
+        broadcast.dialable = False  # announced as a holder only once a dial-back says so
         await broadcast.start()
+        reach = asyncio.create_task(
+            _watch_reachability(transport, peer, coordinator_peer, broadcast), name="reachability"
+        )
         trainer = Trainer.setup(config)
         spec = ModelSpec(path=config.model_path, dtype=config.dtype)
         source = CoordinatorSource(transport, coordinator_peer, identity)
@@ -331,9 +337,27 @@ async def run_trainer(
         await source.report()  # the last step's figures reach /status before we leave
         return 0
     finally:
+        if reach is not None:
+            await cancel_and_wait([reach])
         if broadcast is not None:  # on failures too: its announcer must not outlive the peer
             await broadcast.stop()
         await peer.stop()
+
+
+async def _watch_reachability(
+    transport: Any, peer: Any, coordinator_peer: str, broadcast: Any
+) -> None:
+    """Measure (a dial-back by the coordinator) whether nodes can dial this trainer; only then
+    is it announced as a holder (the coordinator reaches it over its own connection anyway)."""
+    from swarm.reachability import ReachabilityMonitor
+
+    def changed(state: str) -> None:
+        broadcast.dialable = state == "public"
+
+    monitor = ReachabilityMonitor(
+        transport, peer.visible_maddrs, lambda: coordinator_peer, on_change=changed
+    )
+    await monitor.run()
 
 
 async def _coordinator_public_key(peer: Any, fingerprint: str) -> bytes:

@@ -49,15 +49,16 @@ from protocol.messages import (
     pack_logprobs,
     pack_tokens,
 )
-from swarm.broadcast import CHUNK_ANY_RPC, CHUNK_RPC, MANIFEST_RPC
+from swarm.broadcast import CHUNK_ANY_RPC, CHUNK_RPC, EXCHANGE_RPC, MANIFEST_RPC
+from swarm.reachability import DIALBACK_RPC, DialbackRequest
 from swarm.transport import DEFAULT_MAX_REQUEST, decode_error
-from swarm.wire import ChunkAnyRequest
+from swarm.wire import ChunkAnyRequest, ExchangeRequest
 
 HEADER = struct.Struct(">I")
 COORD_SIGNED = (rpc.REGISTER, rpc.HEARTBEAT, rpc.LEASE, rpc.SUBMIT, rpc.RELEASE)
 TRAINER_SIGNED = (rpc.PUBLISH, rpc.FETCH)
 COORD_METHODS = (*COORD_SIGNED, *TRAINER_SIGNED, rpc.STATUS)
-CHUNK_METHODS = (MANIFEST_RPC, CHUNK_RPC, CHUNK_ANY_RPC)
+CHUNK_METHODS = (MANIFEST_RPC, CHUNK_RPC, CHUNK_ANY_RPC, EXCHANGE_RPC, DIALBACK_RPC)
 ALL_METHODS = (*COORD_METHODS, *CHUNK_METHODS)
 PAYLOAD_TYPE: dict[str, type[msgspec.Struct]] = {
     rpc.REGISTER: Register,
@@ -71,6 +72,8 @@ PAYLOAD_TYPE: dict[str, type[msgspec.Struct]] = {
     MANIFEST_RPC: ManifestRequest,
     CHUNK_RPC: ChunkRequest,
     CHUNK_ANY_RPC: ChunkAnyRequest,
+    EXCHANGE_RPC: ExchangeRequest,
+    DIALBACK_RPC: DialbackRequest,
 }
 
 
@@ -256,6 +259,8 @@ def templates(keys: Keys) -> dict[str, msgspec.Struct]:
         MANIFEST_RPC: ManifestRequest(version=1),
         CHUNK_RPC: ChunkRequest(version=1, index=0),
         CHUNK_ANY_RPC: ChunkAnyRequest(version=1, wanted=b"\x01"),
+        EXCHANGE_RPC: ExchangeRequest(version=1, wanted=b"\x01", have=b"", dialable=True),
+        DIALBACK_RPC: DialbackRequest(maddrs=["/ip4/127.0.0.1/tcp/9"]),
     }
 
 

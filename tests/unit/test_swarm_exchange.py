@@ -273,3 +273,18 @@ def test_delay_line_reads_packet_ids_from_netlink_messages() -> None:
     assert length == len(verdict) == 20 and flags == delayline.NLM_F_REQUEST
     assert vkind == (3 << 8) | delayline.NFQNL_MSG_VERDICT_BATCH
     assert struct.unpack(">H", verdict[18:20]) == (3,)  # queue number, big-endian
+
+
+def test_exchange_request_matches_the_vector_in_protocol_md() -> None:
+    from protocol.codec import decode, encode
+    from swarm.wire import ExchangeRequest
+
+    wanted, have = keys.bitmap_from_indices({0, 9}, 16), keys.bitmap_from_indices({7}, 16)
+    assert (wanted.hex(), have.hex()) == ("0102", "8000")
+    msg = ExchangeRequest(version=7, wanted=wanted, have=have, dialable=False)
+    vector = (
+        "86a474797065af45786368616e676552657175657374a776657273696f6e07a677616e746564c4020102"
+        "a468617665c4028000a86469616c61626c65c2b070726f746f636f6c5f76657273696f6e01"
+    )
+    assert encode(msg).hex() == vector
+    assert decode(bytes.fromhex(vector), ExchangeRequest) == msg
