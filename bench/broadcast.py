@@ -40,7 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +61,11 @@ class Link:
     loss: float = 0.0  # probability of dropping a packet (netns)
     nat: int = 0  # receivers behind NAT routers (netns)
     app_cap: bool = False  # also cap uploads in the application (always on for loopback)
+    dht_only: bool = False  # receivers learn holders from the DHT only (the old protocol)
 
     def label(self) -> str:
+        if self.dht_only:
+            return replace(self, dht_only=False).label() + " — DHT-only holder info"
         if self.net == "loopback":
             return "loopback, in-app cap"
         parts = ["tc tbf" + (" + in-app cap" if self.app_cap else "")]
@@ -96,6 +99,8 @@ class Bench:
         self.size = int(args.size_mib * MIB)
         self.cap = args.cap_mib * MIB
         self.topo: Any = None
+        #: receivers measure their reachability (dial-back by the seed) and announce only if public
+        self.probe = link.net == "netns" and (link.nat > 0 or args.suite == "nat")
         self.hosts: list[Any] = []
         self.seed: Any = None
         self.boot_peer: Any = None
@@ -105,6 +110,8 @@ class Bench:
         from swarm.peerproc import PeerProcess
 
         common = ["--coordinator-key", coord_key, *shlex.split(self.args.peer_args)]
+        if self.link.dht_only:
+            common.append("--no-exchange")
         if self.link.net == "loopback" or self.link.app_cap:
             common += ["--upload-rate", str(self.cap)]
         self.common = common
@@ -125,7 +132,7 @@ class Bench:
             if self.link.delay_ms or self.link.loss:
                 self.topo.add_delay(self.link.delay_ms / 1000, loss=self.link.loss)
             seed_args += ["--host", seed_host.ip]
-            if self.link.nat:
+            if self.probe:
                 seed_args.append("--dialback-server")
             self.seed = PeerProcess(
                 seed_args, log_path=str(self.tmp / "seed.log"), prefix=seed_host.argv([])
@@ -166,7 +173,7 @@ class Bench:
                 # receivers 0..n-1; with NAT, the NATed ones are taken from the end of the list
                 host = self.hosts[i] if i < n - self.link.nat else self.hosts[self.n_max - n + i]
                 argv += ["--host", host.ip]
-                if self.link.nat:
+                if self.probe:
                     argv += ["--probe-reachability", self.seed.peer_id]
                 prefix = host.argv([])
                 natted.append(host.natted)
@@ -301,7 +308,10 @@ def _cell(rs: list[Result], key: str = "ratio") -> str:
     if not ok:
         return "failed" if rs else "-"
     med = statistics.median(ok)
-    text = f"{med:.2f}" if len(ok) == 1 else f"{med:.2f} ({min(ok):.2f}–{max(ok):.2f})"
+    fmt = "{:.0%}" if key == "natted_share" else "{:.2f}"
+    text = fmt.format(med)
+    if len(ok) > 1:
+        text += f" ({fmt.format(min(ok))}–{fmt.format(max(ok))})"
     return text + (f", {failed} failed" if failed else "")
 
 
@@ -317,8 +327,10 @@ def _conditions(args: argparse.Namespace) -> str:
 def report_record(args: argparse.Namespace, results: list[Result]) -> None:
     links = list(dict.fromkeys(r.link for r in results))
     ns = sorted({r.n for r in results})
+    default = (args.size_mib, args.cap_mib, args.chunk_kib) == (64.0, 10.0, 1024.0)
+    title = "" if default else ", other sizes"
     lines = [
-        "## Checkpoint broadcast on namespace links (`bench/broadcast.py --suite record`)",
+        f"## Checkpoint broadcast on namespace links{title} (`bench/broadcast.py --suite record`)",
         "",
         "Figure of record. Every peer in its own network namespace, veth pairs on a bridge, each "
         "uplink shaped by the kernel (`tc tbf`, 50 ms queue); delay added by a userspace NFQUEUE "
@@ -342,7 +354,7 @@ def report_record(args: argparse.Namespace, results: list[Result]) -> None:
     lines += ["", f"Command: `{args.command}`"]
     if args.note:
         lines += ["", args.note]
-    write_section("broadcast-netns", "\n".join(lines))
+    write_section("broadcast-netns" if default else "broadcast-netns-small", "\n".join(lines))
 
 
 def report_nat(args: argparse.Namespace, results: list[Result]) -> None:
@@ -423,7 +435,7 @@ def report_loopback(args: argparse.Namespace, results: list[Result]) -> None:
 SUITES = {
     # name: (links, modes, ns)
     "record": (
-        [Link(), Link(delay_ms=20.0)],
+        [Link(), Link(dht_only=True), Link(delay_ms=20.0), Link(delay_ms=20.0, dht_only=True)],
         ["peer"],
         [4, 8],
     ),

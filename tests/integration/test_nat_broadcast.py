@@ -14,6 +14,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from protocol.identity import Identity
 from protocol.manifest import build_manifest, sign_manifest
 from swarm.chunks import ChunkStore
@@ -64,6 +66,7 @@ class Swarm:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in self.tmp.glob("*.log"))
 
 
+@pytest.mark.slow
 async def test_natted_node_is_download_only_and_never_announced(
     topology: Topology, tmp_path: Path
 ) -> None:
@@ -95,6 +98,7 @@ async def test_natted_node_is_download_only_and_never_announced(
         await swarm.close()
 
 
+@pytest.mark.slow
 async def test_only_unreachable_holders_fall_back_to_the_seed_in_bounded_time(
     topology: Topology, tmp_path: Path
 ) -> None:

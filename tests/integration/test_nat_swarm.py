@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from swarm_harness import Proc, coordinator_toml
 
 from protocol.identity import Identity
@@ -34,6 +35,7 @@ def status(host: Host, url: str) -> dict[str, Any]:
     return doc
 
 
+@pytest.mark.slow
 async def test_natted_nodes_join_lease_download_and_get_rollouts_accepted(
     topology: Topology, tmp_path: Path, procs: list[Proc]
 ) -> None:
