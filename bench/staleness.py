@@ -33,7 +33,7 @@ from _report import write_section  # noqa: E402
 from coordinator.tasks import ReverseTask  # noqa: E402
 from node.backends.base import GenerationRequest, SamplingConfig  # noqa: E402
 from node.backends.hf import HFBackend  # noqa: E402
-from node.model import CharTokenizer, ModelSpec, build_model  # noqa: E402
+from policy.model import CharTokenizer, ModelSpec, build_model  # noqa: E402
 from trainer.batch import Rollout  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
 from trainer.recipe import Trainer  # noqa: E402

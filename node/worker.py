@@ -9,8 +9,8 @@ named tasks:
 * ``work``      pull a lease (one over local limits, :func:`~node.rollouts.lease_problem`, is
                 released unrun) -> make ``lease.policy_version`` the loaded weights -> generate
                 each prompt ``group_size`` times (prompt ``i`` seeded with
-                :func:`~node.rollouts.prompt_seed` ``(lease.sampling.seed, i)``; sample ``j`` with
-                :func:`~node.backends.base.sample_seed` ``(prompt seed, j)``, recorded in
+                :func:`~policy.sampling.prompt_seed` ``(lease.sampling.seed, i)``; sample ``j`` with
+                :func:`~policy.sampling.sample_seed` ``(prompt seed, j)``, recorded in
                 ``Sample.seed``) -> sign and submit -> repeat. ``Standby`` waits ``retry_after_s``;
                 coordinator or network errors back off exponentially with jitter and the loop
                 resumes by itself when the coordinator answers again;
@@ -42,6 +42,7 @@ from node.backends.base import GenerationRequest, InferenceBackend, SampleOut
 from node.checkpoints import CheckpointError, CheckpointManager
 from node.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable, Rejected
 from node.config import NodeConfig
+from node.failures import FailureTracker
 from node.rollouts import build_submission, lease_problem, lease_requests, to_sampling_config
 from node.status import Backoff, NodeStats, make_advert
 from protocol.errors import ReasonCode
@@ -59,8 +60,8 @@ from protocol.messages import (
 from swarm.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
-    from node.model import Tokenizer
     from node.probe import Capability
+    from policy.model import Tokenizer
     from swarm.dht import SwarmPeer
     from swarm.holders import HolderDirectory
     from swarm.reachability import ReachabilityMonitor
@@ -115,6 +116,8 @@ class NodeWorker:
         self._gen_future: asyncio.Future[Any] | None = None
         self._prefetch: asyncio.Task[None] | None = None
         self._current: Lease | None = None
+        #: what the node is doing now, in a few words (the status page shows it)
+        self.phase = "starting"
         self._hb_seq = 0
         self.active = True
         self.heartbeat_interval_s = config.heartbeat_interval_s or 10.0
@@ -124,6 +127,10 @@ class NodeWorker:
         self.checkpoints: CheckpointManager | None = None
         self.client: CoordinatorClient | None = None
         self.backoff = Backoff(config.backoff_initial_s, config.backoff_max_s, self.rng)
+        #: consecutive generation failures: their own back-off, and giving up (node.failures)
+        self.failures = FailureTracker(
+            config.max_identical_failures, config.backoff_initial_s, config.backoff_max_s, self.rng
+        )
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -131,6 +138,11 @@ class NodeWorker:
         if self._transport is None:
             return "-"
         return self._transport.peer_id
+
+    @property
+    def current_lease(self) -> Lease | None:
+        """The lease being worked on, if any."""
+        return self._current
 
     @property
     def generation_in_flight(self) -> bool:
@@ -223,6 +235,7 @@ class NodeWorker:
         """Stop taking work (graceful shutdown starts; see :meth:`stop`)."""
         if not self._stopping.is_set():
             log.info("stopping: no new leases; submitting or releasing what is in hand")
+        self.phase = "stopping"
         self._stopping.set()
 
     @property
@@ -402,11 +415,15 @@ class NodeWorker:
         tps = f"{s.tokens_per_s:.0f}" if s.tokens_per_s is not None else "-"
         v = self.backend.loaded_version
         state = "stopping" if self.stopping else ("active" if self.active else "standby")
+        if self.failures.gave_up:
+            state = "failed"
+        problem = self.failures.problem
         return (
             f"status: {state} v={'-' if v is None else v} leases={s.leases_done} "
             f"tok/s={tps} accepted={s.leases_accepted} rejected={s.leases_rejected} "
             f"released={s.leases_released} "
             f"reach={self.reachability.state if self.reachability else 'unknown'}"
+            + (f" problem: {problem}" if problem else "")
         )
 
     async def _status_loop(self) -> None:
@@ -419,6 +436,8 @@ class NodeWorker:
         out = dict(vars(self.stats))
         out["policy_version"] = self.backend.loaded_version
         out["active"] = self.active
+        out["problem"] = self.failures.problem
+        out["failed"] = self.failures.gave_up
         return out
 
     # ------------------------------------------------------------------ the work loop
@@ -445,6 +464,11 @@ class NodeWorker:
     async def _work_loop(self) -> None:
         assert self.client is not None
         while not self.stopping:
+            if self.failures.gave_up:  # stays up (heartbeats, adverts, chunks) until stopped
+                self.phase = "stopped taking leases"
+                await self._stopping.wait()
+                break
+            self.phase = "asking for work"
             req = LeaseRequest(
                 peer_id=self.peer_id,
                 policy_version=self.backend.loaded_version,
@@ -458,6 +482,7 @@ class NodeWorker:
             except CoordinatorError as exc:
                 self.stats.coordinator_errors += 1
                 delay = self.backoff.next_delay()
+                self.phase = f"coordinator unreachable, retrying in {delay:.0f} s"
                 log.warning("lease request failed (%s); retrying in %.1f s", exc, delay)
                 await self._sleep(delay)
                 continue
@@ -465,6 +490,7 @@ class NodeWorker:
                 log.info("coordinator reachable again")
             self.backoff.reset()
             if isinstance(got, Standby):
+                self.phase = f"standby: {got.reason}"
                 log.info("standby (%s); asking again in %.1f s", got.reason, got.retry_after_s)
                 await self._sleep(got.retry_after_s)
                 continue
@@ -484,10 +510,12 @@ class NodeWorker:
             return
         if exc.code is ReasonCode.BANNED:
             delay = exc.retry_after_s or self.config.backoff_max_s
+            self.phase = f"banned: {exc.detail}"
             log.error("this node is banned: %s; asking again in %.0f s", exc.detail, delay)
             await self._sleep(delay)
             return
         delay = self.backoff.next_delay()
+        self.phase = f"lease refused ({exc.code.value}), retrying in {delay:.0f} s"
         log.error("lease request refused: %s; retrying in %.1f s", exc, delay)
         await self._sleep(delay)
 
@@ -512,6 +540,7 @@ class NodeWorker:
         except ValueError as exc:
             await self._release(lease, f"unsupported sampling parameters: {exc}")
             return
+        self.phase = f"loading policy v{lease.policy_version}"
         try:
             ok, _ = await self._unless_stopped(self.checkpoints.ensure(lease.policy_version))
         except CheckpointError as exc:
@@ -528,6 +557,7 @@ class NodeWorker:
         started = self.clock()
         t0 = time.perf_counter()
         log.debug("generating lease %s", lease.lease_id)
+        self.phase = f"generating {len(lease.prompts)} prompts × {lease.group_size}"
         generate: Callable[..., list[list[SampleOut]]] = self.backend.generate
         if "greedy" in self.config.misbehave:  # testing only: swarm demo --byzantine
             from node.byzantine import greedy_generate
@@ -537,14 +567,21 @@ class NodeWorker:
         try:
             ok, outs = await self._unless_stopped(asyncio.shield(self._gen_future))
         except Exception as exc:  # a backend failure must not kill the node: give the work back
+            reason = f"generation failed: {type(exc).__name__}: {exc}"
+            delay = self.failures.record(reason)
+            if self.failures.gave_up:
+                log.error("%s; no more leases until this node is restarted", self.failures.problem)
+                await self._release(lease, self.failures.problem or reason)
+                return
             log.exception("generation failed for lease %s", lease.lease_id)
-            await self._release(lease, f"generation failed: {type(exc).__name__}: {exc}")
-            await self._sleep(self.backoff.next_delay())
+            await self._release(lease, self.failures.problem or reason)
+            await self._sleep(delay)
             return
         if not ok or outs is None:
             await self._release(lease, "node shutting down")
             return
         gen_s = time.perf_counter() - t0
+        self.failures.reset()
         sub = self._submission(lease, requests, outs, started, gen_s)
         await self._submit(lease, sub)
 
@@ -593,6 +630,7 @@ class NodeWorker:
     async def _submit(self, lease: Lease, sub: RolloutSubmission) -> None:
         """Submit, retrying network errors until the lease deadline (re-sends are idempotent)."""
         assert self.client is not None
+        self.phase = "submitting rollouts"
         backoff = Backoff(self.config.backoff_initial_s, self.config.backoff_max_s, self.rng)
         while True:
             try:
@@ -618,6 +656,7 @@ class NodeWorker:
         else:
             self.stats.leases_rejected += 1
             self.stats.last_reject = f"{verdict.code.value}: {verdict.detail}"
+            self.stats.last_reject_at = self.clock()
             log.warning("lease %s rejected: %s", lease.lease_id, self.stats.last_reject)
 
     async def _release(self, lease: Lease, reason: str) -> None:

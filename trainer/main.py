@@ -211,6 +211,14 @@ class SwarmPublisher:
 
     async def latest_version(self) -> int | None:
         """The newest version the coordinator holds (``rswarm/status``); None if it has none."""
+        status = await self.status()
+        latest = status.get("policy_version")
+        if latest is not None and (not isinstance(latest, int) or isinstance(latest, bool)):
+            raise CoordinatorError(f"coordinator status has a bad policy_version: {latest!r}")
+        return latest
+
+    async def status(self) -> dict[str, Any]:
+        """The coordinator's status document (``rswarm/status``), retried like a publication."""
         for attempt in range(PUBLISH_ATTEMPTS):
             try:
                 raw = await self.transport.call(
@@ -231,10 +239,7 @@ class SwarmPublisher:
         msg = decode(raw)
         if not isinstance(msg, StatusResponse):
             raise CoordinatorError(f"unexpected answer to status: {type(msg).__name__}")
-        latest = msg.status.get("policy_version")
-        if latest is not None and (not isinstance(latest, int) or isinstance(latest, bool)):
-            raise CoordinatorError(f"coordinator status has a bad policy_version: {latest!r}")
-        return latest
+        return dict(msg.status)
 
 
 def _wire_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
@@ -264,7 +269,13 @@ async def run_trainer(
     stop: asyncio.Event | None = None,
 ) -> int:
     """Join the swarm, publish v0, then train on the coordinator's rollouts until stopped."""
-    from node.model import ModelSpec, config_fingerprint, load_config, load_tokenizer
+    from policy.model import (
+        ModelSpec,
+        config_fingerprint,
+        load_config,
+        load_tokenizer,
+        max_positions,
+    )
     from protocol.identity import parse_fingerprint
     from swarm.adverts import swarm_validators
     from swarm.broadcast import BroadcastNode
@@ -302,9 +313,7 @@ async def run_trainer(
         reach = asyncio.create_task(
             _watch_reachability(transport, peer, coordinator_peer, broadcast), name="reachability"
         )
-        trainer = Trainer.setup(config)
         spec = ModelSpec(path=config.model_path, dtype=config.dtype)
-        source = CoordinatorSource(transport, coordinator_peer, identity)
         publisher = SwarmPublisher(
             transport,
             broadcast,
@@ -314,6 +323,14 @@ async def run_trainer(
             tokenizer_hash=_digest_hex(load_tokenizer(spec).fingerprint()),
             chunk_size=chunk_size,
         )
+        # The sampling contract is the coordinator's: adopt it, or refuse what cannot match.
+        from trainer.contract import adopt_contract
+
+        config, lease_stops = adopt_contract(config, await publisher.status(), max_positions(spec))
+        log.info("sampling contract: %s, stop set %s", config.processing, list(lease_stops))
+        trainer = Trainer.setup(config)
+        trainer.stop_token_ids |= frozenset(lease_stops)
+        source = CoordinatorSource(transport, coordinator_peer, identity)
         # The coordinator may hold a version this trainer has no record of (killed between the
         # coordinator's answer to PublishVersion and published.json): continue after it.
         trainer.sync_published(await publisher.latest_version())
@@ -422,6 +439,7 @@ def run_from_cli(
     from protocol.errors import KeyFileError
     from protocol.identity import parse_fingerprint
     from swarm.errors import BootstrapUnreachable, SwarmError
+    from trainer.contract import ContractError
 
     def error(message: str, code: int) -> int:
         print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
@@ -483,7 +501,7 @@ def run_from_cli(
         return error(f"{where} {out} is not usable: {why}; pass a writable --state-dir", 2)
     import torch
 
-    from swarm.cli import install_fork_signal_reset
+    from swarm.signals import install_fork_signal_reset
 
     torch.set_num_threads(1)
     install_fork_signal_reset()  # the DHT process forks after the signal handlers are set
@@ -503,6 +521,8 @@ def run_from_cli(
         return asyncio.run(main())
     except BootstrapUnreachable as exc:
         return error(f"cannot reach the coordinator at {coordinator}: {exc}", 1)
+    except ContractError as exc:
+        return error(str(exc), 2)
     except (SwarmError, CoordinatorError) as exc:
         return error(str(exc), 1)
     except Exception as exc:  # last resort: the traceback goes to the log, one line to the user
@@ -545,4 +565,10 @@ def _cli_config(config: Path | None, *, state_dir: Path | None, max_steps: int |
         raise ValueError(
             f"{source}: model_path {model!r} is not a local HF model directory (no config.json)"
         )
+    from policy.model import ModelSpec, load_tokenizer
+
+    try:  # a tokenizer without EOS (no sample could end) is refused here, not after start-up
+        load_tokenizer(ModelSpec(path=model))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{source}: {exc}") from exc
     return cfg

@@ -25,7 +25,7 @@ import os
 import shutil
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,8 +42,8 @@ from trainer.loss import (
     entropy_bonus,
     group_advantages,
     policy_loss,
-    token_entropy,
     token_logprobs,
+    token_logprobs_and_entropy,
     weight_stats,
 )
 from trainer.metrics import IdleClock, MetricsWriter
@@ -140,11 +140,17 @@ class Trainer:
         eos_token_id: int,
         dist: DistContext | None = None,
         metrics: MetricsWriter | None = None,
+        stop_token_ids: Collection[int] | None = None,
     ) -> None:
         self.config = config
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
+        #: the leases' stop set: a completion is trained up to its first stop token
+        self.stop_token_ids = frozenset(stop_token_ids or ()) | {eos_token_id}
+        #: temperature/top-p/top-k of the leases: π_θ and π_prox come from the same processed
+        #: distribution as the nodes' μ (trainer/loss.py processed_log_softmax)
+        self.processing = config.processing
         self.dist = dist or DistContext()
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
@@ -180,7 +186,7 @@ class Trainer:
         model: torch.nn.Module | None = None,
     ) -> Trainer:
         """Build model, optimizer and metrics from ``config``; resume from ``out_dir`` if asked."""
-        from node.model import ModelSpec, build_model, load_tokenizer
+        from policy.model import ModelSpec, build_model, load_tokenizer, model_stop_ids
 
         spec = ModelSpec(path=config.model_path, dtype=config.dtype)
         dist = dist or DistContext()
@@ -201,6 +207,7 @@ class Trainer:
             eos_token_id=tok.eos_token_id,
             dist=dist,
             metrics=writer,
+            stop_token_ids=model_stop_ids(spec, tok),
         )
         if config.resume and (latest := trainer.latest_checkpoint()) is not None:
             trainer.load_checkpoint(latest)
@@ -393,7 +400,7 @@ class Trainer:
                 [it[1] for it in local],
                 [it[2] for it in local],
                 pad_token_id=self.pad_token_id,
-                eos_token_id=self.eos_token_id,
+                eos_token_id=self.stop_token_ids,
             )
             out.append(batch.to(self.device))
         return out
@@ -414,8 +421,10 @@ class Trainer:
             logits_to_keep=t_len + 1,
         )
         logits = out.logits[:, :-1]
-        logp = token_logprobs(logits, batch.completion_ids)
-        return logp, token_entropy(logits) if entropy else None
+        if entropy:
+            logp, ent = token_logprobs_and_entropy(logits, batch.completion_ids, **self.processing)
+            return logp, ent
+        return token_logprobs(logits, batch.completion_ids, **self.processing), None
 
     @torch.no_grad()
     def _proximal(self, minibatches: list[TrainBatch | None]) -> list[Tensor | None]:

@@ -209,7 +209,7 @@ def test_forked_children_stay_killable() -> None:
     is terminated that way; it used to inherit asyncio's no-op handler and hang the exit)."""
     code = (
         "import asyncio, multiprocessing as mp, signal, time\n"
-        "from swarm.cli import install_fork_signal_reset\n"
+        "from swarm.signals import install_fork_signal_reset\n"
         "async def main():\n"
         "    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: None)\n"
         "    install_fork_signal_reset()\n"
@@ -256,9 +256,26 @@ def test_node_run_bad_input(run_cli: Runner, tmp_path: Path) -> None:
         ([*good, "--backend", "tpu", *sd], "--backend tpu"),
         ([*good, "--price-per-hour", "-1", *sd], "--price-per-hour -1"),
         ([*good, "--config", str(tmp_path / "missing.toml"), *sd], "no such config file"),
+        ([*good, "--status-port", "70000", *sd], "--status-port 70000"),
     ]:  # fmt: skip
         line = assert_one_error(*run_cli("node", "run", *argv), code=2)
         assert needle in line, (argv, line)
+
+
+def test_node_status_port_in_use_is_one_line_before_joining(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc, out, err = run_sub(
+            "node", "run", "--coordinator", CLOSED, "--coordinator-key", KEY, "--backend", "fake",
+            "--status-port", str(port), "--state-dir", str(tmp_path / "node"), timeout=120,
+        )  # fmt: skip
+    line = assert_one_error(rc, out, err, code=2)
+    assert f"cannot serve the status page on 127.0.0.1:{port}" in line, line
+    assert "--status-port" in line and "coordinator" not in line.split(";")[0], line
 
 
 def test_node_run_vllm_without_gpu(run_cli: Runner, tmp_path: Path) -> None:
