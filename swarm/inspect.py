@@ -96,7 +96,6 @@ async def snapshot(peer: Any, coordinator_peer: str | None, timeout: float) -> d
 #: Terminal width from which ``render`` adds the wide-screen columns.
 WIDE = 120
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-_REACH = {"public": "pub", "private": "priv", "unknown": "?", "relayed": "relay"}
 
 
 def _hardware(n: dict[str, Any]) -> str:
@@ -160,7 +159,8 @@ def render(view: dict[str, Any], width: int = 80) -> Any:
     nodes.add_column("$/h", justify="right", no_wrap=True)
     nodes.add_column("ver", justify="right", no_wrap=True)
     nodes.add_column("state", no_wrap=True)
-    nodes.add_column("reach", no_wrap=True)  # measured by the coordinator's dial-back
+    if wide:  # measured by the coordinator's dial-back (also in --json at any width)
+        nodes.add_column("reach", no_wrap=True)
     nodes.add_column("seen", justify="right", no_wrap=True)
     if wide:
         nodes.add_column("software", no_wrap=True)
@@ -178,7 +178,7 @@ def render(view: dict[str, Any], width: int = 80) -> Any:
             "free" if price is None else f"{price:.2f}",
             _version(n["policy_version"]),
             n["state"],
-            n["reachability"] if wide else _REACH.get(n["reachability"], n["reachability"]),
+            *([n["reachability"]] if wide else []),
             fmt_duration(n["last_seen_s"]),
         ]
         if wide:
