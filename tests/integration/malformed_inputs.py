@@ -26,6 +26,7 @@ from protocol.codec import decode, encode
 from protocol.envelope import signed_bytes
 from protocol.errors import ProtocolError
 from protocol.identity import Identity
+from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
     CapabilityAdvert,
     ChunkRequest,
@@ -37,6 +38,7 @@ from protocol.messages import (
     LeaseRequest,
     Manifest,
     ManifestRequest,
+    Message,
     PublishVersion,
     Register,
     Reject,
@@ -50,11 +52,12 @@ from protocol.messages import (
     pack_tokens,
 )
 from swarm.broadcast import CHUNK_ANY_RPC, CHUNK_RPC, EXCHANGE_RPC, MANIFEST_RPC
-from swarm.reachability import DIALBACK_RPC, DialbackRequest
+from swarm.reachability import DIALBACK_RPC, DialbackReply, DialbackRequest
 from swarm.transport import DEFAULT_MAX_REQUEST, decode_error
-from swarm.wire import ChunkAnyRequest, ExchangeRequest
+from swarm.wire import TABLE_OVERHEAD, ChunkAnyRequest, ExchangeReply, ExchangeRequest
 
 HEADER = struct.Struct(">I")
+ANSWER_LIMITS = Limits(control_frame=DEFAULT_LIMITS.chunk_frame + TABLE_OVERHEAD)
 COORD_SIGNED = (rpc.REGISTER, rpc.HEARTBEAT, rpc.LEASE, rpc.SUBMIT, rpc.RELEASE)
 TRAINER_SIGNED = (rpc.PUBLISH, rpc.FETCH)
 COORD_METHODS = (*COORD_SIGNED, *TRAINER_SIGNED, rpc.STATUS)
@@ -154,7 +157,8 @@ async def exchange(
         err = decode_error(body[1:])
         return Outcome("error", err.code, seconds, err.detail)
     try:
-        msg = decode(body[1:])
+        # the protocol's messages, or the swarm-local answers of the exchange and dial-back
+        msg = decode(body[1:], Message | ExchangeReply | DialbackReply, ANSWER_LIMITS)
     except ProtocolError as exc:
         return Outcome("bad-answer", exc.code.value, seconds, exc.detail)
     if isinstance(msg, Reject):
