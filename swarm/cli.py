@@ -225,6 +225,13 @@ def trainer_run(
         Path | None, typer.Option(help="Directory for checkpoints, key and metrics.")
     ] = None,
     max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps.")] = None,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            help="Shard the trainer (FSDP2) over N processes on this machine: one per GPU "
+            "(NCCL), or CPU processes (gloo). Across machines use torchrun: docs/trainer.md."
+        ),
+    ] = None,
 ) -> None:
     """Consume verified rollouts, train with GRPO, publish checkpoints every kappa steps."""
     from trainer.main import run_from_cli
@@ -236,6 +243,7 @@ def trainer_run(
             coordinator_key=coordinator_key,
             state_dir=state_dir,
             max_steps=max_steps,
+            nproc=nproc,
         )
     )
 

@@ -57,6 +57,25 @@ class TrainerConfig(BaseModel):
     )
     ppo_epochs: int = Field(1, ge=1, description="Passes over the batch per learner step.")
 
+    # --- memory (one process or several, see docs/trainer.md "Scale-out") -------------------
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Token budget of one forward/backward pass: a rank's share of a minibatch "
+        "is split into micro-batches of at most this many padded tokens (rows × padded length) "
+        "whose gradients accumulate; None = the whole share in one pass.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in backward instead of keeping "
+        "them (less memory, about one more forward of compute).",
+    )
+    autocast: Literal["off", "bf16"] = Field(
+        "off",
+        description="'bf16': forward and backward under torch.autocast(bfloat16) (for GPUs); "
+        "weights, gradients and optimizer state stay in `dtype`, log-probs in fp32.",
+    )
+
     # --- staleness -------------------------------------------------------------------------
     max_staleness: int = Field(
         4,

@@ -318,9 +318,26 @@ def test_trainer_run_bad_input(run_cli: Runner, tmp_path: Path) -> None:
         ([*good, "--config", str(tmp_path / "bad.toml")], "not valid TOML"),
         ([*good, "--config", str(tmp_path / "unknown.toml")], "bogus_key"),
         ([*good, "--max-steps", "0"], "--max-steps 0"),
+        ([*good, "--nproc", "0"], "--nproc 0"),
     ]:
         line = assert_one_error(*run_cli("trainer", "run", *argv), code=2)
         assert needle in line, (argv, line)
+
+
+def test_trainer_run_nproc_under_torchrun(
+    run_cli: Runner, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # torchrun already started the ranks: one line from rank 0, the same exit code, no line from
+    # the others (bad input is the same on every rank).
+    argv = ["--coordinator", CLOSED, "--coordinator-key", KEY, "--nproc", "2"]
+    argv += ["--state-dir", str(tmp_path / "t")]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    line = assert_one_error(*run_cli("trainer", "run", *argv), code=2)
+    assert "drop --nproc" in line
+    monkeypatch.setenv("RANK", "1")
+    code, out, err = run_cli("trainer", "run", *argv)
+    assert code == 2 and "error:" not in out + err
 
 
 def test_trainer_run_unreachable_coordinator(tmp_path: Path) -> None:
