@@ -19,7 +19,7 @@ import pytest
 from protocol.identity import Identity
 from protocol.manifest import build_manifest, sign_manifest
 from swarm.chunks import ChunkStore
-from swarm.netns import Host, Topology
+from swarm.netns import Host, Topology, iptables_command
 from swarm.peerproc import PeerProcess
 
 CHUNK = 256 * 1024
@@ -116,6 +116,14 @@ async def test_only_unreachable_holders_fall_back_to_the_seed_in_bounded_time(
         for i, kind in enumerate(("cone", "symmetric"))
     ]
     r_host = topology.add_public("r")
+    # The ghosts must not reach r either: they are DHT servers, and once r joins, their holder
+    # announcements (DHT stores to the nearest peers) open connections to r that r's p2pd would
+    # reuse, so r could fetch from them after all (it did, under load). A holder that cannot be
+    # dialled and never dials you is what this test is about.
+    ipt = iptables_command()
+    assert ipt is not None  # the topology fixture checked it
+    for h in ghost_hosts:
+        r_host.run(ipt, "-A", "INPUT", "-s", h.public_ip, "-p", "tcp", "--syn", "-j", "DROP")
     swarm = Swarm(topology, tmp_path, coord)
     try:
         seed = await swarm.start(seed_host, "seed")
