@@ -20,6 +20,7 @@ Two kinds of link (``--net``):
   (token bucket).
 
     python bench/broadcast.py --suite record        # the netns tables of docs/benchmarks.md
+    python bench/broadcast.py --suite loss          # 50 ms each way, 0.1% loss (N = 4, 8)
     python bench/broadcast.py --suite nat           # N = 8 with 0, 4, 8 receivers behind NAT
     python bench/broadcast.py --suite loopback      # the loopback table and docs/broadcast.png
     python bench/broadcast.py --net netns --delay-ms 20 --ns 8 --modes peer --no-report
@@ -328,9 +329,14 @@ def report_record(args: argparse.Namespace, results: list[Result]) -> None:
     links = list(dict.fromkeys(r.link for r in results))
     ns = sorted({r.n for r in results})
     default = (args.size_mib, args.cap_mib, args.chunk_kib) == (64.0, 10.0, 1024.0)
-    title = "" if default else ", other sizes"
+    if args.suite == "loss":
+        section, title = "broadcast-netns-loss", ", 50 ms each way and 0.1% loss"
+    else:
+        section = "broadcast-netns" if default else "broadcast-netns-small"
+        title = "" if default else ", other sizes"
     lines = [
-        f"## Checkpoint broadcast on namespace links{title} (`bench/broadcast.py --suite record`)",
+        f"## Checkpoint broadcast on namespace links{title} "
+        f"(`bench/broadcast.py --suite {args.suite}`)",
         "",
         "Figure of record. Every peer in its own network namespace, veth pairs on a bridge, each "
         "uplink shaped by the kernel (`tc tbf`, 50 ms queue); delay added by a userspace NFQUEUE "
@@ -354,7 +360,7 @@ def report_record(args: argparse.Namespace, results: list[Result]) -> None:
     lines += ["", f"Command: `{args.command}`"]
     if args.note:
         lines += ["", args.note]
-    write_section("broadcast-netns" if default else "broadcast-netns-small", "\n".join(lines))
+    write_section(section, "\n".join(lines))
 
 
 def report_nat(args: argparse.Namespace, results: list[Result]) -> None:
@@ -439,6 +445,12 @@ SUITES = {
         ["peer"],
         [4, 8],
     ),
+    # the last row: a long, lossy path (each way), with and without the exchange's tables
+    "loss": (
+        [Link(delay_ms=50.0, loss=0.001), Link(delay_ms=50.0, loss=0.001, dht_only=True)],
+        ["peer"],
+        [4, 8],
+    ),
     "nat": ([Link(nat=0), Link(nat=4), Link(nat=8)], ["peer"], [8]),
     "loopback": ([Link(net="loopback")], ["star", "peer"], [1, 2, 4, 8]),
 }
@@ -488,9 +500,8 @@ def main() -> None:
     print(json.dumps({"runs": len(results), "failed": len(failed)}))
     if args.no_report or not args.suite:
         return
-    {"record": report_record, "nat": report_nat, "loopback": report_loopback}[args.suite](
-        args, results
-    )
+    reports = {"record": report_record, "loss": report_record, "nat": report_nat}
+    reports.get(args.suite, report_loopback)(args, results)
     print(f"wrote the {args.suite} section of docs/benchmarks.md")
 
 
