@@ -63,6 +63,7 @@ class ReasonCode(StrEnum):
     LOGPROB_MISMATCH = "logprob_mismatch"
     SAMPLING_MISMATCH = "sampling_mismatch"
     REWARD_MISMATCH = "reward_mismatch"
+    REGISTRATION_MISMATCH = "registration_mismatch"
     DUPLICATE = "duplicate"
     # checkpoints
     CHUNK_HASH_MISMATCH = "chunk_hash_mismatch"

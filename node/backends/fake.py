@@ -32,6 +32,8 @@ class FakeBackend(InferenceBackend):
     """Deterministic, model-free backend (see module docstring)."""
 
     name = "fake"
+    #: not the swarm's rule (no model, no logits): tests only, with the spot check off
+    sampling_rule = "fake"
 
     def __init__(
         self,

@@ -7,13 +7,14 @@ no logits processors to keep in sync (DESIGN §10: generate's top_k=50 default, 
 raw logits).
 
 Loop: requests are left-padded and prefilled once per prompt (not once per sample); the cache is
-then expanded to the ``n`` samples of each request. Every step computes fp32
-:func:`policy.draw.processed_logprobs` of the last logits, draws the token by inverse-CDF with a
-uniform taken from the sample's own ``torch.Generator`` (seeded by
-:func:`~policy.sampling.sample_seed`), records its log-prob, and feeds it back with
-``position_ids = cumsum(mask) - 1``. A sample ends at the first stop/EOS token (kept) or at
-``max_new_tokens``; the loop ends when every row has. Finished rows are dropped from the batch
-when at least half of the live rows are done, so long tails do not pay for finished samples.
+then expanded to the ``n`` samples of each request. Every step draws each row's token with
+:func:`policy.draw.draw_tokens` (the swarm's sampling rule: fp32 processed distribution of the
+last logits, inverse-CDF at the sample's uniform for this position, from
+:func:`policy.draw.sample_uniforms` of its :func:`~policy.sampling.sample_seed`), records its
+log-prob, and feeds it back with ``position_ids = cumsum(mask) - 1``. A sample ends at the first
+stop/EOS token (kept) or at ``max_new_tokens``; the loop ends when every row has. Finished rows
+are dropped from the batch when at least half of the live rows are done, so long tails do not pay
+for finished samples.
 
 Threads: torch's process-wide thread setting is respected, never changed here.
 """
@@ -33,7 +34,7 @@ from node.backends.base import (
     SamplingConfig,
     sample_seed,
 )
-from policy.draw import inverse_cdf, processed_logprobs, sample_uniforms
+from policy.draw import SAMPLING_RULE, draw_tokens, sample_uniforms
 from policy.model import ModelSpec, build_model, load_weights
 from policy.scoring import cache_kwarg
 
@@ -66,6 +67,7 @@ class HFBackend(InferenceBackend):
     """transformers model + batched KV-cache sampling (see module docstring)."""
 
     name = "hf"
+    sampling_rule = SAMPLING_RULE
 
     def __init__(
         self,
@@ -191,10 +193,15 @@ class HFBackend(InferenceBackend):
         next_pos = mask.sum(-1)  # position of the next token of each batch row
         done = torch.zeros((n_rows,), dtype=torch.bool, device=dev)  # per batch row
         for t in range(steps):
-            logp = processed_logprobs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-            tok = inverse_cdf(logp.exp(), uniforms.index_select(0, live)[:, t])
+            tok, tok_logp = draw_tokens(
+                logits,
+                uniforms.index_select(0, live)[:, t],
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+            )
             tokens[live, t] = tok
-            logps[live, t] = logp.gather(1, tok.unsqueeze(1)).squeeze(1)
+            logps[live, t] = tok_logp
             hit = torch.isin(tok, stop_ids) & ~done
             if bool(hit.any()):
                 rows_hit = live[hit]

@@ -10,6 +10,12 @@ Correctness choices (all checked by ``tests/unit/test_backends_vllm.py``, marker
   accepted, where raw == processed; anything else raises instead of returning wrong log-probs.
 - seeds: each sample is its own vLLM request with ``n=1`` and ``seed=sample_seed(seed, j)``
   (prefix caching shares the prompt's KV across the group), so samples do not depend on ``n``.
+- sampling rule: not yet the swarm's. vLLM draws with its own sampler (torch RNG), so its tokens
+  are not ``policy.draw.draw_tokens`` at the sample's seeded uniforms and the coordinator's replay
+  refuses them; :attr:`sampling_rule` is None and a node will not run this backend until a vLLM
+  sampler (logits processor) calls ``draw_tokens`` with ``sample_uniforms(sample seed)[t]`` for
+  each row's position ``t`` and sets ``sampling_rule = policy.draw.SAMPLING_RULE`` (the vLLM
+  issue).
 - EOS: the engine runs with ``skip_tokenizer_init=True`` (token ids in, token ids out), where
   vLLM does not know the EOS id, so EOS ids are always passed as ``stop_token_ids``; vLLM keeps
   the stop token in ``token_ids``.
@@ -52,6 +58,8 @@ class VLLMBackend(InferenceBackend):
     """vLLM engine wrapper (see module docstring)."""
 
     name = "vllm"
+    #: vLLM's own sampler, not policy.draw.draw_tokens yet (see the module docstring)
+    sampling_rule: str | None = None
 
     def __init__(
         self,
