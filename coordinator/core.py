@@ -617,11 +617,26 @@ class Coordinator:
                     ReasonCode.VERSION_NOT_NEWER,
                     f"version {manifest.version} is not newer than {latest}",
                 )
+            self._check_delta_base(manifest)
             self.store.put_version(manifest.version, encode(manifest_env), self.clock())
         fault_point("publish.after_commit")
         self._g_version.set(manifest.version)
         log.info("published policy version %d", manifest.version)
         return manifest
+
+    def _check_delta_base(self, manifest: Manifest) -> None:
+        """A delta version must name, by its exact root hash, a version published here: the
+        swarm could not apply it otherwise (the trainer then publishes a keyframe)."""
+        if manifest.delta is None:
+            return
+        base, raw = manifest.delta.base_version, self.store.get_version(manifest.delta.base_version)
+        held = None if raw is None else decode(decode(raw, SignedEnvelope).payload, Manifest)
+        if held is None or held.root_hash != manifest.delta.base_root_hash:
+            why = "was never published here" if held is None else "was published with other bytes"
+            raise Rejection(
+                ReasonCode.DELTA_BASE_MISSING,
+                f"v{manifest.version} is a delta against v{base}, which {why}; publish a keyframe",
+            )
 
     # --- capacity --------------------------------------------------------------------------------
     def alive_nodes(self) -> list[NodeRecord]:

@@ -36,7 +36,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Set
+from collections.abc import Callable, Coroutine, Iterable, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +122,7 @@ class Transfer:
         exchange_rpc: str | None = None,
         book: HolderBook | None = None,
         dialable: Callable[[], bool] = lambda: True,
+        wanted: Iterable[int] | None = None,
     ) -> None:
         self.m = manifest
         self.transport, self.store, self.directory = transport, store, directory
@@ -137,7 +138,10 @@ class Transfer:
         self.reply_limits = Limits(
             control_frame=manifest.chunk_size + CHUNK_FRAME_OVERHEAD + TABLE_OVERHEAD
         )
-        self.missing = set(range(self.n)) - store.have(manifest.version)
+        #: the chunks this transfer is for (one part of the version; default every chunk)
+        self.wanted = set(range(self.n)) if wanted is None else set(wanted)
+        self.missing = self.wanted - store.have(manifest.version)
+        self.total_bytes = sum(manifest.chunks[i].size for i in self.wanted)
         self.holders: dict[str, frozenset[int]] = {}
         #: chunks a peer announced but answered "not_held" for: its claim is ignored from then on
         self.denied: dict[str, set[int]] = {}
@@ -149,7 +153,7 @@ class Transfer:
         self.hedged: set[int] = set()  # chunk indices already asked of a second peer
         self.seed_failures = 0
         self.seed_failing_since: float | None = None
-        self.done_bytes = sum(manifest.chunks[i].size for i in store.have(manifest.version))
+        self.done_bytes = self.total_bytes - sum(manifest.chunks[i].size for i in self.missing)
         self.sources: Counter[str] = Counter()  # chunks received per peer (for stats)
         self.bad: dict[str, str] = {}  # peers that served a bad chunk here -> reason code
         self.shunned: set[str] = set()  # holders skipped: they served bad data before
@@ -473,7 +477,7 @@ class Transfer:
 
     def _progress(self) -> None:
         if self.on_progress is not None:
-            self.on_progress(self.done_bytes, self.m.total_size)
+            self.on_progress(self.done_bytes, self.total_bytes)
 
     def _missing_msg(self, why: str) -> str:
         missing = sorted(self.missing)

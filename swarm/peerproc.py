@@ -199,6 +199,8 @@ async def _download(node: object, args: argparse.Namespace) -> None:
             "stalls": transfer.stalls,
             "timeline": [(round(t - t0, 3), i, p) for t, i, p in transfer.timeline],
         }
+    if node.sync.last is not None:  # "full", "delta", "chain" or "held" (swarm.deltasync)
+        stats["path"] = node.sync.last.path
     print(f"DONE {done_at} {json.dumps(stats)}", flush=True)
 
 

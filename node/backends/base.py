@@ -21,7 +21,7 @@ This module imports neither torch nor vLLM.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -102,8 +102,16 @@ class InferenceBackend(ABC):
     sampling_rule: str | None = None
 
     @abstractmethod
-    def load_state_dict(self, version: int, state_dict: Mapping[str, Any]) -> None:
-        """Swap the weights in place to checkpoint ``version`` (name -> tensor, HF names)."""
+    def load_state_dict(
+        self,
+        version: int,
+        state_dict: Mapping[str, Any],
+        changed: Collection[str] | None = None,
+    ) -> None:
+        """Swap the weights in place to checkpoint ``version`` (name -> tensor, HF names).
+
+        ``changed`` names the tensors that differ from the loaded version (their signed digests
+        differ; the others are bit-identical): a backend may update only those. None = all."""
 
     @abstractmethod
     def generate(

@@ -15,7 +15,7 @@ import hashlib
 import json
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,12 @@ class FakeBackend(InferenceBackend):
         self.loaded_version = None
         self.generate_calls = 0
 
-    def load_state_dict(self, version: int, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(
+        self,
+        version: int,
+        state_dict: Mapping[str, Any],
+        changed: Collection[str] | None = None,
+    ) -> None:
         self.loaded_version = version
 
     def generate(

@@ -22,7 +22,7 @@ Threads: torch's process-wide thread setting is respected, never changed here.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -101,10 +101,27 @@ class HFBackend(InferenceBackend):
         self._cache_kw = cache_kwarg(self.model)
 
     # ------------------------------------------------------------------ weights
-    def load_state_dict(self, version: int, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(
+        self,
+        version: int,
+        state_dict: Mapping[str, Any],
+        changed: Collection[str] | None = None,
+    ) -> None:
         with torch.no_grad():
-            load_weights(self.model, dict(state_dict))
+            if changed is None or self.loaded_version is None:
+                load_weights(self.model, dict(state_dict))
+            else:
+                self._update(state_dict, changed)
         self.loaded_version = version
+
+    def _update(self, state_dict: Mapping[str, Any], changed: Collection[str]) -> None:
+        """Copy only the ``changed`` tensors into the model's parameters and buffers."""
+        targets = dict(self.model.named_parameters(remove_duplicate=False))
+        targets |= dict(self.model.named_buffers(remove_duplicate=False))
+        if unknown := [n for n in changed if n not in targets or n not in state_dict]:
+            raise ValueError(f"checkpoint does not fit the model: unexpected={sorted(unknown)}")
+        for name in changed:
+            targets[name].copy_(state_dict[name])
 
     # ------------------------------------------------------------------ sampling
     def generate(

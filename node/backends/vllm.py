@@ -34,7 +34,7 @@ import gc
 import logging
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -161,17 +161,27 @@ class VLLMBackend(InferenceBackend):
         return Path(self._tmp.name)
 
     # ------------------------------------------------------------------ weights
-    def load_state_dict(self, version: int, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(
+        self,
+        version: int,
+        state_dict: Mapping[str, Any],
+        changed: Collection[str] | None = None,
+    ) -> None:
         from safetensors.torch import save_file
 
         tensors: dict[str, Any] = {}
         seen: set[int] = set()
         for name, tensor in state_dict.items():
+            if changed is not None and name not in changed:
+                continue  # bit-identical to the loaded version: vLLM keeps it (issue 20)
             t = tensor.detach().to("cpu").contiguous()
             if t.data_ptr() in seen:  # tied weights share storage; safetensors refuses that
                 t = t.clone()
             seen.add(t.data_ptr())
             tensors[name] = t
+        if not tensors:  # nothing changed
+            self.loaded_version = version
+            return
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, path = tempfile.mkstemp(prefix="rollout-swarm-weights-", suffix=".safetensors", dir=shm)
         os.close(fd)
