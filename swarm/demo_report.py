@@ -51,7 +51,8 @@ class LiveView:
                 f"exact {_fmt(s.get('trainer_exact_match'))} "
                 f"staleness {_fmt(s.get('trainer_staleness_mean'), '.2f')} "
                 f"accepted {_fmt(s.get('rollouts_accepted'))} "
-                f"rejected {sum((s.get('rejected_by_reason') or {}).values()):.0f}",
+                f"rejected {sum((s.get('rejected_by_reason') or {}).values()):.0f} | "
+                f"{monitor_line(s)}",
                 flush=True,
             )
 
@@ -75,6 +76,18 @@ class LiveView:
             _fmt(s.get("rollouts_accepted")),
             _fmt(sum((s.get("rejected_by_reason") or {}).values()), ".0f"),
         )
+        health = Table(title="learning stability (trainer/monitors.py)", show_header=True)
+        for col in ("ESS/n", "mismatch KL", "clip frac", "mask frac", "grad norm", "warning"):
+            health.add_column(col, justify="right" if col != "warning" else "left")
+        warning = s.get("trainer_stability_warning") or ""
+        health.add_row(
+            _fmt(s.get("trainer_ess_frac")),
+            _fmt(s.get("trainer_mismatch_kl")),
+            _fmt(s.get("trainer_clip_frac")),
+            _fmt(s.get("trainer_mask_frac")),
+            _fmt(s.get("trainer_grad_norm"), ".2f"),
+            f"[bold red]{warning}[/]" if warning else "ok",
+        )
         nodes = Table(show_header=True)
         for col in ("node", "state", "tokens/s", "leases done", "last seen"):
             nodes.add_column(col)
@@ -88,7 +101,7 @@ class LiveView:
                 f"{_fmt((s.get('node_last_seen_s') or {}).get(fp), '.1f')}s ago",
             )
         rejected = s.get("rejected_by_reason") or {}
-        parts: list[Any] = [head, nodes]
+        parts: list[Any] = [head, health, nodes]
         if rejected:
             rej = Table(title="rejected by reason", show_header=True)
             rej.add_column("reason")
@@ -97,6 +110,17 @@ class LiveView:
                 rej.add_row(reason, f"{count:.0f}")
             parts.append(rej)
         return Group(*parts)
+
+
+def monitor_line(s: dict[str, Any]) -> str:
+    """The trainer's stability monitors from a /status document, on one line."""
+    warning = s.get("trainer_stability_warning") or ""
+    return (
+        f"ESS/n {_fmt(s.get('trainer_ess_frac'), '.2f')} KL {_fmt(s.get('trainer_mismatch_kl'))} "
+        f"clip {_fmt(s.get('trainer_clip_frac'))} mask {_fmt(s.get('trainer_mask_frac'))} "
+        f"|g| {_fmt(s.get('trainer_grad_norm'), '.2f')}"
+        + (f" WARNING: {warning}" if warning else "")
+    )
 
 
 def plot(demo: Demo) -> str | None:
@@ -140,6 +164,8 @@ def summarise(demo: Demo, reason: str) -> str:
     rejected = s.get("rejected_by_reason") or {}
     banned = s.get("nodes_banned") or []
     elapsed = time.monotonic() - demo.t0
+    warnings = [r.get("stability_warning") for r in demo.curve if r.get("stability_warning")]
+    warned, last_warning = len(warnings), (warnings[-1] if warnings else "")
     reached = (
         f"reached exact match {demo.opts.target:.2f} after {demo.reached_at:.0f}s"
         if demo.reached_at is not None
@@ -155,7 +181,9 @@ def summarise(demo: Demo, reason: str) -> str:
         f"{s.get('rollouts_accepted') or 0} rollouts and rejected "
         f"{sum(rejected.values()):.0f} submissions"
         f"{_reasons(rejected)}"
-        f"; banned nodes: {len(banned)}. Plot: {png or 'none'}; logs: {demo.logs}."
+        f"; banned nodes: {len(banned)}. Stability warnings on {warned} of {len(demo.curve)} "
+        f"learner steps seen{f' (last: {last_warning})' if last_warning else ''}. "
+        f"Plot: {png or 'none'}; logs: {demo.logs}."
     )
     figures = {
         "reason": reason,

@@ -47,11 +47,17 @@ from trainer.loss import (
     weight_stats,
 )
 from trainer.metrics import IdleClock, MetricsWriter
+from trainer.monitors import monitor_from_config
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 PUBLISHED_FILE = "published.json"
+#: :class:`~trainer.loss.WeightStats` sums accumulated over a step's minibatches.
+_WEIGHT_SUMS = (
+    "kl_sum", "kl_k1_sum", "m2_sum", "modified", "zeroed_tokens", "w_sum", "w_sq_sum", "units",
+    "tokens",
+)  # fmt: skip
 
 
 class RolloutSource(Protocol):
@@ -167,6 +173,8 @@ class Trainer:
         self._pending: dict[str, list[Rollout]] = {}
         self._dropped_at_fetch = 0
         self.idle = IdleClock()
+        #: rolling stability checks; each step's record carries its ``stability_warning``.
+        self.monitor = monitor_from_config(config)
         #: called with each step's metrics record (after it is written), e.g. to report upstream.
         self.on_step: list[Callable[[dict[str, Any]], None]] = []
 
@@ -365,6 +373,7 @@ class Trainer:
         self.step += 1
         self.version += 1
         record = self._record(flat, staleness, admitted, sums, updates, time.monotonic() - t0)
+        record["stability_warning"] = self.monitor.observe(record)
         if self.metrics is not None:
             self.metrics.write(record)
         for callback in self.on_step:
@@ -437,9 +446,11 @@ class Trainer:
             mode=cfg.weight_mode,
             level=cfg.weight_level,
             decay=cfg.staleness_decay,
+            cap_low=cfg.weight_cap_low,
+            m2_threshold=cfg.m2_threshold,
         )
         st = weight_stats(prox, mb.behaviour_logprobs, mb.completion_mask, bw, cfg.weight_level)
-        for key in ("kl_sum", "kl_k1_sum", "modified", "w_sum", "w_sq_sum", "units", "tokens"):
+        for key in _WEIGHT_SUMS:
             sums[key] += getattr(st, key)
         return bw.weights
 
@@ -494,10 +505,7 @@ class Trainer:
         updates: int,
         step_time: float,
     ) -> dict[str, Any]:
-        keys = [
-            "kl_sum", "kl_k1_sum", "modified", "w_sum", "w_sq_sum", "units", "tokens",
-            "loss", "entropy_sum", "clipped", "update_tokens", "grad_norm",
-        ]  # fmt: skip
+        keys = [*_WEIGHT_SUMS, "loss", "entropy_sum", "clipped", "update_tokens", "grad_norm"]
         g = dict(zip(keys, self.dist.sum_floats([sums[k] for k in keys]), strict=True))
         rewards = [float(r.reward) for r in flat]
         n = max(1, len(rewards))
@@ -522,7 +530,9 @@ class Trainer:
             "clip_frac": g["clipped"] / max(1.0, g["update_tokens"]),
             "mismatch_kl": g["kl_sum"] / tokens,
             "mismatch_kl_k1": g["kl_k1_sum"] / tokens,
+            "mismatch_m2": g["m2_sum"] / tokens,
             "weight_modified_frac": g["modified"] / max(1.0, g["units"]),
+            "mask_frac": g["zeroed_tokens"] / tokens,
             "ess": ess,
             "ess_frac": ess / g["units"] if g["units"] > 0 else 0.0,
             "grad_norm": g["grad_norm"] / max(1, updates),

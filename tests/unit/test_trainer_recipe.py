@@ -94,6 +94,23 @@ def test_step_metrics_are_written(tmp_path: Path) -> None:
     assert text.get_sample_value("trainer_rollout_staleness_count") == 16.0
 
 
+def test_stability_monitors_are_in_every_record_and_warn(tmp_path: Path) -> None:
+    # behaviour log-probs ≈ −3.1 against the untrained model's ≈ −ln 26 = −3.26: a small, nonzero
+    # mismatch; a KL bound below it warns from the first step (window 1), one above it does not.
+    quiet = _trainer(tmp_path / "a", warn_window=1, warn_mismatch_kl_above=10.0)
+    rec = quiet.train_step(make_rollouts(3, 4, 4, version=0))
+    for key in ("ess_frac", "mismatch_kl", "clip_frac", "mask_frac", "grad_norm", "mismatch_m2"):
+        assert isinstance(rec[key], float), key
+    assert rec["stability_warning"] == ""
+    loud = _trainer(tmp_path / "b", warn_window=1, warn_mismatch_kl_above=1e-6)
+    rec = loud.train_step(make_rollouts(3, 4, 4, version=0))
+    assert rec["stability_warning"].startswith("mismatch_kl ")
+    # masking every token (band [0.99, 1.01] around ratios far from 1) shows in mask_frac
+    masked = _trainer(tmp_path / "c", weight_mode="mask", weight_cap=1.01, weight_cap_low=0.99)
+    rec = masked.train_step(make_rollouts(3, 4, 4, version=0))
+    assert rec["mask_frac"] > 0.5 and rec["weight_modified_frac"] > 0.5
+
+
 def test_run_loop_publishes_every_kappa_and_resumes(tmp_path: Path) -> None:
     cfg_kw = {"max_staleness": 3, "publish_every": 2, "checkpoint_every": 2, "max_steps": 3}
     tr = _trainer(tmp_path, **cfg_kw)
