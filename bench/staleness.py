@@ -271,7 +271,7 @@ def build_specs(args: argparse.Namespace, base: dict[str, Any]) -> list[Spec]:
         for s in args.S:
             # At S = 0 the behaviour policy is π_prox itself: every option gives w ≡ 1 (up to
             # rounding), so S = 0 is run once per seed, with the first option named.
-            options = args.options[:1] if s == 0 else args.options
+            options = args.options[:1] if s == 0 and not args.s0_all else args.options
             for opt in options:
                 for seed in args.seeds:
                     specs.append(
@@ -301,6 +301,9 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=None, help="override the task's cap")
     parser.add_argument("--post-steps", type=int, default=None, help="override the task's")
     parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument(
+        "--s0-all", action="store_true", help="run every option at S = 0 (e.g. optimizer variants)"
+    )
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--lag", choices=["fixed", "uniform"], default="fixed")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (at most 2 here)")

@@ -113,6 +113,13 @@ class TrainerConfig(BaseModel):
     # --- optimizer -------------------------------------------------------------------------
     lr: float = Field(5e-4, gt=0.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    adam_beta2: float = Field(
+        0.999,
+        gt=0.0,
+        lt=1.0,
+        description="AdamW β2 (decay of the squared-gradient average); lower reacts faster to a "
+        "gradient spike, so one outlier batch moves the weights less.",
+    )
     max_grad_norm: float | None = Field(
         1.0, gt=0.0, description="Clip the global gradient norm to this; None disables."
     )

@@ -156,6 +156,7 @@ class Trainer:
             [p for p in model.parameters() if p.requires_grad],
             lr=config.lr,
             weight_decay=config.weight_decay,
+            betas=(0.9, config.adam_beta2),
         )
         self.out_dir = Path(config.out_dir)
         self.metrics = metrics
@@ -605,7 +606,7 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint`. The version becomes
         ``max(saved version, last published version)`` so it never goes back. The optimizer's
-        moments come back; its learning rate and weight decay are this run's config's."""
+        moments come back; its learning rate, weight decay and β2 are this run's config's."""
         from safetensors.torch import load_model
 
         state = json.loads((path / "state.json").read_text())
@@ -615,6 +616,7 @@ class Trainer:
         for group in self.optimizer.param_groups:  # the config wins over the saved values
             group["lr"] = self.config.lr
             group["weight_decay"] = self.config.weight_decay
+            group["betas"] = (group["betas"][0], self.config.adam_beta2)
         self.step = int(state["step"])
         published = state.get("published_version")
         logged = self._logged_published()
