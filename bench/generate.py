@@ -29,8 +29,8 @@ from _report import write_section  # noqa: E402
 
 from node.backends import GenerationRequest, SamplingConfig  # noqa: E402
 from node.backends.hf import HFBackend  # noqa: E402
-from node.model import CharTokenizer, ModelSpec, build_model, scaled_config  # noqa: E402
-from node.scoring import cache_kwarg, left_pad  # noqa: E402
+from policy.model import CharTokenizer, ModelSpec, build_model, scaled_config  # noqa: E402
+from policy.scoring import cache_kwarg, left_pad  # noqa: E402
 
 SECTION = "generate"
 

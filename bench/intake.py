@@ -47,8 +47,8 @@ from coordinator.store import Store
 from coordinator.tasks import make_task
 from node.backends import GenerationRequest, SamplingConfig
 from node.backends.hf import HFBackend
-from node.model import CharTokenizer, ModelSpec, build_model
 from node.rollouts import wire_samples
+from policy.model import CharTokenizer, ModelSpec, build_model
 from protocol.codec import decode, encode
 from protocol.envelope import seal
 from protocol.identity import Identity

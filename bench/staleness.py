@@ -132,7 +132,7 @@ def run_one(spec: Spec) -> dict[str, Any]:
     from coordinator.tasks import make_task
     from node.backends.base import GenerationRequest, SamplingConfig
     from node.backends.hf import HFBackend
-    from node.model import CharTokenizer, ModelSpec, build_model
+    from policy.model import CharTokenizer, ModelSpec, build_model
     from trainer.batch import Rollout
     from trainer.config import TrainerConfig
     from trainer.recipe import Trainer

@@ -27,10 +27,10 @@ from coordinator.errors import IntakeRejection, Rejection
 from coordinator.intake import Intake, IntakeContext, IntakeMetrics, PromptSlot
 from coordinator.leases import LeaseManager
 from coordinator.logprobs import LogprobVerifier
+from coordinator.problems import Task
 from coordinator.reputation import Reputation
 from coordinator.store import ACK, LeaseRecord, NodeRecord, RolloutRow, Store, Verdict
-from coordinator.tasks import Task
-from node.model import Tokenizer
+from policy.model import Tokenizer
 from protocol.codec import encode
 from protocol.envelope import ReplayGuard, open_envelope
 from protocol.errors import DecodeError, ReasonCode

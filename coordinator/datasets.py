@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from coordinator.tasks import Problem
+from coordinator.problems import Problem
 
 log = logging.getLogger(__name__)
 

@@ -38,11 +38,10 @@ from prometheus_client import CollectorRegistry, Counter
 
 from coordinator.errors import IntakeRejection
 from coordinator.logprobs import LogprobVerifier, VerifierUnavailable
+from coordinator.problems import Problem, Task
 from coordinator.store import LeaseRecord
-from coordinator.tasks import Problem, Task
-from node.backends.base import sample_seed
-from node.model import Tokenizer
-from node.rollouts import prompt_seed
+from policy.model import Tokenizer
+from policy.sampling import prompt_seed, sample_seed
 from protocol.errors import ReasonCode
 from protocol.messages import RolloutSubmission, Sample, unpack_logprobs, unpack_tokens
 

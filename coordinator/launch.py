@@ -38,8 +38,8 @@ def launch_from_cli(
 
     from coordinator.errors import ConfigError
     from protocol.errors import KeyFileError
-    from swarm.cli import install_fork_signal_reset
     from swarm.errors import SwarmError
+    from swarm.signals import install_fork_signal_reset
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -1,7 +1,7 @@
 """Behaviour log-prob spot check (DESIGN.md §7, check 7): the interface and an in-process verifier.
 
 :class:`LogprobVerifier` is what the intake calls; :class:`InProcessLogprobVerifier` re-scores with
-:func:`node.scoring.audit_samples` on a model held by the coordinator (a cache of the last
+:func:`policy.scoring.audit_samples` on a model held by the coordinator (a cache of the last
 ``S + 1`` versions) and compares with a tolerance chosen per ``(backend, dtype)``:
 
 * ``max_abs``: largest ``|Δ|`` over all tokens (fp32 on CPU is near exact: 1e-3);
@@ -24,7 +24,7 @@ from coordinator.config import Tolerance
 from protocol.errors import ReasonCode
 
 if TYPE_CHECKING:
-    from node.scoring import SampleAudit
+    from policy.scoring import SampleAudit
 
 ModelLoader = Callable[[int], Any]
 
@@ -172,7 +172,8 @@ class InProcessLogprobVerifier:
         steps: int | None,
         slack: float,
     ) -> list[SampleAudit]:
-        from node.scoring import audit_samples, sample_uniforms
+        from policy.draw import sample_uniforms
+        from policy.scoring import audit_samples
 
         uniforms = None
         if seeds is not None:

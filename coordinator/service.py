@@ -136,7 +136,7 @@ class CoordinatorService:
         cfg = self.config
         db_path = cfg.db_path if cfg.db_path.is_absolute() else self.state_dir / cfg.db_path.name
         spec = _model_spec(cfg)
-        from node.model import load_tokenizer
+        from policy.model import load_tokenizer
 
         tokenizer = load_tokenizer(spec)
         store = Store(db_path)
@@ -442,7 +442,7 @@ class CoordinatorService:
         """Model loader of the log-prob verifier: ``version`` from the weights in the local chunk
         store (runs in a worker thread)."""
         assert self.broadcast is not None
-        from node.model import build_model, load_weights
+        from policy.model import build_model, load_weights
         from swarm.checkpoint_io import files_to_state_dict
 
         if not self.broadcast.store.is_complete(version):
@@ -531,13 +531,13 @@ def _import_model_stack(spec: Any) -> None:
     """Import what building and scoring the model of ``spec`` needs, without building it."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    import node.scoring  # noqa: F401  (the re-scoring code and its torch imports)
-    from node.model import load_config
+    import policy.scoring  # noqa: F401  (the re-scoring code and its torch imports)
+    from policy.model import load_config
 
     MODEL_FOR_CAUSAL_LM_MAPPING[type(load_config(spec))]  # imports the architecture's modules
 
 
 def _model_spec(cfg: CoordinatorConfig) -> Any:
-    from node.model import ModelSpec
+    from policy.model import ModelSpec
 
     return ModelSpec(path=cfg.model_path)

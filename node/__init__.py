@@ -14,10 +14,11 @@ Modules:
 * :mod:`node.checkpoints` -- policy versions: download, verify against the pinned key, load,
                              never roll back (highest accepted version persisted on disk)
 * :mod:`node.byzantine`   -- misbehaving modes for ``swarm demo --byzantine`` (off by default)
-* :mod:`node.model`       -- policy model + tokenizer: embedded tiny default or a local HF dir
 * :mod:`node.backends`    -- :class:`InferenceBackend` (hf, vllm, fake) and ``make_backend``
 * :mod:`node.probe`       -- hardware probe and cached throughput self-benchmark
-* :mod:`node.scoring`     -- batched log-prob re-scoring (the coordinator's spot check)
+
+The model, tokenizer, sampling rule and re-scoring shared with the coordinator and the trainer
+live in :mod:`policy` (the sampling contract).
 
 Nothing is imported here, so ``swarm --help`` stays fast.
 """

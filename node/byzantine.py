@@ -37,7 +37,7 @@ import msgspec
 
 from node.backends.base import GenerationRequest, SampleOut, SamplingConfig
 from node.config import MISBEHAVIOURS
-from node.model import Tokenizer
+from policy.model import Tokenizer
 from protocol.messages import (
     GroupResult,
     Lease,
@@ -112,7 +112,7 @@ def report_logprobs_of(
 ) -> None:
     """Overwrite the log-probs of ``outs`` (however they were drawn) with those of ``model``'s
     ``sampling`` distribution: the honest-looking log-probs a cheat would report."""
-    from node.scoring import score_logprobs
+    from policy.scoring import score_logprobs
 
     for req, group in zip(requests, outs, strict=True):
         comps = [o.token_ids for o in group]

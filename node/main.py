@@ -34,8 +34,8 @@ from node.config import ConfigError, NodeConfig, load_node_config
 
 if TYPE_CHECKING:
     from node.backends.base import InferenceBackend
-    from node.model import Tokenizer
     from node.probe import Capability
+    from policy.model import Tokenizer
     from protocol.identity import Identity
 
 __all__ = ["run_from_cli"]
@@ -252,8 +252,8 @@ def _build_backend(
     cfg: NodeConfig,
 ) -> tuple[InferenceBackend, Capability, Tokenizer | None]:
     from node.backends import BackendError, make_backend
-    from node.model import ModelSpec, load_tokenizer
     from node.probe import probe
+    from policy.model import ModelSpec, load_tokenizer
 
     _check_gpu(cfg)
     spec = ModelSpec(path=cfg.model_path, dtype=cfg.dtype)
@@ -313,8 +313,8 @@ async def _serve(
     """Run the worker until a signal; (exit code, whether a generation thread is abandoned)."""
     from node.client import CoordinatorError, CoordinatorUnavailable, Rejected
     from node.worker import NodeWorker
-    from swarm.cli import install_fork_signal_reset
     from swarm.errors import BootstrapUnreachable, StartupError
+    from swarm.signals import install_fork_signal_reset
 
     install_fork_signal_reset()  # the DHT process forks after the signal handlers are set
     worker = NodeWorker(cfg, backend, identity, capability=capability, tokenizer=tokenizer)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from node.backends.base import GenerationRequest, InferenceBackend, SamplingConfig
 
 if TYPE_CHECKING:
-    from node.model import ModelSpec
+    from policy.model import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ def probe_hardware() -> HardwareInfo:
 def model_fingerprint(spec: ModelSpec) -> str:
     """Throughput-relevant identity of the policy: architecture config hash + dtype (weights
     versions do not change speed)."""
-    from node.model import config_fingerprint, load_config
+    from policy.model import config_fingerprint, load_config
 
     return f"{config_fingerprint(load_config(spec))}/{spec.dtype}"
 

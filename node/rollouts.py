@@ -8,19 +8,20 @@ does.
 * :func:`to_sampling_config` -- the lease's sampling parameters as the backend's
                                 :class:`~node.backends.base.SamplingConfig`
 * :func:`lease_requests`     -- one :class:`~node.backends.base.GenerationRequest` per prompt,
-                                prompt ``i`` seeded with :func:`prompt_seed` ``(lease seed, i)``
+                                prompt ``i`` seeded with
+                                :func:`~policy.sampling.prompt_seed` ``(lease seed, i)``
 * :func:`wire_samples`       -- one request's backend outputs in wire form (sample ``j`` records
-                                :func:`~node.backends.base.sample_seed` ``(prompt seed, j)``)
+                                :func:`~policy.sampling.sample_seed` ``(prompt seed, j)``)
 * :func:`wire_finish_reason` -- backend finish reason -> wire ``eos`` / ``stop`` / ``length``
 * :func:`build_submission`   -- the honest :class:`~protocol.messages.RolloutSubmission`
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
-from node.backends.base import GenerationRequest, SampleOut, SamplingConfig, sample_seed
+from node.backends.base import GenerationRequest, SampleOut
+from policy.sampling import SamplingConfig, prompt_seed, sample_seed
 from protocol.limits import DEFAULT_LIMITS, worst_case_submission_bytes
 from protocol.messages import (
     GroupResult,
@@ -37,19 +38,10 @@ __all__ = [
     "build_submission",
     "lease_problem",
     "lease_requests",
-    "prompt_seed",
     "to_sampling_config",
     "wire_finish_reason",
     "wire_samples",
 ]
-
-
-def prompt_seed(base_seed: int, index: int) -> int:
-    """Seed of prompt ``index`` of a lease whose sampling seed is ``base_seed`` (63-bit, stable)."""
-    digest = hashlib.blake2b(
-        f"rollout-swarm/prompt/{base_seed}/{index}".encode(), digest_size=8
-    ).digest()
-    return int.from_bytes(digest, "big") >> 1
 
 
 def lease_problem(lease: Lease, max_prompts: int) -> str | None:
@@ -69,7 +61,8 @@ def lease_problem(lease: Lease, max_prompts: int) -> str | None:
 
 
 def lease_requests(lease: Lease) -> list[GenerationRequest]:
-    """A request per prompt of ``lease``: ``group_size`` samples seeded by :func:`prompt_seed`."""
+    """A request per prompt of ``lease``: ``group_size`` samples seeded by
+    :func:`~policy.sampling.prompt_seed`."""
     base = lease.sampling.seed
     return [
         GenerationRequest(unpack_tokens(p.token_ids), lease.group_size, prompt_seed(base, i))

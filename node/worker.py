@@ -9,8 +9,8 @@ named tasks:
 * ``work``      pull a lease (one over local limits, :func:`~node.rollouts.lease_problem`, is
                 released unrun) -> make ``lease.policy_version`` the loaded weights -> generate
                 each prompt ``group_size`` times (prompt ``i`` seeded with
-                :func:`~node.rollouts.prompt_seed` ``(lease.sampling.seed, i)``; sample ``j`` with
-                :func:`~node.backends.base.sample_seed` ``(prompt seed, j)``, recorded in
+                :func:`~policy.sampling.prompt_seed` ``(lease.sampling.seed, i)``; sample ``j`` with
+                :func:`~policy.sampling.sample_seed` ``(prompt seed, j)``, recorded in
                 ``Sample.seed``) -> sign and submit -> repeat. ``Standby`` waits ``retry_after_s``;
                 coordinator or network errors back off exponentially with jitter and the loop
                 resumes by itself when the coordinator answers again;
@@ -59,8 +59,8 @@ from protocol.messages import (
 from swarm.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
-    from node.model import Tokenizer
     from node.probe import Capability
+    from policy.model import Tokenizer
     from swarm.dht import SwarmPeer
     from swarm.holders import HolderDirectory
     from swarm.transport import Transport

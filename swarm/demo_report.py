@@ -4,10 +4,32 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from swarm.demo import Demo
+
+class DemoOptions(Protocol):
+    """The options of a demo run that the report shows (``swarm.demo.DemoOptions``)."""
+
+    target: float
+    nodes: int
+    byzantine: int
+    staleness: int
+
+
+class Demo(Protocol):
+    """What the report reads of a running demo (``swarm.demo.Demo``; a protocol, so this module
+    does not import the demo that imports it)."""
+
+    @property
+    def opts(self) -> DemoOptions: ...
+
+    status: dict[str, Any]
+    t0: float
+    run_dir: Path
+    logs: Path
+    curve: list[dict[str, Any]]
+    reached_at: float | None
 
 
 def _fmt(value: Any, spec: str = ".3f") -> str:

@@ -263,7 +263,7 @@ async def run_trainer(
     stop: asyncio.Event | None = None,
 ) -> int:
     """Join the swarm, publish v0, then train on the coordinator's rollouts until stopped."""
-    from node.model import ModelSpec, config_fingerprint, load_config, load_tokenizer
+    from policy.model import ModelSpec, config_fingerprint, load_config, load_tokenizer
     from protocol.identity import parse_fingerprint
     from swarm.adverts import swarm_validators
     from swarm.broadcast import BroadcastNode
@@ -465,7 +465,7 @@ def run_from_cli(
         return error(f"{where} {out} is not usable: {why}; pass a writable --state-dir", 2)
     import torch
 
-    from swarm.cli import install_fork_signal_reset
+    from swarm.signals import install_fork_signal_reset
 
     torch.set_num_threads(1)
     install_fork_signal_reset()  # the DHT process forks after the signal handlers are set

@@ -189,7 +189,7 @@ class Trainer:
         model: torch.nn.Module | None = None,
     ) -> Trainer:
         """Build model, optimizer and metrics from ``config``; resume from ``out_dir`` if asked."""
-        from node.model import ModelSpec, build_model, load_tokenizer
+        from policy.model import ModelSpec, build_model, load_tokenizer
 
         spec = ModelSpec(path=config.model_path, dtype=config.dtype)
         dist = dist or DistContext()

@@ -25,7 +25,7 @@ from node.backends.base import (
     SamplingConfig,
     sample_seed,
 )
-from node.model import ModelSpec
+from policy.model import ModelSpec
 
 BackendKind = Literal["auto", "hf", "vllm", "fake"]
 KINDS: tuple[str, ...] = ("auto", "hf", "vllm", "fake")

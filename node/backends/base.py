@@ -4,7 +4,7 @@ A backend turns a batch of :class:`GenerationRequest` (prompt token ids, group s
 into ``n`` :class:`SampleOut` per request: the sampled token ids, the log-probability of each
 sampled token under the *exact sampling distribution* (after temperature, top-k and top-p), and
 why the sample ended. The coordinator re-scores a fraction of samples with
-:func:`node.scoring.score_logprobs`, so the log-probs must be those of the distribution the token
+:func:`policy.scoring.score_logprobs`, so the log-probs must be those of the distribution the token
 was actually drawn from, computed in fp32 from the raw logits.
 
 Seeding: sample ``j`` of a request with seed ``s`` is drawn from its own random stream seeded
@@ -16,15 +16,26 @@ This module imports neither torch nor vLLM.
 
 from __future__ import annotations
 
-import hashlib
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
 
+from policy.sampling import SamplingConfig, sample_seed
+
 FinishReason = Literal["stop", "length"]
+
+__all__ = [
+    "BackendError",
+    "BackendUnavailable",
+    "FinishReason",
+    "GenerationRequest",
+    "InferenceBackend",
+    "SampleOut",
+    "SamplingConfig",
+    "sample_seed",
+]
 
 
 class BackendError(RuntimeError):
@@ -66,47 +77,6 @@ class SampleOut:
     logprobs: list[float]
     #: "stop": a stop/EOS token was sampled (and is the last token); "length": max_new_tokens hit.
     finish_reason: FinishReason
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How to sample. ``temperature=1, top_p=1, top_k=0`` is plain ancestral sampling, whose
-    log-probs equal the raw model log-probs."""
-
-    #: softmax temperature (> 0; greedy decoding is not offered: its log-probs are degenerate).
-    temperature: float = 1.0
-    #: nucleus mass in (0, 1]; 1 disables. A token is kept when the mass of the strictly more
-    #: likely tokens is < top_p (the most likely token is always kept).
-    top_p: float = 1.0
-    #: keep the k most likely tokens (ties at the k-th logit kept); 0 disables.
-    top_k: int = 0
-    #: generated tokens per sample at most (>= 1).
-    max_new_tokens: int = 32
-    #: extra token ids that end a sample (the model's EOS always does); the token is kept.
-    stop_token_ids: tuple[int, ...] = field(default=())
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature > 0.0):
-            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-    @property
-    def is_plain(self) -> bool:
-        """True when the sampling distribution is the raw model distribution."""
-        return self.temperature == 1.0 and self.top_p == 1.0 and self.top_k == 0
-
-
-def sample_seed(request_seed: int, index: int) -> int:
-    """Seed of sample ``index`` of a request seeded ``request_seed`` (63-bit, stable)."""
-    digest = hashlib.blake2b(
-        f"rollout-swarm/sample/{request_seed}/{index}".encode(), digest_size=8
-    ).digest()
-    return int.from_bytes(digest, "big") >> 1
 
 
 class InferenceBackend(ABC):

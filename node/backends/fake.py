@@ -25,7 +25,7 @@ from node.backends.base import (
     SampleOut,
     SamplingConfig,
 )
-from node.model import CharTokenizer, ModelSpec
+from policy.model import CharTokenizer, ModelSpec
 
 
 class FakeBackend(InferenceBackend):

@@ -8,9 +8,9 @@ raw logits).
 
 Loop: requests are left-padded and prefilled once per prompt (not once per sample); the cache is
 then expanded to the ``n`` samples of each request. Every step computes fp32
-:func:`node.scoring.processed_logprobs` of the last logits, draws the token by inverse-CDF with a
+:func:`policy.draw.processed_logprobs` of the last logits, draws the token by inverse-CDF with a
 uniform taken from the sample's own ``torch.Generator`` (seeded by
-:func:`~node.backends.base.sample_seed`), records its log-prob, and feeds it back with
+:func:`~policy.sampling.sample_seed`), records its log-prob, and feeds it back with
 ``position_ids = cumsum(mask) - 1``. A sample ends at the first stop/EOS token (kept) or at
 ``max_new_tokens``; the loop ends when every row has. Finished rows are dropped from the batch
 when at least half of the live rows are done, so long tails do not pay for finished samples.
@@ -33,8 +33,9 @@ from node.backends.base import (
     SamplingConfig,
     sample_seed,
 )
-from node.model import ModelSpec, build_model, load_weights
-from node.scoring import cache_kwarg, processed_logprobs, sample_uniforms
+from policy.draw import inverse_cdf, processed_logprobs, sample_uniforms
+from policy.model import ModelSpec, build_model, load_weights
+from policy.scoring import cache_kwarg
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -191,7 +192,7 @@ class HFBackend(InferenceBackend):
         done = torch.zeros((n_rows,), dtype=torch.bool, device=dev)  # per batch row
         for t in range(steps):
             logp = processed_logprobs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-            tok = _inverse_cdf(logp.exp(), uniforms.index_select(0, live)[:, t])
+            tok = inverse_cdf(logp.exp(), uniforms.index_select(0, live)[:, t])
             tokens[live, t] = tok
             logps[live, t] = logp.gather(1, tok.unsqueeze(1)).squeeze(1)
             hit = torch.isin(tok, stop_ids) & ~done
@@ -234,14 +235,3 @@ class HFBackend(InferenceBackend):
                 row += 1
             out.append(group)
         return out
-
-
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Token index per row drawn from ``probs [B, V]`` (unnormalised ok) with uniforms ``u [B]``.
-
-    ``searchsorted(cdf, v, right=True)`` with ``v < cdf[-1]`` strictly can only return an index
-    whose probability is > 0 (a zero-probability token repeats the previous cdf value)."""
-    cdf = probs.cumsum(-1)
-    total = cdf[:, -1:]
-    v = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, v, right=True).squeeze(1).clamp_max(probs.shape[1] - 1)

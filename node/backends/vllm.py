@@ -41,7 +41,7 @@ from node.backends.base import (
     SamplingConfig,
     sample_seed,
 )
-from node.model import ModelSpec
+from policy.model import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class VLLMBackend(InferenceBackend):
             if not (path / "config.json").is_file():
                 raise BackendError(f"{path} is not a model directory (no config.json)")
             return path
-        from node.model import build_model
+        from policy.model import build_model
 
         self._tmp = tempfile.TemporaryDirectory(prefix="rollout-swarm-vllm-")
         build_model(self.spec).save_pretrained(self._tmp.name, safe_serialization=True)

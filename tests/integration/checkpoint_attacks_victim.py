@@ -51,7 +51,7 @@ async def _amain(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     from node.backends.hf import HFBackend
     from node.checkpoints import CheckpointManager
-    from node.model import ModelSpec
+    from policy.model import ModelSpec
     from swarm.adverts import swarm_validators
     from swarm.broadcast import BroadcastNode
     from swarm.chunks import ChunkStore

@@ -190,7 +190,7 @@ async def launch_coordinator(
 @cache
 def policy_state_dict(version: int) -> dict[str, Any]:
     """Weights of policy ``version`` as the test trainer publishes them (seeded random init)."""
-    from node.model import ModelSpec, build_model
+    from policy.model import ModelSpec, build_model
 
     return dict(build_model(ModelSpec(), seed=version).state_dict())
 
@@ -328,7 +328,7 @@ def _backend(version: int) -> Any:
     import torch
 
     from node.backends.hf import HFBackend
-    from node.model import ModelSpec, build_model, load_weights
+    from policy.model import ModelSpec, build_model, load_weights
 
     torch.set_num_threads(1)
     model = build_model(ModelSpec())

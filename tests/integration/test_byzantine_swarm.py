@@ -34,8 +34,8 @@ from swarm_harness import (
 from coordinator.tasks import Problem, ReverseTask
 from node.byzantine import misbehave
 from node.client import Rejected
-from node.model import CharTokenizer
 from node.rollouts import build_submission, lease_requests, to_sampling_config
+from policy.model import CharTokenizer
 from protocol import rpc
 from protocol.codec import decode
 from protocol.errors import ReasonCode

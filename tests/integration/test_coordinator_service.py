@@ -30,7 +30,7 @@ from swarm_harness import (
 
 from coordinator.tasks import ReverseTask
 from node.byzantine import misbehave
-from node.model import CharTokenizer
+from policy.model import CharTokenizer
 from protocol import rpc
 from protocol.codec import decode
 from protocol.errors import ReasonCode

@@ -12,7 +12,7 @@ from coordinator.intake import expected_seed
 from coordinator.logprobs import LogprobVerifier
 from coordinator.store import Store
 from coordinator.tasks import ReverseTask
-from node.model import CharTokenizer
+from policy.model import CharTokenizer
 from protocol.identity import Identity
 from protocol.manifest import build_manifest, sign_manifest
 from protocol.messages import (

@@ -16,7 +16,7 @@ from node.backends import (
     sample_seed,
 )
 from node.backends.fake import FakeBackend
-from node.model import CharTokenizer, ModelSpec
+from policy.model import CharTokenizer, ModelSpec
 
 TOK = CharTokenizer()
 

@@ -10,8 +10,8 @@ import torch
 
 from node.backends import GenerationRequest, SampleOut, SamplingConfig, make_backend
 from node.backends.hf import HFBackend
-from node.model import CharTokenizer, ModelSpec, build_model
-from node.scoring import score_logprobs
+from policy.model import CharTokenizer, ModelSpec, build_model
+from policy.scoring import score_logprobs
 
 torch.set_num_threads(1)
 

@@ -2,7 +2,7 @@
 
 A random Qwen2 (hidden 256, 4 layers, head_dim 64, fp16 weights) is saved to a temp dir; vLLM
 samples from it and the HF model (same fp16 weights, upcast to fp32) re-scores the samples with
-:func:`node.scoring.score_logprobs` under the same processed distribution. fp16 vs fp32 differ,
+:func:`policy.scoring.score_logprobs` under the same processed distribution. fp16 vs fp32 differ,
 so the tolerance is calibrated, not exact.
 """
 
@@ -21,8 +21,8 @@ pytest.importorskip("vllm")
 
 from node.backends import GenerationRequest, SamplingConfig, make_backend  # noqa: E402
 from node.backends.base import InferenceBackend, SampleOut  # noqa: E402
-from node.model import CharTokenizer, ModelSpec, scaled_config  # noqa: E402
-from node.scoring import score_logprobs  # noqa: E402
+from policy.model import CharTokenizer, ModelSpec, scaled_config  # noqa: E402
+from policy.scoring import score_logprobs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -209,7 +209,7 @@ def test_forked_children_stay_killable() -> None:
     is terminated that way; it used to inherit asyncio's no-op handler and hang the exit)."""
     code = (
         "import asyncio, multiprocessing as mp, signal, time\n"
-        "from swarm.cli import install_fork_signal_reset\n"
+        "from swarm.signals import install_fork_signal_reset\n"
         "async def main():\n"
         "    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: None)\n"
         "    install_fork_signal_reset()\n"

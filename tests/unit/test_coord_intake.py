@@ -175,7 +175,7 @@ async def test_strikes_lead_to_ban(tmp_path: Path) -> None:
 async def test_fabricated_logprobs_caught_by_spot_check(tmp_path: Path) -> None:
     import torch
 
-    from node.model import ModelSpec, build_model
+    from policy.model import ModelSpec, build_model
 
     torch.set_num_threads(1)
     model = build_model(ModelSpec(), seed=0)

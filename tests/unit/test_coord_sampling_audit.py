@@ -14,8 +14,9 @@ import torch
 from coord_harness import Harness, sampled, submission
 
 from coordinator.logprobs import InProcessLogprobVerifier, sampling_z
-from node.model import ModelSpec, build_model
-from node.scoring import audit_samples, sample_uniforms
+from policy.draw import sample_uniforms
+from policy.model import ModelSpec, build_model
+from policy.scoring import audit_samples
 from protocol.errors import ReasonCode
 from protocol.messages import Ack, Reject, RolloutSubmission, unpack_tokens
 

@@ -87,9 +87,9 @@ async def test_greedy_mode_reports_honest_logprobs_and_is_caught_by_the_sampling
     from coordinator.logprobs import InProcessLogprobVerifier
     from node.backends.hf import HFBackend
     from node.byzantine import greedy_generate
-    from node.model import ModelSpec, build_model
     from node.rollouts import build_submission, lease_requests, to_sampling_config
-    from node.scoring import score_logprobs
+    from policy.model import ModelSpec, build_model
+    from policy.scoring import score_logprobs
     from protocol.messages import Timings
 
     torch.set_num_threads(1)

@@ -22,12 +22,13 @@ from coordinator.core import Coordinator
 from coordinator.errors import Rejection
 from coordinator.store import Store
 from coordinator.tasks import ReverseTask
-from node.backends.base import GenerationRequest, SampleOut, SamplingConfig, sample_seed
+from node.backends.base import GenerationRequest, SampleOut, SamplingConfig
 from node.backends.fake import FakeBackend
 from node.config import NodeConfig
-from node.rollouts import prompt_seed, wire_finish_reason
+from node.rollouts import wire_finish_reason
 from node.status import Backoff
 from node.worker import NodeWorker
+from policy.sampling import prompt_seed, sample_seed
 from protocol import rpc
 from protocol.codec import decode, encode
 from protocol.errors import ProtocolError, ReasonCode

@@ -10,8 +10,8 @@ import torch
 
 from node.backends.fake import FakeBackend
 from node.backends.hf import HFBackend
-from node.model import ModelSpec
 from node.probe import probe, probe_hardware, self_benchmark
+from policy.model import ModelSpec
 
 torch.set_num_threads(1)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.model import CharTokenizer, ModelSpec, build_model
+from policy.model import CharTokenizer, ModelSpec, build_model
 from trainer.batch import Rollout
 from trainer.config import TrainerConfig
 from trainer.metrics import read_jsonl

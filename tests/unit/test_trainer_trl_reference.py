@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from node.model import CharTokenizer, ModelSpec, build_model
+from policy.model import CharTokenizer, ModelSpec, build_model
 from trainer.batch import Rollout
 from trainer.config import TrainerConfig
 from trainer.recipe import Trainer

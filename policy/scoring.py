@@ -1,12 +1,10 @@
-"""Log-probabilities of given completions under a model (re-scoring) and the shared sampling
-transform.
+"""Re-scoring: log-probabilities of given completions under a model, and sampling audits.
 
-:func:`processed_logprobs` is the one definition of "the exact sampling distribution" (fp32
-temperature, then top-k, then top-p on the raw logits); the ``hf`` backend samples from it and
-:func:`score_logprobs` re-scores with it, so the coordinator's spot check compares like with like.
-:func:`sample_uniforms` gives a sample's seeded uniforms (the ``hf`` backend draws token ``t`` at
-``u[t]`` by inverse CDF); :func:`audit_samples` re-scores and also measures how completions were
-sampled (the expected log-likelihood under honest sampling, and the seeded replay).
+:func:`score_logprobs` re-scores with :func:`policy.draw.processed_logprobs` (the processed
+distribution the node sampled from), so the coordinator's spot check and the trainer compare like
+with like. :func:`audit_samples` re-scores and also measures how completions were sampled (the
+expected log-likelihood under honest sampling, and the seeded inverse-CDF replay of
+:mod:`policy.draw`).
 
 Batching: sequences ``prompt + completion`` are left-padded, ``position_ids = cumsum(mask) - 1``
 (pads at 0), one forward per micro-batch, fp32 log-softmax of the raw logits.
@@ -20,36 +18,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from policy.draw import processed_logprobs
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-
-def processed_logprobs(
-    logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0
-) -> torch.Tensor:
-    """Log-probs ``[..., V]`` (fp32) of the sampling distribution for raw ``logits [..., V]``.
-
-    Tokens removed by top-k / top-p get ``-inf``. Semantics match transformers' and vLLM's
-    warpers: temperature first, top-k keeps logits >= the k-th largest, top-p keeps a token when
-    the probability mass of the higher-ranked tokens is < ``top_p`` (rank: logit descending, ties
-    by token id ascending; the most likely token is always kept).
-    """
-    x = logits.float()
-    if temperature != 1.0:
-        x = x / temperature
-    vocab = x.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        drop_sorted = mass_before >= top_p
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(x, dim=-1)
+__all__ = ["SampleAudit", "audit_samples", "cache_kwarg", "left_pad", "score_logprobs"]
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
@@ -73,15 +47,6 @@ def left_pad(
         mask[row, width - len(seq) :] = 1
     position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
     return ids.to(device), mask.to(device), position_ids.to(device)
-
-
-def sample_uniforms(seed: int, steps: int) -> torch.Tensor:
-    """The ``steps`` uniforms of a sample seeded ``seed``: token ``t`` is the inverse-CDF draw at
-    ``u[t]`` of the sampling distribution (the ``hf`` backend samples with these; the
-    coordinator replays them in its spot check)."""
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(seed)
-    return torch.rand(steps, generator=gen)
 
 
 @dataclass(frozen=True)

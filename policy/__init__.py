@@ -1,0 +1,19 @@
+"""The sampling contract: what "a sample of policy version v" means, in one home.
+
+The node draws samples, the coordinator re-scores and replays them, the trainer weights them; all
+three import this package and none imports another role's internals (DESIGN.md §12). It sits
+beside the role packages rather than inside one of them because it is shared by all three, and
+it must not pull in a role's dependencies (hivemind, SQLite, the GRPO recipe).
+
+Modules:
+
+* :mod:`policy.sampling` -- :class:`~policy.sampling.SamplingConfig`, the prompt and sample seed
+                            derivations (no torch import)
+* :mod:`policy.model`    -- :class:`~policy.model.ModelSpec`, the tokenizers (embedded character
+                            tokenizer, local Hugging Face), model building and weight loading
+* :mod:`policy.draw`     -- the processed distribution (temperature → top-k → top-p), the seeded
+                            uniforms and the inverse-CDF draw
+* :mod:`policy.scoring`  -- batched re-scoring of completions and sampling audits
+
+Nothing is imported here, so importing the package stays cheap.
+"""
