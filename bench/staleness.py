@@ -58,6 +58,13 @@ OPTIONS: dict[str, dict[str, Any]] = {
     },
     # M2PO: untruncated token weights thinned by the second-moment mask τ = 0.04
     "m2po": {"weight_mode": "raw", "weight_level": "token", "m2_threshold": 0.04},
+    # TIS plus VCPO's learning-rate scaling by the sequence-level ESS (its baseline is not built)
+    "vcpo-ess": {
+        "weight_mode": "truncate",
+        "weight_level": "token",
+        "weight_cap": 2.0,
+        "ess_lr_scaling": True,
+    },
     # no correction (w = 1); the PPO clip against π_prox stays
     "off": {"weight_mode": "off"},
 }

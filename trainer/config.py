@@ -77,6 +77,11 @@ class TrainerConfig(BaseModel):
         description="τ_M2 (M2PO): drop the tokens with the largest (log π_prox/μ)² until their "
         "mean over the tokens left is ≤ τ_M2; None disables (M2PO uses 0.04).",
     )
+    ess_lr_scaling: bool = Field(
+        False,
+        description="VCPO: scale each update's learning rate by sqrt(min(1, ESS/n)) of the "
+        "minibatch's sequence-level ratios π_prox/μ (damps updates on degenerate weights).",
+    )
     staleness_decay: float = Field(
         1.0, gt=0.0, le=1.0, description="λ: weights are multiplied by λ^Δ (1.0 disables)."
     )

@@ -309,6 +309,26 @@ def weight_stats(
     )
 
 
+def sequence_ratio_sums(
+    prox_logp: Tensor, behaviour_logp: Tensor, mask: Tensor
+) -> tuple[float, float, float]:
+    """(Σ w, Σ w², n) over the sequences with completion tokens, w = Π_t π_prox/μ (unclipped):
+    the sums behind the sequence-level ESS that VCPO scales the learning rate with."""
+    log_w = ((prox_logp - behaviour_logp) * mask).sum(dim=-1)
+    has = mask.sum(dim=-1) > 0
+    w = log_w[has].clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).double().exp()
+    return float(w.sum()), float((w * w).sum()), float(has.sum())
+
+
+def ess_lr_scale(w_sum: float, w_sq_sum: float, n: float) -> float:
+    """VCPO's learning-rate factor sqrt(min(1, ESS/n)), ESS = (Σw)²/Σw² of the sequence ratios
+    (Huang et al. 2026, "Stable Asynchrony: Variance-Controlled Off-Policy RL for LLMs", arXiv
+    2602.17616, rule "sqrt", base ESS ratio 1). 1.0 for an empty minibatch."""
+    if n <= 0 or w_sq_sum <= 0:
+        return 1.0
+    return float(min(1.0, effective_sample_size(w_sum, w_sq_sum) / n) ** 0.5)
+
+
 def effective_sample_size(w_sum: float, w_sq_sum: float) -> float:
     """ESS = (Σw)² / Σw² (0 when every weight is 0)."""
     return w_sum * w_sum / w_sq_sum if w_sq_sum > 0 else 0.0

@@ -40,8 +40,10 @@ from trainer.loss import (
     behaviour_weights,
     effective_sample_size,
     entropy_bonus,
+    ess_lr_scale,
     group_advantages,
     policy_loss,
+    sequence_ratio_sums,
     token_entropy,
     token_logprobs,
     weight_stats,
@@ -494,8 +496,21 @@ class Trainer:
         if cfg.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
             sums["grad_norm"] += float(norm) / max(1, self.dist.world_size)
+        scale = self._ess_lr_scale(mb, prox) if cfg.ess_lr_scaling else 1.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = cfg.lr * scale
+        sums["lr_scale"] += scale
         self.optimizer.step()
         return 1
+
+    def _ess_lr_scale(self, mb: TrainBatch | None, prox: Tensor | None) -> float:
+        """VCPO's factor from the (global) minibatch's sequence-level ESS; identical on every
+        rank because the sums are all-reduced."""
+        local = (0.0, 0.0, 0.0)
+        if mb is not None and prox is not None:
+            local = sequence_ratio_sums(prox, mb.behaviour_logprobs, mb.completion_mask)
+        w_sum, w_sq_sum, n = self.dist.sum_floats(list(local))
+        return ess_lr_scale(w_sum, w_sq_sum, n)
 
     def _record(
         self,
@@ -506,7 +521,10 @@ class Trainer:
         updates: int,
         step_time: float,
     ) -> dict[str, Any]:
-        keys = [*_WEIGHT_SUMS, "loss", "entropy_sum", "clipped", "update_tokens", "grad_norm"]
+        keys = [
+            *_WEIGHT_SUMS, "loss", "entropy_sum", "clipped", "update_tokens", "grad_norm",
+            "lr_scale",
+        ]  # fmt: skip
         g = dict(zip(keys, self.dist.sum_floats([sums[k] for k in keys]), strict=True))
         rewards = [float(r.reward) for r in flat]
         n = max(1, len(rewards))
@@ -537,6 +555,9 @@ class Trainer:
             "ess": ess,
             "ess_frac": ess / g["units"] if g["units"] > 0 else 0.0,
             "grad_norm": g["grad_norm"] / max(1, updates),
+            # mean learning-rate factor of the step's updates (< 1 only with ess_lr_scaling);
+            # every rank applies the same factor, so the sum counts it world_size times
+            "lr_scale": g["lr_scale"] / max(1, updates * self.dist.world_size),
             "updates": updates,
             "idle_frac": self.idle.fraction(),
             "step_time_s": step_time,

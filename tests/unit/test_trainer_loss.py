@@ -12,9 +12,11 @@ from trainer.loss import (
     behaviour_weights,
     effective_sample_size,
     entropy_bonus,
+    ess_lr_scale,
     group_advantages,
     policy_loss,
     second_moment_mask,
+    sequence_ratio_sums,
     token_entropy,
     token_logprobs,
     weight_stats,
@@ -191,6 +193,17 @@ def test_m2po_mask_in_behaviour_weights_and_stats() -> None:
     m2 = sum(math.log(r) ** 2 for r in (5.0, 0.75, 1.0, 1.5))
     assert stats.m2_sum == pytest.approx(m2, rel=1e-5)
     assert stats.zeroed_tokens == 1.0
+
+
+def test_vcpo_lr_scale_from_the_sequence_level_ess() -> None:
+    # sequence ratios 5 · 0.75 · 1 = 3.75 and 1.5 (padding ignored): Σw = 5.25, Σw² = 16.3125,
+    # ESS = 5.25² / 16.3125 = 1.6897 of n = 2 -> factor sqrt(0.8448) = 0.9191.
+    prox, beh, mask, _ = _ratio_batch()
+    w_sum, w_sq, n = sequence_ratio_sums(prox, beh, mask)
+    assert (w_sum, w_sq, n) == pytest.approx((5.25, 16.3125, 2.0), rel=1e-5)
+    assert ess_lr_scale(w_sum, w_sq, n) == pytest.approx(math.sqrt(5.25**2 / 16.3125 / 2), rel=1e-5)
+    assert ess_lr_scale(*sequence_ratio_sums(prox, prox, mask)) == 1.0  # on-policy: no damping
+    assert ess_lr_scale(0.0, 0.0, 0.0) == 1.0
 
 
 @pytest.mark.parametrize("mode", ["truncate", "mask", "reject", "raw", "off"])

@@ -105,6 +105,12 @@ def test_stability_monitors_are_in_every_record_and_warn(tmp_path: Path) -> None
     loud = _trainer(tmp_path / "b", warn_window=1, warn_mismatch_kl_above=1e-6)
     rec = loud.train_step(make_rollouts(3, 4, 4, version=0))
     assert rec["stability_warning"].startswith("mismatch_kl ")
+    assert rec["lr_scale"] == 1.0
+    # VCPO: the learning rate of each update is damped by the sequence-level ESS (< 1 here)
+    damped = _trainer(tmp_path / "d", ess_lr_scaling=True)
+    rec = damped.train_step(make_rollouts(3, 4, 4, version=0))
+    assert 0 < rec["lr_scale"] < 1
+    assert damped.optimizer.param_groups[0]["lr"] < damped.config.lr
     # masking every token (band [0.99, 1.01] around ratios far from 1) shows in mask_frac
     masked = _trainer(tmp_path / "c", weight_mode="mask", weight_cap=1.01, weight_cap_low=0.99)
     rec = masked.train_step(make_rollouts(3, 4, 4, version=0))
