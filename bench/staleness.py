@@ -58,6 +58,13 @@ OPTIONS: dict[str, dict[str, Any]] = {
     },
     # M2PO: untruncated token weights thinned by the second-moment mask τ = 0.04
     "m2po": {"weight_mode": "raw", "weight_level": "token", "m2_threshold": 0.04},
+    # TIS plus the gradient-spike guard (skip an update whose gradient norm is > 5× the median)
+    "tis-guard": {
+        "weight_mode": "truncate",
+        "weight_level": "token",
+        "weight_cap": 2.0,
+        "grad_spike_factor": 5.0,
+    },
     # TIS plus VCPO's learning-rate scaling by the sequence-level ESS (its baseline is not built)
     "vcpo-ess": {
         "weight_mode": "truncate",
@@ -355,9 +362,10 @@ def _run_pool(
 ) -> None:
     """Run ``todo`` on ``--jobs`` processes, longest-expected first; append each result."""
 
-    def rank(s: Spec) -> tuple[int, int, int, int]:
+    def rank(s: Spec) -> tuple[int, int, int]:
+        # seed-major: every (S, option) cell gets its first seeds before any gets its fifth
         prio = S_PRIORITY.index(s.staleness) if s.staleness in S_PRIORITY else len(S_PRIORITY)
-        return (list(TASKS).index(s.task) if s.task in TASKS else 9, prio, s.seed, 0)
+        return (list(TASKS).index(s.task) if s.task in TASKS else 9, s.seed, prio)
 
     todo = sorted(todo, key=rank)
     t0 = time.monotonic()

@@ -125,6 +125,12 @@ class TrainerConfig(BaseModel):
         description="AdamW β2 (decay of the squared-gradient average); lower reacts faster to a "
         "gradient spike, so one outlier batch moves the weights less.",
     )
+    grad_spike_factor: float | None = Field(
+        None,
+        gt=1.0,
+        description="Skip an optimizer update whose gradient norm is more than this many times "
+        "the median of the last 50 updates' (a single outlier batch); None disables.",
+    )
     max_grad_norm: float | None = Field(
         1.0, gt=0.0, description="Clip the global gradient norm to this; None disables."
     )

@@ -13,6 +13,7 @@ while every figure is inside its bound.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -79,6 +80,38 @@ class StabilityMonitor:
             log.info("stability warning cleared")
         self._alarmed = frozenset(names)
         return line
+
+
+class GradSpikeGuard:
+    """Tells the trainer to skip an update whose gradient norm (before clipping) is more than
+    ``factor`` times the median of the last ``window`` updates' norms.
+
+    One such update is typically a single off-distribution sample (a rare token of a stale
+    rollout, or a lone wrong answer with a large negative advantage in a group that is otherwise
+    right) whose gradient dominates the minibatch; AdamW then takes a full-size step in its
+    direction. Skipping it is the remedy large pre-training runs use for loss spikes. Every norm
+    enters the history (a lasting shift of the norm moves the median, so skipping stops); no
+    verdict before ``warmup`` norms were seen. The norm is all-reduced, so every rank agrees.
+    """
+
+    def __init__(self, factor: float | None, *, window: int = 50, warmup: int = 20) -> None:
+        self.factor = factor
+        self.warmup = warmup
+        self._norms: deque[float] = deque(maxlen=window)
+
+    def skip(self, norm: float) -> bool:
+        """Record ``norm``; True when the update that produced it should be skipped."""
+        spike = (
+            self.factor is not None
+            and len(self._norms) >= self.warmup
+            and norm > self.factor * statistics.median(self._norms)
+        )
+        self._norms.append(norm)
+        if spike:
+            log.warning(
+                "skipped an update: gradient norm %.3g > %g × the recent median", norm, self.factor
+            )
+        return spike
 
 
 def monitor_from_config(cfg: TrainerConfig) -> StabilityMonitor:

@@ -49,7 +49,7 @@ from trainer.loss import (
     weight_stats,
 )
 from trainer.metrics import IdleClock, MetricsWriter
-from trainer.monitors import monitor_from_config
+from trainer.monitors import GradSpikeGuard, monitor_from_config
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +178,7 @@ class Trainer:
         self.idle = IdleClock()
         #: rolling stability checks; each step's record carries its ``stability_warning``.
         self.monitor = monitor_from_config(config)
+        self.spike_guard = GradSpikeGuard(config.grad_spike_factor)
         #: called with each step's metrics record (after it is written), e.g. to report upstream.
         self.on_step: list[Callable[[dict[str, Any]], None]] = []
 
@@ -464,7 +465,8 @@ class Trainer:
         weights: Tensor | None,
         sums: defaultdict[str, float],
     ) -> int:
-        """One optimizer update on a (global) minibatch; returns 1 if an update was applied."""
+        """One optimizer update on a (global) minibatch; returns 1 if an update was attempted
+        (applied, or skipped by the gradient-spike guard: counted in ``skipped_updates``)."""
         cfg = self.config
         local_tokens = float(mb.completion_mask.sum()) if mb is not None else 0.0
         (global_tokens,) = self.dist.sum_floats([local_tokens])
@@ -493,9 +495,14 @@ class Trainer:
             sums["clipped"] += float(pl.clipped_tokens)
             sums["update_tokens"] += local_tokens
         self.dist.sum_gradients(self.model.parameters())
-        if cfg.max_grad_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-            sums["grad_norm"] += float(norm) / max(1, self.dist.world_size)
+        if cfg.max_grad_norm is not None or cfg.grad_spike_factor is not None:
+            clip_to = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip_to))
+            sums["grad_norm"] += norm / max(1, self.dist.world_size)
+            if self.spike_guard.skip(norm):
+                sums["skipped_updates"] += 1.0 / max(1, self.dist.world_size)
+                self.optimizer.zero_grad(set_to_none=True)
+                return 1
         scale = self._ess_lr_scale(mb, prox) if cfg.ess_lr_scaling else 1.0
         for group in self.optimizer.param_groups:
             group["lr"] = cfg.lr * scale
@@ -523,7 +530,7 @@ class Trainer:
     ) -> dict[str, Any]:
         keys = [
             *_WEIGHT_SUMS, "loss", "entropy_sum", "clipped", "update_tokens", "grad_norm",
-            "lr_scale",
+            "lr_scale", "skipped_updates",
         ]  # fmt: skip
         g = dict(zip(keys, self.dist.sum_floats([sums[k] for k in keys]), strict=True))
         rewards = [float(r.reward) for r in flat]
@@ -555,9 +562,11 @@ class Trainer:
             "ess": ess,
             "ess_frac": ess / g["units"] if g["units"] > 0 else 0.0,
             "grad_norm": g["grad_norm"] / max(1, updates),
-            # mean learning-rate factor of the step's updates (< 1 only with ess_lr_scaling);
+            # mean learning-rate factor of the applied updates (< 1 only with ess_lr_scaling);
             # every rank applies the same factor, so the sum counts it world_size times
-            "lr_scale": g["lr_scale"] / max(1, updates * self.dist.world_size),
+            "lr_scale": g["lr_scale"]
+            / max(1, (updates - round(g["skipped_updates"])) * self.dist.world_size),
+            "skipped_updates": round(g["skipped_updates"]),
             "updates": updates,
             "idle_frac": self.idle.fraction(),
             "step_time_s": step_time,

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from trainer.config import TrainerConfig
-from trainer.monitors import Bound, StabilityMonitor, monitor_from_config
+from trainer.monitors import Bound, GradSpikeGuard, StabilityMonitor, monitor_from_config
 
 
 def test_warns_on_the_rolling_mean_not_on_one_noisy_step(caplog: pytest.LogCaptureFixture) -> None:
@@ -52,3 +52,19 @@ def test_monitor_from_config_uses_the_warn_fields() -> None:
     assert mon.window == 1
     assert "mask_frac 0.5 > 0.2" in mon.observe({"mask_frac": 0.5})
     assert "grad_norm" not in mon.observe({"grad_norm": 1e9})
+
+
+def test_grad_spike_guard_skips_outliers_after_warmup(caplog: pytest.LogCaptureFixture) -> None:
+    guard = GradSpikeGuard(5.0, window=6, warmup=3)
+    # no verdict during warm-up, however large the norm
+    assert [guard.skip(x) for x in (100.0, 1.0, 1.0)] == [False, False, False]
+    assert guard.skip(5.1) is True  # median(100, 1, 1) = 1: 5.1 > 5 × 1
+    assert "skipped an update" in caplog.text
+    # every norm enters the history: median(100, 1, 1, 5.1) = 3.05, and 15 < 5 × 3.05
+    assert guard.skip(15.0) is False
+    assert guard.skip(30.0) is True  # median(100, 1, 1, 5.1, 15) = 5.1: 30 > 25.5
+    # a lasting higher level moves the median (window 6), and skipping stops
+    for _ in range(3):
+        guard.skip(20.0)
+    assert guard.skip(50.0) is False  # median(5.1, 15, 30, 20, 20, 20) = 20
+    assert GradSpikeGuard(None).skip(1e9) is False  # disabled

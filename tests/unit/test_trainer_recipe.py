@@ -14,6 +14,7 @@ from policy.model import CharTokenizer, ModelSpec, build_model
 from trainer.batch import Rollout
 from trainer.config import TrainerConfig
 from trainer.metrics import read_jsonl
+from trainer.monitors import GradSpikeGuard
 from trainer.recipe import InProcessSource, MemoryPublisher, Trainer
 
 torch.set_num_threads(1)
@@ -115,6 +116,19 @@ def test_stability_monitors_are_in_every_record_and_warn(tmp_path: Path) -> None
     masked = _trainer(tmp_path / "c", weight_mode="mask", weight_cap=1.01, weight_cap_low=0.99)
     rec = masked.train_step(make_rollouts(3, 4, 4, version=0))
     assert rec["mask_frac"] > 0.5 and rec["weight_modified_frac"] > 0.5
+
+
+def test_grad_spike_guard_skips_updates_and_counts_them(tmp_path: Path) -> None:
+    tr = _trainer(tmp_path, grad_spike_factor=5.0)
+    # a guard that judges after one norm and calls every later update a spike
+    tr.spike_guard = GradSpikeGuard(1e-6, warmup=1)
+    rec = tr.train_step(make_rollouts(4, 4, 4, version=0))
+    assert (rec["updates"], rec["skipped_updates"]) == (4, 3)
+    before = _params(tr.model)
+    rec = tr.train_step(make_rollouts(5, 4, 4, version=1))
+    assert rec["skipped_updates"] == 4
+    after = _params(tr.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was applied
 
 
 def test_run_loop_publishes_every_kappa_and_resumes(tmp_path: Path) -> None:
