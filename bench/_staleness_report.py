@@ -97,7 +97,7 @@ def tables(results: list[dict[str, Any]], options: list[str]) -> list[str]:
         for (t, s, opt), runs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2])):
             if t != task:
                 continue
-            label = opt if s else "(any: w ≡ 1)"
+            label = opt if s else f"{opt} (every option: w ≡ 1)"
             lines.append(
                 f"| {s} | {label} | {sum(r['steps_to_target'] is not None for r in runs)}/"
                 f"{len(runs)} | {_fmt_steps(median_steps(runs))} | {_spread(runs)} | "
@@ -135,12 +135,13 @@ MONITOR_SIDES = {  # figure -> True if high is bad
 def monitor_analysis(
     results: list[dict[str, Any]], thresholds: dict[str, float | None]
 ) -> list[str]:
-    """For each monitor: its rolling mean just before collapses vs in healthy runs (S > 0)."""
-    collapsed = [r for r in results if r["collapse"] and r["spec"]["staleness"] > 0]
-    healthy = [r for r in results if not r["collapse"] and r["spec"]["staleness"] > 0]
+    """For each monitor: its rolling mean just before collapses vs in runs that did not collapse.
+    (At S = 0 the weight figures are trivially KL 0, ESS 1, mask 0; they still count as healthy.)"""
+    collapsed = [r for r in results if r["collapse"]]
+    healthy = [r for r in results if not r["collapse"]]
     lines = [
-        f"Stale runs (S > 0): {len(collapsed)} collapsed, {len(healthy)} did not. Rolling mean "
-        f"over {ROLL} steps; 'before a collapse' = the {PRE_WINDOW[0]} steps before the last "
+        f"All runs (S = 0 included): {len(collapsed)} collapsed, {len(healthy)} did not. Rolling "
+        f"mean over {ROLL} steps; 'before a collapse' = the {PRE_WINDOW[0]} steps before the last "
         f"evaluation at the peak and the {PRE_WINDOW[1]} after it (the drop shows at the next "
         "evaluation); "
         "'healthy' = every step of a run that did not collapse, after its exact match first "

@@ -84,6 +84,7 @@ TASKS: dict[str, dict[str, int]] = {
 #: Order in which a matrix is worked through: the comparisons that matter most come first, so
 #: that an interrupted matrix has them.
 S_PRIORITY = (0, 4, 8, 2, 1, 6)
+FIRST_SEEDS = 3
 
 COLLAPSE_FROM = 0.7
 COLLAPSE_DROP = 0.3
@@ -362,10 +363,11 @@ def _run_pool(
 ) -> None:
     """Run ``todo`` on ``--jobs`` processes, longest-expected first; append each result."""
 
-    def rank(s: Spec) -> tuple[int, int, int]:
-        # seed-major: every (S, option) cell gets its first seeds before any gets its fifth
+    def rank(s: Spec) -> tuple[int, bool, int, int]:
+        # three seeds of every (S, option) cell, S in S_PRIORITY order, before the other seeds
         prio = S_PRIORITY.index(s.staleness) if s.staleness in S_PRIORITY else len(S_PRIORITY)
-        return (list(TASKS).index(s.task) if s.task in TASKS else 9, s.seed, prio)
+        task = list(TASKS).index(s.task) if s.task in TASKS else len(TASKS)
+        return (task, s.seed >= FIRST_SEEDS, prio, s.seed)
 
     todo = sorted(todo, key=rank)
     t0 = time.monotonic()
