@@ -23,7 +23,11 @@ The network process on top of it:
 - :mod:`coordinator.service`    ``CoordinatorService``: the core on libp2p (RPC handlers, DHT
                                 records, holding published versions, upkeep)
 - :mod:`coordinator.status`     the ``/status`` document, its wire form, the trainer gauges
-- :mod:`coordinator.http`       ``StatusHttpServer``: ``/status`` JSON and ``/metrics``
+- :mod:`coordinator.node_view`  per-node figures of ``/status`` (hardware, versions held, strikes)
+- :mod:`coordinator.dissemination` ``HolderCensus``: which nodes hold each recent version (DHT)
+- :mod:`coordinator.history`    ``StatusHistory``: the bounded time series the dashboard draws
+- :mod:`coordinator.http`       ``StatusHttpServer``: the dashboard (``/``), ``/status``,
+                                ``/api/history`` and ``/metrics``
 - :mod:`coordinator.launch`     ``swarm coordinator launch``: flag checks, port test-binds,
                                 state-dir lock, signal handling
 """

@@ -45,7 +45,23 @@ class SamplingSection(_Section):
     top_k: int = Field(default=0, ge=0, description="Top-k cut-off (0 = off)")
     max_new_tokens: int = Field(default=8, ge=1, description="Completion length cap in tokens")
     stop_token_ids: list[int] = Field(
-        default_factory=list, description="Token ids that end a sample besides EOS"
+        default_factory=list,
+        description="Token ids that end a sample besides the model's EOS ids (the tokenizer's, "
+        "config.json's and generation_config.json's); every lease carries the whole stop set",
+    )
+
+
+class PromptSection(_Section):
+    """How a task's question becomes prompt tokens (policy/prompts.py)."""
+
+    template: Literal["auto", "chat", "plain"] = Field(
+        default="auto",
+        description='"chat": the tokenizer\'s chat template; "plain": the text as is (base '
+        'models, the embedded model); "auto": chat when the tokenizer has a chat template',
+    )
+    system_prompt: str | None = Field(
+        default=None,
+        description="System message of the chat template (unset: the template's own default)",
     )
 
 
@@ -190,9 +206,18 @@ class CoordinatorConfig(_Section):
         default=Path("coordinator-data/state.sqlite"), description="SQLite state file (WAL mode)"
     )
     task: str = Field(
-        default="reverse3", description='Task: "reverse3", "reverseN" or "jsonl:PATH"'
+        default="reverse3",
+        description='Task: "reverse3", "reverseN", "arith" (arithmetic word problems) or '
+        '"jsonl:PATH"',
     )
     task_seed: int = Field(default=0, ge=0, description="Seed of the prompt order")
+    format_reward: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Math tasks: share of the reward paid for a well-formed answer (a \\boxed{} "
+        "or #### answer in a finished completion); the rest pays for a correct one",
+    )
     model_path: str | None = Field(
         default=None, description="Local HF model directory; unset = embedded tiny default"
     )
@@ -219,6 +244,9 @@ class CoordinatorConfig(_Section):
     )
     sampling: SamplingSection = Field(
         default_factory=lambda: SamplingSection(), description="Sampling"
+    )
+    prompt: PromptSection = Field(
+        default_factory=lambda: PromptSection(), description="Prompt rendering"
     )
     leases: LeaseSection = Field(default_factory=lambda: LeaseSection(), description="Leases")
     intake: IntakeSection = Field(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -31,6 +31,7 @@ from coordinator.problems import Task
 from coordinator.reputation import Reputation
 from coordinator.store import ACK, LeaseRecord, NodeRecord, RolloutRow, Store, Verdict
 from policy.model import Tokenizer
+from policy.prompts import PromptRenderer
 from protocol.codec import encode
 from protocol.envelope import ReplayGuard, open_envelope
 from protocol.errors import DecodeError, ReasonCode
@@ -82,11 +83,27 @@ class Coordinator:
         registry: CollectorRegistry | None = None,
         replay: ReplayGuard | None = None,
         servable: Callable[[int], bool] | None = None,
+        prompts: PromptRenderer | None = None,
+        stop_token_ids: Sequence[int] | None = None,
     ) -> None:
         self.config = config
         self.store = store
         self.task = task
         self.tokenizer = tokenizer
+        #: renders a task's question into the prompt tokens a lease carries
+        self.prompts = prompts or PromptRenderer(
+            tokenizer, template=config.prompt.template, system_prompt=config.prompt.system_prompt
+        )
+        #: the stop set every lease carries and the intake checks (the model's EOS ids plus the
+        #: configured extras; :func:`policy.model.model_stop_ids`); default: the tokenizer's EOS
+        self.stop_token_ids: tuple[int, ...] = tuple(
+            sorted(
+                set(stop_token_ids if stop_token_ids is not None else [tokenizer.eos_token_id])
+                | set(config.sampling.stop_token_ids)
+            )
+        )
+        #: what each node last said when it gave a lease back (shown on /status, swarm inspect)
+        self.node_problems: dict[bytes, str] = {}
         self.clock = clock
         self.publisher_key = publisher_key
         #: Whether a version's weights can be fetched from here now (the network service: held in
@@ -274,7 +291,7 @@ class Coordinator:
                 top_p=s.top_p,
                 top_k=s.top_k,
                 max_new_tokens=lease.max_new_tokens,
-                stop_token_ids=list(s.stop_token_ids),
+                stop_token_ids=list(self.stop_token_ids),
                 seed=lease.epoch,
             ),
             issued_at=lease.issued_at,
@@ -293,16 +310,22 @@ class Coordinator:
         usable = self.store.versions()[-(self.config.staleness_bound + 1) :]
         return next((v for v in reversed(usable) if self.servable(v)), None)
 
-    def release(self, node_key: bytes, lease_id: str, epoch: int) -> list[int]:
-        """A draining node gives a lease back; its prompts are reassignable at once."""
+    def release(self, node_key: bytes, lease_id: str, epoch: int, reason: str = "") -> list[int]:
+        """A node gives a lease back; its prompts are reassignable at once. A reason other than
+        a shutdown is kept as the node's last problem (``/status`` ``node_problems``)."""
         self._admit(node_key)
-        return self.leases.release(node_key, lease_id, epoch)
+        prompts = self.leases.release(node_key, lease_id, epoch)
+        if reason and reason != "node shutting down":
+            if len(self.node_problems) >= self.config.max_nodes:
+                self.node_problems.pop(next(iter(self.node_problems)))
+            self.node_problems[node_key] = reason
+        return prompts
 
     def _slots(self, lease: LeaseRecord) -> dict[str, PromptSlot]:
         slots = {}
         for position, index in enumerate(lease.prompts):
             problem = self.task.problem(index)
-            ids = tuple(self.tokenizer.encode_prompt(problem.prompt))
+            ids = tuple(self.prompts.render(problem.prompt))
             slots[problem.prompt_id] = PromptSlot(index, problem, ids, position)
         return slots
 
@@ -383,6 +406,7 @@ class Coordinator:
             )  # fmt: skip
             self.store.put_verdict(lease.lease_id, digest, verdict, now)
         fault_point("submit.after_commit")
+        self.node_problems.pop(node_key, None)  # it works again
         self.metrics.accepted.inc(len(rows))
         return _message(lease.lease_id, verdict)
 
@@ -402,7 +426,7 @@ class Coordinator:
             staleness_bound=s,
             vocab_size=self.tokenizer.vocab_size,
             eos_token_id=self.tokenizer.eos_token_id,
-            stop_token_ids=frozenset(self.config.sampling.stop_token_ids),
+            stop_token_ids=frozenset(self.stop_token_ids),
             suspect=self.config.intake.suspect_full_check and self.reputation.suspect(node_key),
         )
 
@@ -558,6 +582,15 @@ class Coordinator:
             "nodes_banned": banned,
             "leases": by_state,
             "rollouts_accepted": self.store.rollout_count(),
+            # the sampling contract every lease carries (the trainer matches it)
+            "sampling": {
+                "temperature": self.config.sampling.temperature,
+                "top_p": self.config.sampling.top_p,
+                "top_k": self.config.sampling.top_k,
+                "max_new_tokens": self.config.sampling.max_new_tokens,
+                "prompt_template": self.prompts.template,
+            },
+            "stop_token_ids": list(self.stop_token_ids),
             "plan": self.plan.explanation if self.plan else None,
             "plan_required_rollouts_per_s": self.plan.required if self.plan else None,
             "plan_standby": [

@@ -1,9 +1,12 @@
 """GSM8K-style math prompts from a JSONL file, rewarded with ``math-verify`` under a hard timeout.
 
 Each line is a JSON object with a question (``prompt_field``) and an answer (``answer_field``). The
-reference answer is the text after the last ``####`` (GSM8K convention, commas dropped), or the
-whole answer field when there is none. A completion is scored the same way: the text after its last
-``####`` if present, else the whole completion (math-verify extracts the final expression).
+reference answer and a completion's answer are read the same way (:func:`extract_answer`): the
+content of the last ``\\boxed{...}`` if there is one, else the text after the last ``####``
+(GSM8K convention), else the whole text (math-verify extracts the final expression); commas are
+dropped. :class:`MathReward` turns that into a reward in [0, 1]: correctness, plus an optional
+share for a well-formed answer (``format_reward``: a finished completion with a ``\\boxed{}`` or
+``####`` answer).
 
 ``math-verify`` runs sympy, which can take unbounded time on adversarial input (a node controls the
 completion text). Its own timeout relies on ``signal.alarm`` and only works in a main thread, so the
@@ -32,11 +35,43 @@ log = logging.getLogger(__name__)
 EqualFn = Callable[[str, str], bool]
 
 
+def boxed_answer(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced;
+    None when there is none (an unclosed one does not count)."""
+    found: str | None = None
+    found_at = -1
+    for macro in ("\\boxed{", "\\fbox{"):
+        start = 0
+        while (at := text.find(macro, start)) >= 0:
+            depth, i = 1, at + len(macro)
+            while i < len(text) and depth:
+                depth += {"{": 1, "}": -1}.get(text[i], 0)
+                i += 1
+            if depth == 0 and at >= found_at:
+                found, found_at = text[at + len(macro) : i - 1], at
+            start = at + 1
+    return found
+
+
 def extract_answer(text: str) -> str:
-    """The text after the last ``####`` (commas and whitespace stripped), else ``text`` stripped."""
-    if "####" in text:
+    """The answer in ``text``: the last ``\\boxed{}``'s content, else the text after the last
+    ``####``, else ``text`` (commas and surrounding whitespace dropped)."""
+    boxed = boxed_answer(text)
+    if boxed is not None:
+        text = boxed
+    elif "####" in text:
         text = text.rsplit("####", 1)[1]
     return text.strip().replace(",", "")
+
+
+def well_formed(completion: str, finished: bool) -> bool:
+    """A finished completion that states its answer as ``\\boxed{...}`` or after ``####``."""
+    if not finished:
+        return False
+    boxed = boxed_answer(completion)
+    if boxed is not None:
+        return bool(boxed.strip())
+    return "####" in completion and bool(completion.rsplit("####", 1)[1].strip())
 
 
 def math_equal(gold: str, pred: str) -> bool:
@@ -52,6 +87,11 @@ def math_equal(gold: str, pred: str) -> bool:
 
 def _serve(conn: Connection, fn: EqualFn) -> None:
     """Worker process loop: answer ``(gold, pred)`` requests until ``None`` or EOF."""
+    # Warm up first: math-verify imports sympy on its first use (seconds, more on a busy machine),
+    # which would otherwise count against the first real check's timeout and score it 0. The
+    # start-up timeout covers this.
+    with contextlib.suppress(Exception):
+        fn("1", "1")
     conn.send("ready")
     while True:
         try:
@@ -130,6 +170,42 @@ class VerifyWorker:
             self._proc, self._conn = None, None
 
 
+class MathReward:
+    """Reward of a math completion, computed on the coordinator (see the module docstring):
+    ``(1 − format_reward) · correct + format_reward · well_formed``; ``exact`` is correctness.
+    The last few verdicts are kept, so ``reward`` then ``exact`` of one completion verify once."""
+
+    def __init__(
+        self, *, format_reward: float = 0.0, timeout_s: float = 5.0, equal_fn: EqualFn = math_equal
+    ) -> None:
+        if not 0.0 <= format_reward <= 1.0:
+            raise ValueError(f"format_reward must be in [0, 1], got {format_reward}")
+        self.format_reward = format_reward
+        self.worker = VerifyWorker(equal_fn, timeout_s)
+        self._recent: dict[tuple[str, str], bool] = {}
+
+    def correct(self, answer: str, completion: str) -> bool:
+        key = (answer, completion)
+        if key in self._recent:
+            return self._recent[key]
+        pred = extract_answer(completion)
+        ok = bool(pred) and bool(self.worker.call(answer, pred))
+        if len(self._recent) >= 64:
+            self._recent.pop(next(iter(self._recent)))
+        self._recent[key] = ok
+        return ok
+
+    def reward(self, answer: str, completion: str, finished: bool) -> float:
+        correct = 1.0 if self.correct(answer, completion) else 0.0
+        if not self.format_reward:
+            return correct
+        formed = 1.0 if well_formed(completion, finished) else 0.0
+        return (1.0 - self.format_reward) * correct + self.format_reward * formed
+
+    def close(self) -> None:
+        self.worker.close()
+
+
 class JsonlMathTask:
     """Math word problems from a JSONL file (a deterministic shuffle per pass over the file)."""
 
@@ -140,9 +216,10 @@ class JsonlMathTask:
         prompt_field: str = "question",
         answer_field: str = "answer",
         *,
-        template: str = "{question}\nGive the final answer after ####.\n",
+        template: str = "{question}\nPut the final answer in \\boxed{{}}.",
         timeout_s: float = 5.0,
         equal_fn: EqualFn = math_equal,
+        format_reward: float = 0.0,
     ) -> None:
         self.path = Path(path)
         self.seed = seed
@@ -164,7 +241,10 @@ class JsonlMathTask:
                 self._rows.append((question, extract_answer(answer)))
         if not self._rows:
             raise ValueError(f"{self.path}: no problems in the file")
-        self.worker = VerifyWorker(equal_fn, timeout_s)
+        self.scorer = MathReward(
+            format_reward=format_reward, timeout_s=timeout_s, equal_fn=equal_fn
+        )
+        self.worker = self.scorer.worker
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -182,13 +262,10 @@ class JsonlMathTask:
         return Problem(prompt_id=f"{self.name}:{index:08d}", prompt=prompt, answer=answer)
 
     def reward(self, problem: Problem, completion: str, finished: bool) -> float:
-        pred = extract_answer(completion)
-        if not pred:
-            return 0.0
-        return 1.0 if self.worker.call(problem.answer, pred) else 0.0
+        return self.scorer.reward(problem.answer, completion, finished)
 
     def exact(self, problem: Problem, completion: str, finished: bool) -> bool:
-        return self.reward(problem, completion, finished) == 1.0
+        return self.scorer.correct(problem.answer, completion)
 
     def close(self) -> None:
-        self.worker.close()
+        self.scorer.close()

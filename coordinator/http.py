@@ -1,67 +1,75 @@
-"""Read-only HTTP observability: ``GET /status`` (JSON) and ``GET /metrics`` (Prometheus).
+"""Read-only HTTP observability: the dashboard (``/``), ``/status`` (JSON), ``/api/history``
+(JSON) and ``/metrics`` (Prometheus).
 
-A stdlib ``ThreadingHTTPServer`` in a daemon thread. It never touches the coordinator's state: the
-event loop hands it a fresh status snapshot every tick (:meth:`StatusHttpServer.set_status`), and
-Prometheus metrics are read from the (thread-safe) registry. Bound to localhost unless configured.
+Served by :class:`swarm.web.server.ReadOnlyHttpServer` (stdlib, daemon threads, GET/HEAD only,
+strict Content-Security-Policy). It never touches the coordinator's state: the event loop hands it
+a fresh status snapshot every tick (:meth:`StatusHttpServer.set_status`), the history
+(:class:`~coordinator.history.StatusHistory`) is read under its own lock, and Prometheus metrics
+come from the (thread-safe) registry. Bound to localhost unless configured.
+
+The page polls ``/status`` and ``/api/history?since=SEQ&epoch=E`` every two seconds rather than
+holding a server-sent-event stream: the snapshot changes once a tick (1 s), so a stream would buy
+at most a second, at the price of a server thread held per open tab and of proxies and SSH tunnels
+that buffer streams; polling also recovers by itself from a coordinator restart (a new ``epoch``).
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from coordinator.history import StatusHistory
+from swarm.web.server import (
+    JSON_TYPE,
+    ReadOnlyHttpServer,
+    Response,
+    WebApp,
+    json_response,
+)
+
+#: What ``GET /`` serves.
+DASHBOARD_PAGE = "dashboard.html"
+
 
 class StatusHttpServer:
-    """Serves the latest status snapshot and the metrics of ``core_registry``."""
+    """Serves the dashboard, the latest status snapshot, its history and ``core_registry``;
+    :attr:`app` answers without a socket, :meth:`start` binds ``host:port``."""
 
-    def __init__(self, host: str, port: int, *, core_registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        core_registry: CollectorRegistry,
+        history: StatusHistory | None = None,
+    ) -> None:
         self._registry = core_registry
+        self._history = history if history is not None else StatusHistory()
         self._status: bytes = b"{}"
         self._lock = threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                if path == "/status":
-                    with outer._lock:
-                        body, ctype = outer._status, "application/json"
-                elif path == "/metrics":
-                    body, ctype = generate_latest(outer._registry), CONTENT_TYPE_LATEST
-                else:
-                    body, ctype = b'{"error": "not found: try /status or /metrics"}', "text/plain"
-                    self.send_response(404)
-                    self._finish(body, ctype)
-                    return
-                self.send_response(200)
-                self._finish(body, ctype)
-
-            def _finish(self, body: bytes, ctype: str) -> None:
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:  # quiet access log
-                return
-
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="status-http", daemon=True
+        self.app = WebApp(
+            {
+                "/status": self._get_status,
+                "/metrics": self._get_metrics,
+                "/api/history": self._get_history,
+            },
+            {"/": DASHBOARD_PAGE, "/index.html": DASHBOARD_PAGE},
         )
+        self._bind = (host, port)
+        self._server: ReadOnlyHttpServer | None = None
 
     @property
     def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return self._server.url if self._server is not None else ""
 
     def start(self) -> None:
-        self._thread.start()
+        """Bind (an OSError if the port is taken) and serve from a daemon thread."""
+        self._server = ReadOnlyHttpServer(*self._bind, self.app, name="status")
+        self._server.start()
 
     def set_status(self, status: dict[str, Any]) -> None:
         body = json.dumps(status, default=str, allow_nan=False, sort_keys=True).encode()
@@ -69,5 +77,20 @@ class StatusHttpServer:
             self._status = body
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    # --- routes (run on the server's threads) ----------------------------------------------------
+    def _get_status(self, query: Mapping[str, str]) -> Response:
+        with self._lock:
+            return 200, self._status, JSON_TYPE
+
+    def _get_metrics(self, query: Mapping[str, str]) -> Response:
+        return 200, generate_latest(self._registry), CONTENT_TYPE_LATEST
+
+    def _get_history(self, query: Mapping[str, str]) -> Response:
+        since = query.get("since")
+        if since is not None and not (since.isdigit() and len(since) <= 18):
+            return json_response({"error": f"since={since[:40]!r}: expected a row number"}, 400)
+        return json_response(self._history.since(int(since) if since else None, query.get("epoch")))

@@ -10,8 +10,8 @@ raising :class:`~coordinator.errors.IntakeRejection` with a protocol reason code
 4. :func:`check_version`     claimed policy version is the lease's, and within S of the current;
    :func:`check_seeds`       every sample names the seed the lease assigns it
 5. :func:`check_sample`      token ids in vocabulary, length within limits, log-probs <= 0,
-                             termination legitimate (EOS / stop token last iff "eos"/"stop",
-                             length == max_new_tokens iff "length")
+                             termination legitimate (a token of the lease's stop set last iff
+                             "eos"/"stop", length == max_new_tokens iff "length")
 6. :func:`score_rewards`     reward recomputed by the task verifier from the decoded completion
                              (the wire has no reward field at all: a node cannot even claim one)
 7. :meth:`Intake.spot_check` behaviour log-probs of a sampled fraction re-scored at the claimed
@@ -77,6 +77,7 @@ class IntakeContext:
     staleness_bound: int
     vocab_size: int
     eos_token_id: int
+    #: the lease's stop set (what the lease carried: the model's EOS ids plus configured extras)
     stop_token_ids: frozenset[int]
     #: the node has a strike on record: every lease and every sample is re-scored
     suspect: bool = False
@@ -199,15 +200,18 @@ def check_sample(sample: Sample, ctx: IntakeContext, where: str) -> tuple[list[i
 def check_termination(
     tokens: Sequence[int], finish: str, ctx: IntakeContext, limit: int, where: str
 ) -> None:
-    """EOS (or a stop token) last iff finish is "eos"/"stop"; length == limit iff "length"."""
-    stops = ctx.stop_token_ids | {ctx.eos_token_id}
+    """A token of the lease's stop set last iff finish is "eos"/"stop" (the node's label of
+    which kind of stop token it was is not checked: both end the sample alike), none before it;
+    length == limit iff "length"."""
+    stops = ctx.stop_token_ids
     body = tokens[:-1] if finish in ("eos", "stop") else tokens
     if any(t in stops for t in body):
         raise _reject(ReasonCode.BAD_TERMINATION, f"{where}: tokens continue after EOS/stop")
-    if finish == "eos" and (not tokens or tokens[-1] != ctx.eos_token_id):
-        raise _reject(ReasonCode.BAD_TERMINATION, f"{where}: finish 'eos' but EOS is not last")
-    if finish == "stop" and (not tokens or tokens[-1] not in stops):
-        raise _reject(ReasonCode.BAD_TERMINATION, f"{where}: finish 'stop' without a stop token")
+    if finish in ("eos", "stop") and (not tokens or tokens[-1] not in stops):
+        raise _reject(
+            ReasonCode.BAD_TERMINATION,
+            f"{where}: finish {finish!r} but the last token is not in the lease's stop set",
+        )
     if finish == "length" and len(tokens) != limit:
         raise _reject(
             ReasonCode.BAD_TERMINATION, f"{where}: finish 'length' at {len(tokens)} of {limit}"

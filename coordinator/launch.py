@@ -15,6 +15,7 @@ from typing import Any
 from coordinator.config import CoordinatorConfig
 from coordinator.service import CoordinatorService
 from coordinator.tasks import make_task
+from policy.preflight import PolicySetup
 from protocol.identity import parse_fingerprint
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ def launch_from_cli(
     try:
         cfg = _launch_config(config, host=host, port=port, http_port=http_port,
                              trainer_key=trainer_key)  # fmt: skip
+        setup = _preflight(cfg, str(config) if config is not None else "defaults")
     except ConfigError as exc:
         _cli_error(str(exc))
         return 2
@@ -76,7 +78,7 @@ def launch_from_cli(
                 "or pass another --state-dir"
             )
             return 1
-        service = CoordinatorService(cfg, state)
+        service = CoordinatorService(cfg, state, setup=setup)
     except KeyFileError as exc:
         _cli_error(str(exc))
         return 2
@@ -115,6 +117,7 @@ def launch_from_cli(
         for maddr in service.multiaddrs:
             print(f"multiaddr: {maddr}", flush=True)
         print(f"coordinator key: {service.fingerprint}", flush=True)
+        print(f"dashboard: {service.http_url}/", flush=True)
         print(f"status: {service.http_url}/status  metrics: {service.http_url}/metrics", flush=True)
         await stop.wait()
         log.info("shutting down")
@@ -181,7 +184,7 @@ def _launch_config(
             "config.json); fix the path or unset it for the embedded default"
         )
     try:
-        task = make_task(cfg.task, seed=cfg.task_seed)
+        task = make_task(cfg.task, seed=cfg.task_seed, format_reward=cfg.format_reward)
     except OSError as exc:
         raise ConfigError(
             f"{source}: task {cfg.task!r}: cannot read {exc.filename or 'the file'}: "
@@ -193,6 +196,31 @@ def _launch_config(
     if callable(close):
         close()
     return cfg.model_copy(update={"network": net})
+
+
+def _preflight(cfg: CoordinatorConfig, source: str) -> PolicySetup:
+    """Tokenizer, prompt renderer and stop set, checked (policy/preflight.py): an impossible
+    set-up is refused now, with the setting named, not as a loop of failed leases later."""
+    from coordinator.errors import ConfigError
+    from policy.model import ModelSpec
+    from policy.preflight import prepare
+
+    task = make_task(cfg.task, seed=cfg.task_seed, format_reward=cfg.format_reward)
+    try:
+        return prepare(
+            ModelSpec(path=cfg.model_path),
+            task=task,
+            max_new_tokens=cfg.sampling.max_new_tokens,
+            extra_stop_ids=cfg.sampling.stop_token_ids,
+            template=cfg.prompt.template,
+            system_prompt=cfg.prompt.system_prompt,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+    finally:
+        close = getattr(task, "close", None)
+        if callable(close):
+            close()
 
 
 def _cannot_bind(host: str, port: int) -> tuple[bool, str] | None:

@@ -6,7 +6,9 @@
 * a :class:`~swarm.broadcast.BroadcastNode` that downloads every published version (it signs the
   manifests the trainer proposes, the trainer seeds the chunks) so it can re-score log-probs and
   serve as a manifest source for nodes;
-* a read-only HTTP endpoint (:mod:`coordinator.http`): ``/status`` JSON and ``/metrics``;
+* a read-only HTTP endpoint (:mod:`coordinator.http`): the dashboard, ``/status`` JSON, its
+  history (:mod:`coordinator.history`) and ``/metrics``; a holder census of the recent versions
+  (:mod:`coordinator.dissemination`);
 * an upkeep task: lease expiry, re-planning, DHT records, the status snapshot.
 
 Every RPC answer is a protocol message; refusals are ``Reject(code, detail)``, never a dropped
@@ -31,12 +33,15 @@ import msgspec
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core import Coordinator
+from coordinator.dissemination import HolderCensus, coordinator_census
 from coordinator.errors import Rejection
+from coordinator.history import StatusHistory
 from coordinator.http import StatusHttpServer
 from coordinator.logprobs import InProcessLogprobVerifier, VerifierUnavailable
 from coordinator.status import TrainerGauges, build_status, wire_status
 from coordinator.store import Store
 from coordinator.tasks import make_task
+from policy.preflight import PolicySetup
 from protocol import rpc
 from protocol.codec import decode, encode
 from protocol.envelope import open_envelope
@@ -82,7 +87,9 @@ SPOT_CHECK_WAIT_S = 5.0
 class CoordinatorService:
     """Coordinator core + libp2p RPC + checkpoint holder + HTTP status."""
 
-    def __init__(self, config: CoordinatorConfig, state_dir: Path) -> None:
+    def __init__(
+        self, config: CoordinatorConfig, state_dir: Path, *, setup: PolicySetup | None = None
+    ) -> None:
         self.config = config
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -100,9 +107,14 @@ class CoordinatorService:
             record_validators=swarm_validators(),
         )
         self.core: Coordinator | None = None
+        #: tokenizer, prompt renderer and stop set, checked at start (policy.preflight); the
+        #: launcher passes what it already checked, else :meth:`start` checks
+        self.setup: PolicySetup | None = setup
         self.transport: P2PTransport | None = None
         self.broadcast: BroadcastNode | None = None
         self.http: StatusHttpServer | None = None
+        self.history = StatusHistory()  # what the dashboard draws over time
+        self.census: HolderCensus | None = None  # who holds which recent version
         self.multiaddrs: list[str] = []
         self.trainer_stats: dict[str, Any] = {}
         self._new_rollouts = asyncio.Event()
@@ -136,9 +148,25 @@ class CoordinatorService:
         cfg = self.config
         db_path = cfg.db_path if cfg.db_path.is_absolute() else self.state_dir / cfg.db_path.name
         spec = _model_spec(cfg)
-        from policy.model import load_tokenizer
+        from policy.preflight import prepare
 
-        tokenizer = load_tokenizer(spec)
+        task = make_task(cfg.task, seed=cfg.task_seed, format_reward=cfg.format_reward)
+        try:  # the launcher already ran these checks; a service built directly runs them here
+            setup = self.setup or prepare(
+                spec,
+                task=task,
+                max_new_tokens=cfg.sampling.max_new_tokens,
+                extra_stop_ids=cfg.sampling.stop_token_ids,
+                template=cfg.prompt.template,
+                system_prompt=cfg.prompt.system_prompt,
+            )
+        except ValueError:
+            close = getattr(task, "close", None)
+            if callable(close):
+                close()
+            raise
+        self.setup = setup
+        tokenizer = setup.tokenizer
         store = Store(db_path)
         verifier = InProcessLogprobVerifier(
             self._load_model,
@@ -154,8 +182,10 @@ class CoordinatorService:
         self.core = Coordinator(
             cfg,
             store=store,
-            task=make_task(cfg.task, seed=cfg.task_seed),
+            task=task,
             tokenizer=tokenizer,
+            prompts=setup.renderer,
+            stop_token_ids=setup.stop_token_ids,
             verifier=verifier,
             publisher_key=self.identity.public_key,
             servable=self._holds,
@@ -178,9 +208,16 @@ class CoordinatorService:
         await self.register_handlers(self.transport)
         self.multiaddrs = await self.peer.visible_maddrs()
         self.http = StatusHttpServer(
-            cfg.network.http_host, cfg.network.http_port, core_registry=self.core.registry
+            cfg.network.http_host,
+            cfg.network.http_port,
+            core_registry=self.core.registry,
+            history=self.history,
         )
         self.http.start()
+        self.census = coordinator_census(
+            store, self.broadcast.store, DhtHolderDirectory(self.peer), cfg.staleness_bound + 1
+        )
+        self.census.start()
         self._refresh_snapshot()
         self._upkeep = asyncio.create_task(self._upkeep_loop(), name="coordinator-upkeep")
         (self.state_dir / "coordinator.json").write_text(json.dumps(self.address_info(), indent=2))
@@ -219,6 +256,8 @@ class CoordinatorService:
                 await self._upkeep
         for task in [*self._version_tasks.values(), *self._preload_tasks]:
             task.cancel()
+        if self.census is not None:
+            await self.census.stop()
         if self.broadcast is not None:
             with contextlib.suppress(Exception):
                 await self.broadcast.stop()
@@ -260,7 +299,10 @@ class CoordinatorService:
 
     def _refresh_snapshot(self) -> None:
         if self.http is not None:
-            self.http.set_status(self.status())
+            status = self.status()
+            self.http.set_status(status)
+            census = self.census
+            self.history.record_tick(status, census.counts if census and census.taken_at else None)
 
     def status(self) -> dict[str, Any]:
         """The ``/status`` document (also served over ``rswarm/status``)."""
@@ -272,8 +314,11 @@ class CoordinatorService:
             started_at=self._started_at,
             trainer_stats=self.trainer_stats,
             broadcast=self.broadcast,
+            census=self.census,
         )
         status["versions_loaded"] = self.loaded_versions()  # ready for log-prob spot checks
+        if self.setup is not None:  # the trainer checks its positions against these
+            status["longest_prompt_tokens"] = self.setup.report.longest_prompt
         return status
 
     # --- handlers --------------------------------------------------------------------------------
@@ -332,7 +377,7 @@ class CoordinatorService:
     async def _on_release(self, caller: str, request: bytes) -> bytes:
         assert self.core is not None
         node_key, msg = self._open(request, ReleaseLease)
-        prompts = self.core.release(node_key, msg.lease_id, msg.epoch)
+        prompts = self.core.release(node_key, msg.lease_id, msg.epoch, msg.reason)
         from protocol.messages import Ack
 
         return encode(Ack(ref=msg.lease_id, detail=f"{len(prompts)} prompts released"))
@@ -460,6 +505,7 @@ class CoordinatorService:
         msg = self._open_trainer(request, FetchRollouts)
         if msg.trainer_stats:
             self.trainer_stats = dict(msg.trainer_stats)
+            self.history.record_trainer(self.trainer_stats)
             step_time = self.trainer_stats.get("step_time_s")
             if isinstance(step_time, int | float) and step_time > 0:  # measured T_train
                 self.core.t_train_s = float(step_time)

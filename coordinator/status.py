@@ -2,8 +2,9 @@
 
 :func:`build_status` merges :meth:`~coordinator.core.Coordinator.status` with the service's own
 figures (per-node states, rejections by reason, queue depth, plan, versions held, the trainer's
-last report); :func:`wire_status` fits it into :class:`~protocol.messages.StatusResponse`'s bounded
-shape; :class:`TrainerGauges` exports the trainer's figures on ``/metrics``.
+last report, the per-node details of :mod:`coordinator.node_view`, how many nodes hold each
+recent version); :func:`wire_status` fits it into :class:`~protocol.messages.StatusResponse`'s
+bounded shape; :class:`TrainerGauges` exports the trainer's figures on ``/metrics``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge
 
 from coordinator.core import Coordinator
+from coordinator.dissemination import HolderCensus
+from coordinator.node_view import node_details
 from protocol.limits import MAX_NAME_LEN, MAX_STATUS_KEYS
 from swarm.broadcast import BroadcastNode
 
@@ -27,8 +30,11 @@ def build_status(
     started_at: float,
     trainer_stats: dict[str, Any],
     broadcast: BroadcastNode | None,
+    census: HolderCensus | None = None,
 ) -> dict[str, Any]:
-    """The ``/status`` document (also served over ``rswarm/status``)."""
+    """The ``/status`` document (also served over ``rswarm/status``). ``census``: who holds
+    which recent version (:mod:`coordinator.dissemination`), for ``version_holders`` and
+    ``node_versions_held``."""
     snap = core.status()
     now = time.time()
     nodes = core.store.nodes()
@@ -60,6 +66,12 @@ def build_status(
             "node_last_seen_s": last_seen,
             "node_tokens_per_s": tokens_per_s,
             "node_leases_completed": leases_done,
+            # what a node said when it last gave a lease back (cleared by its next accepted work)
+            "node_problems": {
+                n.fingerprint: core.node_problems[n.node_key]
+                for n in nodes
+                if n.node_key in core.node_problems
+            },
             "rejected_by_reason": rejected,
             "queue_depth": core.store.rollout_count() - _count(trainer_stats.get("rollout_cursor")),
             "plan_available_rollouts_per_s": plan.available if plan else None,
@@ -70,6 +82,11 @@ def build_status(
             if broadcast
             else [],
         }
+    )
+    snap.update(node_details(core.store, nodes, census.by_peer if census else {}, now))
+    snap["version_holders"] = {str(v): n for v, n in census.counts.items()} if census else {}
+    snap["version_holders_age_s"] = (
+        round(now - census.taken_at, 1) if census and census.taken_at else None
     )
     for key, value in trainer_stats.items():
         snap[f"trainer_{key}"] = value

@@ -436,6 +436,19 @@ class Store:
         rows = self._all("SELECT node_key FROM bans WHERE banned_until > ?", (now,))
         return {bytes(r[0]) for r in rows}
 
+    def strike_summaries(self) -> dict[bytes, tuple[int, str, str, float]]:
+        """Per node with strikes: ``(strikes ever, latest reason, its detail, its time)`` (one
+        query for the whole swarm; SQLite takes the bare columns from the row of ``MAX(at)``)."""
+        sql = "SELECT node_key, COUNT(*), reason, detail, MAX(at) FROM strikes GROUP BY node_key"
+        return {
+            bytes(k): (int(n), str(r), str(d), float(at)) for k, n, r, d, at in self._all(sql)
+        }
+
+    def bans(self) -> dict[bytes, tuple[int, float, str]]:
+        """Every node with a ban on record: ``(bans so far, banned_until, reason)``."""
+        rows = self._all("SELECT node_key, bans, banned_until, reason FROM bans")
+        return {bytes(k): (int(n), float(u), str(r)) for k, n, u, r in rows}
+
     def put_ban(self, node_key: bytes, bans: int, until: float, reason: str) -> None:
         with self.transaction():
             self._exec(

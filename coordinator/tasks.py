@@ -7,6 +7,8 @@ supplies a reward that counts (DESIGN.md §7, check 6).
   a tiny model learns from scratch with GRPO. Dense reward = fraction of positions right, EOS
   included (pure 0/1 gives no signal from a random init: DESIGN.md §10).
 - :class:`JsonlMathTask` (in :mod:`coordinator.datasets`): GSM8K-style JSONL with ``math-verify``.
+- :class:`ArithmeticTask` (in :mod:`coordinator.arith`): arithmetic word problems for small instruct
+  models, answers in ``\\boxed{}``, rewarded with ``math-verify``.
 
 A task is deterministic from ``(seed, index)``, so the prompt a lease carries is the coordinator's
 choice and can be re-derived on restart.
@@ -47,15 +49,30 @@ class ReverseTask:
         return finished and completion == problem.answer
 
 
-def make_task(name: str, seed: int = 0) -> Task:
-    """Task by name: ``reverse3`` / ``reverseN`` (embedded) or ``jsonl:PATH`` (math-verify)."""
+def make_task(name: str, seed: int = 0, *, format_reward: float = 0.0) -> Task:
+    """Task by name: ``reverse3`` / ``reverseN`` (embedded), ``arith`` / ``arith-words`` (with
+    ``:N``, the operand bound) or ``jsonl:PATH`` (math-verify); ``format_reward`` applies to the
+    math tasks."""
+    known = "use reverse3, reverse4, ..., arith, arith-words (:N = operands up to N), jsonl:PATH"
     if name.startswith("reverse"):
         suffix = name.removeprefix("reverse") or "3"
         if not suffix.isdigit():
-            raise ValueError(f"unknown task {name!r}: use reverse3, reverse4, ... or jsonl:PATH")
+            raise ValueError(f"unknown task {name!r}: {known}")
         return ReverseTask(length=int(suffix), seed=seed)
+    base, _, suffix = name.partition(":")
+    if base in ("arith", "arith-words"):
+        from coordinator.arith import ArithmeticTask
+
+        if not (suffix or "20").isdigit():
+            raise ValueError(f"unknown task {name!r}: {known}")
+        return ArithmeticTask(
+            seed,
+            max_operand=int(suffix or 20),
+            words=base == "arith-words",
+            format_reward=format_reward,
+        )
     if name.startswith("jsonl:"):
         from coordinator.datasets import JsonlMathTask
 
-        return JsonlMathTask(name.removeprefix("jsonl:"), seed=seed)
-    raise ValueError(f"unknown task {name!r}: use reverse3, reverse4, ... or jsonl:PATH")
+        return JsonlMathTask(name.removeprefix("jsonl:"), seed=seed, format_reward=format_reward)
+    raise ValueError(f"unknown task {name!r}: {known}")

@@ -10,6 +10,8 @@ Modules:
                              (prompt seeds, local lease limits, sampling config, finish reasons)
 * :mod:`node.status`      -- the capability advert (``make_advert``), ``NodeStats`` counters,
                              ``Backoff`` (exponential, with jitter)
+* :mod:`node.statuspage`  -- the volunteer's page (``--status-port``): what the node does, its
+                             lease, tokens/s, versions, verdicts
 * :mod:`node.client`      -- typed async client of the coordinator RPCs (``protocol.rpc``)
 * :mod:`node.checkpoints` -- policy versions: download, verify against the pinned key, load,
                              never roll back (highest accepted version persisted on disk)

@@ -127,11 +127,28 @@ class NodeConfig(BaseModel):
     backoff_max_s: float = Field(
         default=30.0, gt=0, description="Longest retry delay (exponential back-off with jitter)"
     )
+    max_identical_failures: int = Field(
+        default=3,
+        ge=1,
+        description="Stop taking leases after this many identical generation failures in a row "
+        "(a deterministic failure: the node says why in its status and to the coordinator)",
+    )
     download_timeout_s: float = Field(
         default=600.0, gt=0, description="A checkpoint download is abandoned after this"
     )
     startup_timeout_s: float = Field(
         default=30.0, gt=0, description="Seconds for the libp2p daemon and DHT to come up"
+    )
+    status_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="Serve this node's status page (read-only) on status_host:PORT; 0 = any "
+        "free port (the URL is logged and written to <state_dir>/node.json); unset = no page",
+    )
+    status_host: str = Field(
+        default="127.0.0.1",
+        description="Address of the status page; keep 127.0.0.1 unless others should see it",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="Logging level"

@@ -35,6 +35,8 @@ from node.config import ConfigError, NodeConfig, load_node_config
 if TYPE_CHECKING:
     from node.backends.base import InferenceBackend
     from node.probe import Capability
+    from node.statuspage import NodeStatusPage
+    from node.worker import NodeWorker
     from policy.model import Tokenizer
     from protocol.identity import Identity
 
@@ -98,6 +100,7 @@ def run_from_cli(
     config: Path | None = None,
     state_dir: Path | None = None,
     dry_run: bool = False,
+    status_port: int | None = None,
 ) -> int:
     """Entry point of ``swarm node run``; returns the process exit code."""
     overrides = {
@@ -106,6 +109,7 @@ def run_from_cli(
         "backend": backend,
         "price_per_hour": price_per_hour,
         "state_dir": state_dir,
+        "status_port": status_port,
     }
     try:
         cfg = load_node_config(config, overrides)
@@ -311,9 +315,7 @@ async def _serve(
     tokenizer: Tokenizer | None,
 ) -> tuple[int, bool]:
     """Run the worker until a signal; (exit code, whether a generation thread is abandoned)."""
-    from node.client import CoordinatorError, CoordinatorUnavailable, Rejected
     from node.worker import NodeWorker
-    from swarm.errors import BootstrapUnreachable, StartupError
     from swarm.signals import install_fork_signal_reset
 
     install_fork_signal_reset()  # the DHT process forks after the signal handlers are set
@@ -332,6 +334,44 @@ async def _serve(
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig.name)
+    page = await _start_status_page(cfg, worker)
+    try:
+        return await _run_worker(cfg, worker, identity)
+    finally:
+        if page is not None:
+            await page.stop()
+
+
+async def _start_status_page(cfg: NodeConfig, worker: NodeWorker) -> NodeStatusPage | None:
+    """The volunteer's page (``--status-port``), up before the node joins so it shows start-up;
+    its URL also goes to ``<state_dir>/node.json`` (``swarm demo`` reads it from there)."""
+    if cfg.status_port is None:
+        return None
+    from node.statuspage import NodeStatusPage
+
+    page = NodeStatusPage(worker)
+    try:
+        url = page.serve(cfg.status_host, cfg.status_port)
+    except OSError as exc:
+        raise _Fail(
+            f"cannot serve the status page on {cfg.status_host}:{cfg.status_port} "
+            f"({exc.strerror or exc}); pick another --status-port, or 0 for any free port",
+            EXIT_BAD_INPUT,
+        ) from exc
+    await page.start()
+    info = {"fingerprint": worker.identity.fingerprint, "status_url": url}
+    (Path(cfg.state_dir).expanduser() / "node.json").write_text(json.dumps(info, indent=2))
+    log.info("status page: %s/", url)
+    return page
+
+
+async def _run_worker(
+    cfg: NodeConfig, worker: NodeWorker, identity: Identity
+) -> tuple[int, bool]:
+    """Start the worker (one-line errors for each way start-up fails), run it until it ends."""
+    from node.client import CoordinatorError, CoordinatorUnavailable, Rejected
+    from swarm.errors import BootstrapUnreachable, StartupError
+
     try:
         await worker.start()
     except BootstrapUnreachable as exc:
@@ -364,6 +404,8 @@ async def _serve(
     rc = EXIT_OK
     try:
         await worker.wait()
+        if worker.failures.gave_up:  # stopped by a signal after giving up: say so in the code
+            rc = EXIT_RUNTIME
     except Exception:
         log.exception("node failed")
         rc = EXIT_RUNTIME

@@ -112,7 +112,9 @@ def build_submission(
 
 
 def to_sampling_config(lease: Lease) -> SamplingConfig:
-    """The backend's :class:`SamplingConfig` for a lease (``ValueError`` if unsupported)."""
+    """The backend's :class:`SamplingConfig` for a lease (``ValueError`` if unsupported). The
+    stop set is exactly the lease's (the coordinator's: the model's EOS ids plus extras), never
+    the node's own guess."""
     s = lease.sampling
     return SamplingConfig(
         temperature=s.temperature,
@@ -124,7 +126,8 @@ def to_sampling_config(lease: Lease) -> SamplingConfig:
 
 
 def wire_finish_reason(sample: SampleOut, eos_token_ids: set[int]) -> Any:
-    """Backend "stop" -> wire "eos" (last token is EOS) or "stop" (another stop token)."""
+    """Backend "stop" -> wire "eos" (last token is one of the model's EOS ids) or "stop" (another
+    token of the lease's stop set); the coordinator accepts either label for a stop token."""
     if sample.finish_reason == "length":
         return "length"
     if sample.token_ids and sample.token_ids[-1] in eos_token_ids:

@@ -105,3 +105,4 @@ class NodeStats:
     coordinator_errors: int = 0  # RPCs that found the coordinator unreachable or failing
     tokens_per_s: float | None = None  # EWMA of generation throughput
     last_reject: str | None = None  # "code: detail" of the latest Reject
+    last_reject_at: float | None = None  # when it came, Unix seconds

@@ -42,6 +42,7 @@ from node.backends.base import GenerationRequest, InferenceBackend, SampleOut
 from node.checkpoints import CheckpointError, CheckpointManager
 from node.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable, Rejected
 from node.config import NodeConfig
+from node.failures import FailureTracker
 from node.rollouts import build_submission, lease_problem, lease_requests, to_sampling_config
 from node.status import Backoff, NodeStats, make_advert
 from protocol.errors import ReasonCode
@@ -114,6 +115,8 @@ class NodeWorker:
         self._gen_future: asyncio.Future[Any] | None = None
         self._prefetch: asyncio.Task[None] | None = None
         self._current: Lease | None = None
+        #: what the node is doing now, in a few words (the status page shows it)
+        self.phase = "starting"
         self._hb_seq = 0
         self.active = True
         self.heartbeat_interval_s = config.heartbeat_interval_s or 10.0
@@ -122,6 +125,10 @@ class NodeWorker:
         self.checkpoints: CheckpointManager | None = None
         self.client: CoordinatorClient | None = None
         self.backoff = Backoff(config.backoff_initial_s, config.backoff_max_s, self.rng)
+        #: consecutive generation failures: their own back-off, and giving up (node.failures)
+        self.failures = FailureTracker(
+            config.max_identical_failures, config.backoff_initial_s, config.backoff_max_s, self.rng
+        )
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -129,6 +136,11 @@ class NodeWorker:
         if self._transport is None:
             return "-"
         return self._transport.peer_id
+
+    @property
+    def current_lease(self) -> Lease | None:
+        """The lease being worked on, if any."""
+        return self._current
 
     @property
     def generation_in_flight(self) -> bool:
@@ -218,6 +230,7 @@ class NodeWorker:
         """Stop taking work (graceful shutdown starts; see :meth:`stop`)."""
         if not self._stopping.is_set():
             log.info("stopping: no new leases; submitting or releasing what is in hand")
+        self.phase = "stopping"
         self._stopping.set()
 
     @property
@@ -375,10 +388,13 @@ class NodeWorker:
         tps = f"{s.tokens_per_s:.0f}" if s.tokens_per_s is not None else "-"
         v = self.backend.loaded_version
         state = "stopping" if self.stopping else ("active" if self.active else "standby")
+        if self.failures.gave_up:
+            state = "failed"
+        problem = self.failures.problem
         return (
             f"status: {state} v={'-' if v is None else v} leases={s.leases_done} "
             f"tok/s={tps} accepted={s.leases_accepted} rejected={s.leases_rejected} "
-            f"released={s.leases_released}"
+            f"released={s.leases_released}" + (f" problem: {problem}" if problem else "")
         )
 
     async def _status_loop(self) -> None:
@@ -391,6 +407,8 @@ class NodeWorker:
         out = dict(vars(self.stats))
         out["policy_version"] = self.backend.loaded_version
         out["active"] = self.active
+        out["problem"] = self.failures.problem
+        out["failed"] = self.failures.gave_up
         return out
 
     # ------------------------------------------------------------------ the work loop
@@ -417,6 +435,11 @@ class NodeWorker:
     async def _work_loop(self) -> None:
         assert self.client is not None
         while not self.stopping:
+            if self.failures.gave_up:  # stays up (heartbeats, adverts, chunks) until stopped
+                self.phase = "stopped taking leases"
+                await self._stopping.wait()
+                break
+            self.phase = "asking for work"
             req = LeaseRequest(
                 peer_id=self.peer_id,
                 policy_version=self.backend.loaded_version,
@@ -430,6 +453,7 @@ class NodeWorker:
             except CoordinatorError as exc:
                 self.stats.coordinator_errors += 1
                 delay = self.backoff.next_delay()
+                self.phase = f"coordinator unreachable, retrying in {delay:.0f} s"
                 log.warning("lease request failed (%s); retrying in %.1f s", exc, delay)
                 await self._sleep(delay)
                 continue
@@ -437,6 +461,7 @@ class NodeWorker:
                 log.info("coordinator reachable again")
             self.backoff.reset()
             if isinstance(got, Standby):
+                self.phase = f"standby: {got.reason}"
                 log.info("standby (%s); asking again in %.1f s", got.reason, got.retry_after_s)
                 await self._sleep(got.retry_after_s)
                 continue
@@ -456,10 +481,12 @@ class NodeWorker:
             return
         if exc.code is ReasonCode.BANNED:
             delay = exc.retry_after_s or self.config.backoff_max_s
+            self.phase = f"banned: {exc.detail}"
             log.error("this node is banned: %s; asking again in %.0f s", exc.detail, delay)
             await self._sleep(delay)
             return
         delay = self.backoff.next_delay()
+        self.phase = f"lease refused ({exc.code.value}), retrying in {delay:.0f} s"
         log.error("lease request refused: %s; retrying in %.1f s", exc, delay)
         await self._sleep(delay)
 
@@ -484,6 +511,7 @@ class NodeWorker:
         except ValueError as exc:
             await self._release(lease, f"unsupported sampling parameters: {exc}")
             return
+        self.phase = f"loading policy v{lease.policy_version}"
         try:
             ok, _ = await self._unless_stopped(self.checkpoints.ensure(lease.policy_version))
         except CheckpointError as exc:
@@ -500,6 +528,7 @@ class NodeWorker:
         started = self.clock()
         t0 = time.perf_counter()
         log.debug("generating lease %s", lease.lease_id)
+        self.phase = f"generating {len(lease.prompts)} prompts × {lease.group_size}"
         generate: Callable[..., list[list[SampleOut]]] = self.backend.generate
         if "greedy" in self.config.misbehave:  # testing only: swarm demo --byzantine
             from node.byzantine import greedy_generate
@@ -509,14 +538,21 @@ class NodeWorker:
         try:
             ok, outs = await self._unless_stopped(asyncio.shield(self._gen_future))
         except Exception as exc:  # a backend failure must not kill the node: give the work back
+            reason = f"generation failed: {type(exc).__name__}: {exc}"
+            delay = self.failures.record(reason)
+            if self.failures.gave_up:
+                log.error("%s; no more leases until this node is restarted", self.failures.problem)
+                await self._release(lease, self.failures.problem or reason)
+                return
             log.exception("generation failed for lease %s", lease.lease_id)
-            await self._release(lease, f"generation failed: {type(exc).__name__}: {exc}")
-            await self._sleep(self.backoff.next_delay())
+            await self._release(lease, self.failures.problem or reason)
+            await self._sleep(delay)
             return
         if not ok or outs is None:
             await self._release(lease, "node shutting down")
             return
         gen_s = time.perf_counter() - t0
+        self.failures.reset()
         sub = self._submission(lease, requests, outs, started, gen_s)
         await self._submit(lease, sub)
 
@@ -565,6 +601,7 @@ class NodeWorker:
     async def _submit(self, lease: Lease, sub: RolloutSubmission) -> None:
         """Submit, retrying network errors until the lease deadline (re-sends are idempotent)."""
         assert self.client is not None
+        self.phase = "submitting rollouts"
         backoff = Backoff(self.config.backoff_initial_s, self.config.backoff_max_s, self.rng)
         while True:
             try:
@@ -590,6 +627,7 @@ class NodeWorker:
         else:
             self.stats.leases_rejected += 1
             self.stats.last_reject = f"{verdict.code.value}: {verdict.detail}"
+            self.stats.last_reject_at = self.clock()
             log.warning("lease %s rejected: %s", lease.lease_id, self.stats.last_reject)
 
     async def _release(self, lease: Lease, reason: str) -> None:

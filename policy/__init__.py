@@ -14,6 +14,11 @@ Modules:
 * :mod:`policy.draw`     -- the processed distribution (temperature → top-k → top-p), the seeded
                             uniforms and the inverse-CDF draw
 * :mod:`policy.scoring`  -- batched re-scoring of completions and sampling audits
+* :mod:`policy.prompts`  -- question text -> prompt tokens (chat template or plain)
+* :mod:`policy.preflight`-- impossible set-ups refused at start (positions, EOS, vocabulary)
+* :mod:`policy.importer` -- ``swarm model import``: GGUF / HF directory -> local safetensors
+                            directory, named models (``smollm2``), fingerprints
+* :mod:`policy.testing`  -- a tiny Llama with a real BPE tokenizer, chat template and two EOS ids
 
 Nothing is imported here, so importing the package stays cheap.
 """

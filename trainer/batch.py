@@ -13,7 +13,7 @@ which is what makes recomputed log-probs match the logged ones (DESIGN.md §10 p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,10 +88,12 @@ class TrainBatch:
         )
 
 
-def completion_length(completion_ids: Sequence[int], eos_token_id: int) -> int:
-    """Number of trained tokens: up to and including the first EOS, else all of them."""
+def completion_length(completion_ids: Sequence[int], eos_token_id: int | Collection[int]) -> int:
+    """Number of trained tokens: up to and including the first stop token (``eos_token_id``: one
+    id or the lease's whole stop set), else all of them."""
+    stops = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     for i, tok in enumerate(completion_ids):
-        if int(tok) == eos_token_id:
+        if int(tok) in stops:
             return i + 1
     return len(completion_ids)
 
@@ -102,7 +104,7 @@ def build_batch(
     staleness: Sequence[int],
     *,
     pad_token_id: int,
-    eos_token_id: int,
+    eos_token_id: int | Collection[int],
 ) -> TrainBatch:
     """Pad ``rollouts`` into a :class:`TrainBatch`; ``advantages``/``staleness`` are per rollout.
 

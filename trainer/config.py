@@ -31,6 +31,21 @@ class TrainerConfig(BaseModel):
         description="Torch device of the weights: 'auto' = this rank's GPU if any, else 'cpu'.",
     )
 
+    # --- sampling contract (must equal the coordinator's leases) -----------------------------
+    temperature: float | None = Field(
+        None,
+        gt=0.0,
+        description="Sampling temperature of the leases: π_θ and π_prox are log-probs of the same "
+        "processed distribution as μ. None: the coordinator's (read at start; 1.0 in process); "
+        "a value that differs from the coordinator's is refused at start.",
+    )
+    top_p: float | None = Field(
+        None, gt=0.0, le=1.0, description="Nucleus mass of the leases (None: the coordinator's)."
+    )
+    top_k: int | None = Field(
+        None, ge=0, description="Top-k of the leases, 0 = off (None: the coordinator's)."
+    )
+
     # --- batch -----------------------------------------------------------------------------
     batch_prompts: int = Field(32, ge=1, description="Groups (prompts) per learner step.")
     group_size: int = Field(8, ge=2, description="Samples per prompt, G (a group's size).")
@@ -41,6 +56,25 @@ class TrainerConfig(BaseModel):
         "whole groups; from the second on, the PPO clip against π_prox is active.",
     )
     ppo_epochs: int = Field(1, ge=1, description="Passes over the batch per learner step.")
+
+    # --- memory (one process or several, see docs/trainer.md "Scale-out") -------------------
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Token budget of one forward/backward pass: a rank's share of a minibatch "
+        "is split into micro-batches of at most this many padded tokens (rows × padded length) "
+        "whose gradients accumulate; None = the whole share in one pass.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in backward instead of keeping "
+        "them (less memory, about one more forward of compute).",
+    )
+    autocast: Literal["off", "bf16"] = Field(
+        "off",
+        description="'bf16': forward and backward under torch.autocast(bfloat16) (for GPUs); "
+        "weights, gradients and optimizer state stay in `dtype`, log-probs in fp32.",
+    )
 
     # --- staleness -------------------------------------------------------------------------
     max_staleness: int = Field(
@@ -162,6 +196,15 @@ class TrainerConfig(BaseModel):
                 "holds whole groups; lower minibatches"
             )
         return self
+
+    @property
+    def processing(self) -> dict[str, float | int]:
+        """``temperature``/``top_p``/``top_k`` in effect (unset ones: plain sampling)."""
+        return {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": 0 if self.top_k is None else self.top_k,
+        }
 
     @property
     def kappa(self) -> int:

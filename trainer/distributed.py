@@ -1,36 +1,46 @@
-"""Data-parallel scale-out over ``torch.distributed`` (NCCL on GPUs, gloo on CPU).
+"""The process group: rank, world size and the few collectives the recipe needs on plain data.
 
-Launch with ``torchrun --nproc_per_node=N python -m ...``: every rank holds the same weights and
-optimizer state; rank 0 fetches each batch of rollouts and shares it; every rank computes the same
-advantages and minibatch partition, then takes its shard of each minibatch's **groups**
-(``groups[rank::world]``); gradients are **summed** with one all-reduce per optimizer update; every
-rank applies the same update; rank 0 alone publishes, checkpoints and writes metrics.
+Launch with torchrun (``python -m torch.distributed.run``) or ``swarm trainer run --nproc N``:
+every rank joins the group described by torchrun's environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), gloo on CPU and NCCL on GPUs. Rank 0 (the
+leader) alone talks to the swarm: it fetches each batch, scatters each rank its share of the
+groups, publishes and writes metrics; checkpoints are written by every rank (sharded). The model
+side (FSDP2 sharding, gradient reduction, the gathered state dict) is :mod:`trainer.engine`.
 
-Why an explicit all-reduce rather than wrapping the model in ``DistributedDataParallel``: the loss
-is normalised by the *global* token count of the minibatch (so sharding does not change it), which
-DDP's gradient *averaging* would divide again by the world size; and a rank whose shard is empty
-(fewer groups than ranks) must still take part in the collective, which DDP only allows with a
-dummy forward.
-One flattened all-reduce per update is what DDP does too, minus the overlap with backward (fine for
-the embedded model; see docs/trainer.md for the large-model note).
+Waiting ranks: the followers wait in :meth:`DistContext.share` while the leader waits for rollouts
+or publishes, which can take longer than the process group's collective timeout (10 min under
+NCCL, 30 min under gloo). The leader sends a small keep-alive object every
+:data:`KEEPALIVE_S` while it waits (:meth:`DistContext.keepalive`); :meth:`DistContext.share`
+on a follower skips them. A dead rank is not waited for: gloo fails the next collective at once
+(the peer's sockets close), and torchrun stops the other ranks when one exits.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+#: Seconds between keep-alives the leader sends while followers wait for it.
+KEEPALIVE_S = 60.0
+
+
+class _KeepAlive:
+    """What the leader broadcasts to show it is alive while it waits (never a payload)."""
 
 
 @dataclass(frozen=True)
 class DistContext:
-    """Rank and world size; methods are no-ops in a single process."""
+    """Rank and world size; every method is a no-op (or the identity) in a single process."""
 
     rank: int = 0
     world_size: int = 1
@@ -43,21 +53,41 @@ class DistContext:
 
     @property
     def is_leader(self) -> bool:
-        """Rank 0 fetches, publishes, checkpoints and writes metrics."""
+        """Rank 0 fetches, publishes and writes metrics and the checkpoint's metadata."""
         return self.rank == 0
 
     def shard(self, items: Sequence[T]) -> list[T]:
         """This rank's share of ``items`` (round robin, so shard sizes differ by at most one)."""
         return list(items[self.rank :: self.world_size])
 
-    def share(self, obj: T | None) -> T:
-        """Broadcast rank 0's ``obj`` to every rank (trusted, in-job traffic only)."""
+    def share(self, obj: T) -> T:
+        """Broadcast rank 0's ``obj`` to every rank (trusted, in-job traffic only); the others'
+        ``obj`` is ignored. A follower skips the leader's keep-alives until the payload comes."""
         if not self.enabled:
-            assert obj is not None
             return obj
-        box: list[object] = [obj if self.is_leader else None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]  # type: ignore[return-value]
+        while True:
+            box: list[object] = [obj if self.is_leader else None]
+            dist.broadcast_object_list(box, src=0, device=self._object_device)
+            if self.is_leader or not isinstance(box[0], _KeepAlive):
+                return box[0]  # type: ignore[return-value]
+
+    def keepalive(self) -> None:
+        """Leader only: tell followers waiting in :meth:`share` that it is still alive."""
+        if self.enabled and self.is_leader:
+            dist.broadcast_object_list([_KeepAlive()], src=0, device=self._object_device)
+
+    def scatter(self, per_rank: Sequence[T] | None) -> T:
+        """Rank 0's ``per_rank[r]`` to rank ``r`` (the others pass None)."""
+        if not self.enabled:
+            assert per_rank is not None
+            return per_rank[0]
+        if self.is_leader:
+            assert per_rank is not None and len(per_rank) == self.world_size
+        out: list[object] = [None]
+        dist.scatter_object_list(
+            out, list(per_rank) if self.is_leader and per_rank is not None else None, src=0
+        )
+        return out[0]  # type: ignore[return-value]
 
     def sum_floats(self, values: Sequence[float]) -> list[float]:
         """Element-wise sum of ``values`` over ranks (float64)."""
@@ -67,40 +97,48 @@ class DistContext:
         dist.all_reduce(buf, op=dist.ReduceOp.SUM)
         return [float(v) for v in buf.cpu().tolist()]
 
-    def sum_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """All-reduce (sum) the gradients of ``params`` in one flattened buffer; a missing gradient
-        counts as zero (and is materialised) so that every rank sends the same layout."""
-        if not self.enabled:
-            return
-        plist = [p for p in params if p.requires_grad]
-        for p in plist:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in plist if p.grad is not None])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        offset = 0
-        for p in plist:
-            assert p.grad is not None
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
+    def max_ints(self, values: Sequence[int]) -> list[int]:
+        """Element-wise maximum of ``values`` over ranks."""
+        if not self.enabled or not values:
+            return [int(v) for v in values]
+        buf = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+        return [int(v) for v in buf.cpu().tolist()]
 
     def broadcast_parameters(self, module: torch.nn.Module) -> None:
-        """Make every rank start from rank 0's weights."""
-        if not self.enabled:
-            return
+        """Make every rank start from rank 0's weights (and buffers) of ``module``."""
         for tensor in module.state_dict().values():
+            self.broadcast_tensor(tensor)
+
+    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
+        """Overwrite ``tensor`` in place with rank 0's."""
+        if self.enabled:
             dist.broadcast(tensor, src=0)
 
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()
 
+    @property
+    def _object_device(self) -> torch.device | None:
+        return torch.device(self.device) if self.device.startswith("cuda") else None
 
-def init_distributed(backend: str | None = None) -> DistContext:
+
+def torchrun_world_size() -> int:
+    """``WORLD_SIZE`` from torchrun's environment (1 when unset)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def init_distributed(backend: str | None = None, *, timeout_s: float | None = None) -> DistContext:
     """Join the process group described by torchrun's environment (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``); a single process when ``WORLD_SIZE`` is unset or 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ``MASTER_ADDR``, ``MASTER_PORT``); a single process when ``WORLD_SIZE`` is unset or 1.
+
+    ``backend``: None picks NCCL when CUDA is available, else gloo. ``timeout_s``: the collective
+    timeout (None: torch's default, 10 min NCCL / 30 min gloo)."""
+    world = torchrun_world_size()
     if world <= 1:
         return DistContext()
     chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -110,14 +148,25 @@ def init_distributed(backend: str | None = None) -> DistContext:
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
     if not dist.is_initialized():
-        dist.init_process_group(backend=chosen)
-    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+        kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        dist.init_process_group(backend=chosen, **kwargs)  # type: ignore[arg-type]
+    ctx = DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+    log.info(
+        "rank %d/%d (pid %d) joined the process group (%s)",
+        ctx.rank, ctx.world_size, os.getpid(), chosen,
+    )  # fmt: skip
+    return ctx
 
 
-def shutdown_distributed() -> None:
-    """Leave the process group (idempotent). All ranks meet at a barrier first: a rank that tears
-    down gloo while a peer still has collectives in flight makes that peer abort (SIGABRT,
-    "terminate called without an active exception")."""
-    if dist.is_available() and dist.is_initialized():
+def shutdown_distributed(*, clean: bool = True) -> None:
+    """Leave the process group (idempotent).
+
+    ``clean``: every rank finished its work; they meet at a barrier first (a rank that tears down
+    gloo while a peer still has collectives in flight makes that peer abort with SIGABRT).
+    After a failure there is no barrier: the other ranks are stuck in some other collective, and
+    a barrier would not match it; they fail when this process's connections close."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if clean:
         dist.barrier()
         dist.destroy_process_group()

@@ -231,16 +231,53 @@ def policy_loss(
     return PolicyLoss(loss=loss, clipped_tokens=binding)
 
 
-def token_entropy(logits: Tensor) -> Tensor:
-    """``[N, T, V]`` logits → ``[N, T]`` entropy of softmax(logits) in nats (fp32)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+#: log-prob given to a token outside the processed distribution's support (removed by top-k or
+#: top-p): finite, so that ratios of two such log-probs stay finite, and constant (no gradient).
+LOGP_FLOOR = -1e4
 
 
-def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
-    """``[N, T, V]`` logits and ``[N, T]`` int64 targets → ``[N, T]`` log p(target) (fp32)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+def processed_log_softmax(
+    logits: Tensor, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0
+) -> Tensor:
+    """``[N, T, V]`` raw logits → ``[N, T, V]`` log-probs of the *sampling* distribution (fp32).
+
+    The same processing the nodes sample from and the coordinator re-scores with
+    (:func:`policy.draw.processed_logprobs`: temperature, then top-k, then top-p), so that π_θ and
+    π_prox are comparable with μ. Gradients: the top-k/top-p selection is a piecewise-constant
+    function of the logits and passes none; the gradient of a kept token's log-prob is that of
+    ``z/T − logsumexp over the kept set`` (the renormalised softmax), which is the policy gradient
+    of the processed policy. Plain settings (T = 1, no top-k/top-p) are exactly ``log_softmax``.
+    """
+    from policy.draw import processed_logprobs
+
+    return processed_logprobs(logits, temperature, top_p, top_k)
+
+
+def token_entropy(logits: Tensor, **processing: float | int) -> Tensor:
+    """``[N, T, V]`` logits → ``[N, T]`` entropy (nats, fp32) of the sampling distribution
+    (``processing``: ``temperature``/``top_p``/``top_k`` as :func:`processed_log_softmax`)."""
+    logp = processed_log_softmax(logits, **processing)  # type: ignore[arg-type]
+    finite = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
+    return -(logp.exp() * finite).sum(dim=-1)
+
+
+def token_logprobs(logits: Tensor, targets: Tensor, **processing: float | int) -> Tensor:
+    """``[N, T, V]`` logits and ``[N, T]`` int64 targets → ``[N, T]`` log p(target) (fp32) under
+    the sampling distribution (``processing`` as :func:`processed_log_softmax`); a target outside
+    its support gets :data:`LOGP_FLOOR` (no gradient) instead of −inf."""
+    logp = processed_log_softmax(logits, **processing)  # type: ignore[arg-type]
+    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked.clamp(min=LOGP_FLOOR)
+
+
+def token_logprobs_and_entropy(
+    logits: Tensor, targets: Tensor, **processing: float | int
+) -> tuple[Tensor, Tensor]:
+    """:func:`token_logprobs` and :func:`token_entropy` from one processed log-softmax."""
+    logp = processed_log_softmax(logits, **processing)  # type: ignore[arg-type]
+    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).clamp(min=LOGP_FLOOR)
+    finite = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
+    return picked, -(logp.exp() * finite).sum(dim=-1)
 
 
 @dataclass(frozen=True)

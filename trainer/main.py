@@ -210,6 +210,14 @@ class SwarmPublisher:
 
     async def latest_version(self) -> int | None:
         """The newest version the coordinator holds (``rswarm/status``); None if it has none."""
+        status = await self.status()
+        latest = status.get("policy_version")
+        if latest is not None and (not isinstance(latest, int) or isinstance(latest, bool)):
+            raise CoordinatorError(f"coordinator status has a bad policy_version: {latest!r}")
+        return latest
+
+    async def status(self) -> dict[str, Any]:
+        """The coordinator's status document (``rswarm/status``), retried like a publication."""
         for attempt in range(PUBLISH_ATTEMPTS):
             try:
                 raw = await self.transport.call(
@@ -230,10 +238,7 @@ class SwarmPublisher:
         msg = decode(raw)
         if not isinstance(msg, StatusResponse):
             raise CoordinatorError(f"unexpected answer to status: {type(msg).__name__}")
-        latest = msg.status.get("policy_version")
-        if latest is not None and (not isinstance(latest, int) or isinstance(latest, bool)):
-            raise CoordinatorError(f"coordinator status has a bad policy_version: {latest!r}")
-        return latest
+        return dict(msg.status)
 
 
 def _wire_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
@@ -261,9 +266,20 @@ async def run_trainer(
     state_dir: Path,
     chunk_size: int = 4 << 20,
     stop: asyncio.Event | None = None,
+    dist: Any = None,
 ) -> int:
-    """Join the swarm, publish v0, then train on the coordinator's rollouts until stopped."""
-    from policy.model import ModelSpec, config_fingerprint, load_config, load_tokenizer
+    """Join the swarm, publish v0, then train on the coordinator's rollouts until stopped.
+
+    ``dist``: the process group (:func:`trainer.distributed.init_distributed`) when this is
+    rank 0 of a sharded trainer; the other ranks run :func:`trainer.launch.run_follower` (and
+    take this rank's config, with the adopted sampling contract, and the leases' stop set)."""
+    from policy.model import (
+        ModelSpec,
+        config_fingerprint,
+        load_config,
+        load_tokenizer,
+        max_positions,
+    )
     from protocol.identity import parse_fingerprint
     from swarm.adverts import swarm_validators
     from swarm.broadcast import BroadcastNode
@@ -296,9 +312,7 @@ async def run_trainer(
             pinned_key,
         )
         await broadcast.start()
-        trainer = Trainer.setup(config)
         spec = ModelSpec(path=config.model_path, dtype=config.dtype)
-        source = CoordinatorSource(transport, coordinator_peer, identity)
         publisher = SwarmPublisher(
             transport,
             broadcast,
@@ -308,6 +322,14 @@ async def run_trainer(
             tokenizer_hash=_digest_hex(load_tokenizer(spec).fingerprint()),
             chunk_size=chunk_size,
         )
+        # The sampling contract is the coordinator's: adopt it, or refuse what cannot match.
+        from trainer.contract import adopt_contract
+
+        config, lease_stops = adopt_contract(config, await publisher.status(), max_positions(spec))
+        log.info("sampling contract: %s, stop set %s", config.processing, list(lease_stops))
+        trainer = Trainer.setup(config, dist=dist)
+        trainer.stop_token_ids |= frozenset(lease_stops)
+        source = CoordinatorSource(transport, coordinator_peer, identity)
         # The coordinator may hold a version this trainer has no record of (killed between the
         # coordinator's answer to PublishVersion and published.json): continue after it.
         trainer.sync_published(await publisher.latest_version())
@@ -325,6 +347,11 @@ async def run_trainer(
             run.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await run
+            if trainer.dist.enabled:  # a checkpoint is a collective the other ranks are not in
+                raise RuntimeError(
+                    f"the learner did not stop within {STOP_GRACE_S:.0f} s; the last "
+                    "checkpoint stands"
+                )
             trainer.save_checkpoint()
         else:
             run.result()
@@ -393,10 +420,12 @@ def run_from_cli(
     coordinator_key: str | None,
     state_dir: Path | None,
     max_steps: int | None = None,
+    nproc: int | None = None,
 ) -> int:
     """``swarm trainer run``. Exit 0 clean (SIGINT/SIGTERM or max_steps), 2 bad input, 1 failure.
 
-    Every error is one ``error:`` line on stderr.
+    Every error is one ``error:`` line on stderr. ``nproc`` > 1 starts that many ranks here
+    (:func:`trainer.launch.launch_local`); under torchrun (``WORLD_SIZE`` > 1) this is one rank.
     """
     import os
     import sys
@@ -404,14 +433,35 @@ def run_from_cli(
     from protocol.errors import KeyFileError
     from protocol.identity import parse_fingerprint
     from swarm.errors import BootstrapUnreachable, SwarmError
+    from trainer.contract import ContractError
+    from trainer.distributed import torchrun_world_size
+
+    world = torchrun_world_size()
+    rank = int(os.environ.get("RANK", "0")) if world > 1 else 0
+    if world > 1:
+        from trainer.launch import stop_with_launcher
+
+        stop_with_launcher()
 
     def error(message: str, code: int) -> int:
-        print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+        # Bad input is the same on every rank: rank 0 says it once.
+        if rank == 0 or code != 2:
+            where = f"rank {rank}/{world}: " if world > 1 and code != 2 else ""
+            print(f"error: {where}{' '.join(message.split())}", file=sys.stderr, flush=True)
         return code
 
+    who = f"rank{rank} " if world > 1 else ""
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s"
     )
+    if nproc is not None and nproc < 1:
+        return error(f"--nproc {nproc}: must be >= 1", 2)
+    if nproc is not None and nproc > 1 and world > 1:
+        return error(
+            f"--nproc {nproc} under torchrun (WORLD_SIZE={world}): torchrun starts the "
+            "processes; drop --nproc",
+            2,
+        )
     if coordinator is None or coordinator_key is None:
         missing = " and ".join(
             flag
@@ -452,7 +502,7 @@ def run_from_cli(
         probe = out / f".write-test-{os.getpid()}"
         probe.write_bytes(b"ok")
         probe.unlink()
-        ident = Identity.load_or_create(out / "trainer.key")
+        ident = Identity.load_or_create(out / "trainer.key") if rank == 0 else None
     except KeyFileError as exc:
         return error(str(exc), 2)
     except OSError as exc:
@@ -465,31 +515,89 @@ def run_from_cli(
         return error(f"{where} {out} is not usable: {why}; pass a writable --state-dir", 2)
     import torch
 
+    if nproc is not None and nproc > 1:
+        if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+            return error(
+                f"--nproc {nproc}: only {torch.cuda.device_count()} GPUs are visible (one "
+                "rank per GPU); lower --nproc",
+                2,
+            )
+        from trainer.launch import launch_local
+
+        argv = ["--coordinator", coordinator, "--coordinator-key", coordinator_key]
+        argv += ["--state-dir", str(out.resolve())]
+        if config is not None:
+            argv += ["--config", str(config.resolve())]
+        if max_steps is not None:
+            argv += ["--max-steps", str(max_steps)]
+        return launch_local(nproc, argv, stop_grace_s=STOP_GRACE_S)
+
     from swarm.signals import install_fork_signal_reset
+    from trainer.distributed import init_distributed, shutdown_distributed
 
     torch.set_num_threads(1)
     install_fork_signal_reset()  # the DHT process forks after the signal handlers are set
 
-    async def main() -> int:
+    async def main(dist: Any) -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         return await run_trainer(
             cfg, coordinator_maddr=coordinator, coordinator_key=coordinator_key, state_dir=out,
-            stop=stop,
+            stop=stop, dist=dist,
         )  # fmt: skip
 
-    print(f"trainer key: {ident.fingerprint}", flush=True)
+    dist = None
+    if world > 1:
+        try:
+            dist = init_distributed()
+        except Exception as exc:  # rendezvous failures come in several types
+            return error(f"cannot join the process group: {type(exc).__name__}: {exc}", 1)
+    code = 1
     try:
-        return asyncio.run(main())
+        if rank != 0:
+            code = _run_follower(cfg, dist)
+            return code
+        assert ident is not None
+        print(f"trainer key: {ident.fingerprint}", flush=True)
+        code = asyncio.run(main(dist))
+        return code
     except BootstrapUnreachable as exc:
         return error(f"cannot reach the coordinator at {coordinator}: {exc}", 1)
+    except ContractError as exc:
+        return error(str(exc), 2)
     except (SwarmError, CoordinatorError) as exc:
         return error(str(exc), 1)
     except Exception as exc:  # last resort: the traceback goes to the log, one line to the user
         log.exception("trainer failed")
-        return error(f"trainer failed: {type(exc).__name__}: {exc}", 1)
+        return error(f"trainer failed: {_one_line(exc, distributed=world > 1)}", 1)
+    finally:
+        if dist is not None:
+            shutdown_distributed(clean=code == 0)
+
+
+def _run_follower(cfg: Any, dist: Any) -> int:
+    """A rank other than 0 (see :mod:`trainer.launch`)."""
+    from trainer.launch import ignore_stop_signals, run_follower
+
+    ignore_stop_signals(dist.rank)
+    return asyncio.run(run_follower(cfg, dist))
+
+
+def _one_line(exc: BaseException, *, distributed: bool) -> str:
+    """``Type: message``; a collective that failed because another rank is gone says so (gloo
+    raises a plain RuntimeError naming its transport, NCCL a DistError)."""
+    import torch.distributed as tdist
+
+    text = " ".join(str(exc).split())
+    lost = isinstance(exc, tdist.DistError) or any(
+        mark in text for mark in ("gloo/transport", "Connection reset", "Connection closed")
+    )
+    if distributed and lost:
+        first = text.split(". ")[0][:240]
+        return f"lost another rank of the job ({type(exc).__name__}: {first})"
+    return f"{type(exc).__name__}: {text}"
 
 
 def _cli_config(config: Path | None, *, state_dir: Path | None, max_steps: int | None) -> Any:
@@ -527,4 +635,10 @@ def _cli_config(config: Path | None, *, state_dir: Path | None, max_steps: int |
         raise ValueError(
             f"{source}: model_path {model!r} is not a local HF model directory (no config.json)"
         )
+    from policy.model import ModelSpec, load_tokenizer
+
+    try:  # a tokenizer without EOS (no sample could end) is refused here, not after start-up
+        load_tokenizer(ModelSpec(path=model))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{source}: {exc}") from exc
     return cfg

@@ -25,16 +25,23 @@ import os
 import shutil
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
 from trainer.batch import Rollout, TrainBatch, build_batch, group_rollouts
 from trainer.config import TrainerConfig
-from trainer.distributed import DistContext
+from trainer.dcp_checkpoint import (
+    SHARDED_DIR,
+    load_full_checkpoint,
+    load_sharded,
+    save_sharded,
+)
+from trainer.distributed import KEEPALIVE_S, DistContext
+from trainer.engine import Engine, make_engine
 from trainer.loss import (
     admission_mask,
     behaviour_weights,
@@ -44,14 +51,16 @@ from trainer.loss import (
     group_advantages,
     policy_loss,
     sequence_ratio_sums,
-    token_entropy,
     token_logprobs,
+    token_logprobs_and_entropy,
     weight_stats,
 )
 from trainer.metrics import IdleClock, MetricsWriter
+from trainer.microbatch import MicroBatch, plan_micro_batches
 from trainer.monitors import GradSpikeGuard, monitor_from_config
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CHECKPOINT_DIR = "checkpoints"
 PUBLISHED_FILE = "published.json"
@@ -148,12 +157,21 @@ class Trainer:
         eos_token_id: int,
         dist: DistContext | None = None,
         metrics: MetricsWriter | None = None,
+        stop_token_ids: Collection[int] | None = None,
+        engine: Engine | None = None,
     ) -> None:
         self.config = config
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
+        #: the leases' stop set: a completion is trained up to its first stop token
+        self.stop_token_ids = frozenset(stop_token_ids or ()) | {eos_token_id}
+        #: temperature/top-p/top-k of the leases: π_θ and π_prox come from the same processed
+        #: distribution as the nodes' μ (trainer/loss.py processed_log_softmax)
+        self.processing = config.processing
         self.dist = dist or DistContext()
+        #: how the model runs: one process, or FSDP2 over the ranks (see :mod:`trainer.engine`).
+        self.engine = engine or Engine(self.dist)
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=config.lr,
@@ -192,14 +210,16 @@ class Trainer:
         model: torch.nn.Module | None = None,
     ) -> Trainer:
         """Build model, optimizer and metrics from ``config``; resume from ``out_dir`` if asked."""
-        from policy.model import ModelSpec, build_model, load_tokenizer
+        from policy.model import ModelSpec, build_model, load_tokenizer, model_stop_ids
 
-        spec = ModelSpec(path=config.model_path, dtype=config.dtype)
         dist = dist or DistContext()
+        # Rank 0's config for every rank: it may have adopted the coordinator's sampling contract.
+        config = dist.share(config)
+        spec = ModelSpec(path=config.model_path, dtype=config.dtype)
+        engine = make_engine(config, dist)
         if model is None:
             model = build_model(spec, seed=config.seed)
-        model.to(_resolve_device(config.device, dist))
-        dist.broadcast_parameters(model)
+        model = engine.prepare(model, _resolve_device(config.device, dist))
         tok = load_tokenizer(spec)
         writer = None
         if dist.is_leader:
@@ -213,11 +233,19 @@ class Trainer:
             eos_token_id=tok.eos_token_id,
             dist=dist,
             metrics=writer,
+            stop_token_ids=model_stop_ids(spec, tok),
+            engine=engine,
         )
-        if config.resume and (latest := trainer.latest_checkpoint()) is not None:
+        # Every rank resumes from what rank 0 finds (the same files on a shared filesystem).
+        latest, logged = (
+            dist.share((trainer.latest_checkpoint(), trainer._logged_published()))
+            if config.resume
+            else (None, None)
+        )
+        if latest is not None:
             trainer.load_checkpoint(latest)
             log.info("resumed from %s at step %d version %d", latest, trainer.step, trainer.version)
-        elif config.resume and (logged := trainer._logged_published()) is not None:
+        elif logged is not None:
             # Killed before its first checkpoint: the weights are lost, the version numbers are
             # not (a version already published must never name other weights).
             trainer.version = trainer.published_version = logged
@@ -258,29 +286,66 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     async def run(self, source: RolloutSource, publisher: Publisher | None = None) -> None:
         """Fetch → train → publish every κ versions → checkpoint, until ``max_steps`` or the
-        source ends. Every rank runs this; rank 0 fetches and shares each batch."""
+        source ends. Every rank runs this; rank 0 alone reads ``source`` and ``publisher`` (the
+        others pass anything) and the others follow its decisions: each batch's groups are
+        scattered from it, and publications and checkpoints are collectives."""
         cfg = self.config
         self.idle = IdleClock()
+        has_publisher = self.dist.share(publisher is not None)
         first = self.published_version is None or self._publish_first
-        if publisher is not None and self.dist.is_leader and first:
+        if self.dist.enabled:  # rank 0 alone knows the swarm's version numbers and stop set
+            first, self.version, self.published_version, self.stop_token_ids = self.dist.share(
+                (first, self.version, self.published_version, self.stop_token_ids)
+            )
+        if has_publisher and first:
             await self._publish(publisher)
-        while (cfg.max_steps is None or self.step < cfg.max_steps) and not self._stop_requested:
-            batch = await self._next_batch(source) if self.dist.is_leader else None
-            if self.dist.enabled:  # the version too: a refused publication may have raised it
-                batch, self.version = self.dist.share((batch, self.version))
-            if batch is None:
+        while True:
+            batch = None
+            more = cfg.max_steps is None or self.step < cfg.max_steps
+            if self.dist.is_leader and more and not self._stop_requested:
+                batch = await self._leader_wait(self._next_batch(source))
+            if not self._follow_leader(batch):
                 break
-            self.train_step(batch)
-            if self.dist.is_leader:
-                due = self.published_version is None or (
-                    self.version - self.published_version >= cfg.kappa
-                )
-                if publisher is not None and due:
-                    await self._publish(publisher)
-                if self.step % cfg.checkpoint_every == 0:
-                    self.save_checkpoint()
-        if self.dist.is_leader and (self._stop_requested or self.step % cfg.checkpoint_every):
+            self.train_step(batch or [])
+            due = self.published_version is None or (
+                self.version - self.published_version >= cfg.kappa
+            )
+            if has_publisher and due:
+                await self._publish(publisher)
+            if self.step % cfg.checkpoint_every == 0 and self._writes_checkpoints:
+                self.save_checkpoint()
+        if self._writes_checkpoints and (self._stop_requested or self.step % cfg.checkpoint_every):
             self.save_checkpoint()
+
+    def _follow_leader(self, batch: list[Rollout] | None) -> bool:
+        """Every rank takes rank 0's decisions: is there a batch to train on, the version numbers
+        (a refused publication may have raised them), stop. Returns whether to train."""
+        if not self.dist.enabled:
+            return batch is not None
+        shared = (batch is not None, self.version, self.published_version, self._stop_requested)
+        go, self.version, self.published_version, self._stop_requested = self.dist.share(shared)
+        return bool(go)
+
+    async def _leader_wait(self, awaitable: Awaitable[T]) -> T:
+        """Await ``awaitable`` (rank 0: rollouts, a publication); followers waiting for it in a
+        collective get a keep-alive every ``KEEPALIVE_S``, so a long wait does not trip the
+        process group's timeout."""
+        if not self.dist.enabled:
+            return await awaitable
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait([task], timeout=KEEPALIVE_S)
+                if done:
+                    return task.result()
+                self.dist.keepalive()
+        finally:
+            task.cancel()
+
+    @property
+    def _writes_checkpoints(self) -> bool:
+        """Rank 0 writes a single-process checkpoint; every rank writes its shards."""
+        return self.dist.is_leader or self.engine.sharded
 
     def request_stop(self) -> None:
         """End :meth:`run` soon, cleanly: a step or a publication in progress finishes (the
@@ -342,7 +407,10 @@ class Trainer:
     def train_step(self, rollouts: Sequence[Rollout]) -> dict[str, Any]:
         """One learner step on ``rollouts`` (complete groups): advantages over each whole group,
         admission Δ ≤ S, then ``ppo_epochs`` × ``minibatches`` optimizer updates. Returns the
-        step's metrics (also written to metrics.jsonl on rank 0)."""
+        step's metrics (also written to metrics.jsonl on rank 0).
+
+        With several ranks every rank calls it; rank 0's ``rollouts`` count (it scatters each
+        rank its share of the groups) and its returned record is the complete one."""
         cfg = self.config
         t0 = time.monotonic()
         groups = group_rollouts(rollouts)
@@ -367,12 +435,13 @@ class Trainer:
 
         sums: defaultdict[str, float] = defaultdict(float)
         minibatches = self._local_minibatches(kept)
-        prox = self._proximal(minibatches)  # π_prox: weights before this step's first update
+        plans = self._micro_plans(minibatches)
+        prox = self._proximal(minibatches, plans)  # π_prox: weights before the first update
         weights = [self._weights(mb, p, sums) for mb, p in zip(minibatches, prox, strict=True)]
         updates = 0
         for _epoch in range(cfg.ppo_epochs):
-            for mb, p, w in zip(minibatches, prox, weights, strict=True):
-                updates += self._update(mb, p, w, sums)
+            for mb, plan, p, w in zip(minibatches, plans, prox, weights, strict=True):
+                updates += self._update(mb, plan, p, w, sums)
 
         self.step += 1
         self.version += 1
@@ -387,17 +456,23 @@ class Trainer:
     def _local_minibatches(
         self, kept: list[list[tuple[Rollout, float, int]]]
     ) -> list[TrainBatch | None]:
-        """Seeded shuffle of the groups, split into ``minibatches`` parts, this rank's shard of each
-        (identical on every rank, so the sharded run equals the single-process one)."""
+        """Seeded shuffle of the groups, split into ``minibatches`` parts; rank ``r`` trains on
+        the groups ``part[r::world]`` of each part, which rank 0 scatters (so the sharded run
+        takes the single-process run's minibatches)."""
         cfg = self.config
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
         order = torch.randperm(len(kept), generator=gen).tolist() if len(kept) > 1 else [0]
         order = order[: len(kept)]
         n_mb = min(cfg.minibatches, max(1, len(kept)))
         parts = [order[i * len(order) // n_mb : (i + 1) * len(order) // n_mb] for i in range(n_mb)]
+        world = self.dist.world_size
+        per_rank = [
+            [[it for gi in part[r::world] for it in kept[gi]] for part in parts]
+            for r in range(world)
+        ]
+        shares = self.dist.scatter(per_rank if self.dist.is_leader else None)
         out: list[TrainBatch | None] = []
-        for part in parts:
-            local = [it for gi in self.dist.shard(part) for it in kept[gi]]
+        for local in shares:
             if not local:
                 out.append(None)
                 continue
@@ -406,7 +481,7 @@ class Trainer:
                 [it[1] for it in local],
                 [it[2] for it in local],
                 pad_token_id=self.pad_token_id,
-                eos_token_id=self.eos_token_id,
+                eos_token_id=self.stop_token_ids,
             )
             out.append(batch.to(self.device))
         return out
@@ -419,21 +494,46 @@ class Trainer:
         """``[N, T]`` log π_θ of the completion tokens (and their entropy); ``batch`` is on the
         model's device."""
         t_len = batch.completion_ids.shape[1]
-        out = self.model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-            use_cache=False,
-            logits_to_keep=t_len + 1,
-        )
+        with self.engine.autocast():
+            out = self.model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids,
+                use_cache=False,
+                logits_to_keep=t_len + 1,
+            )
         logits = out.logits[:, :-1]
-        logp = token_logprobs(logits, batch.completion_ids)
-        return logp, token_entropy(logits) if entropy else None
+        if entropy:
+            logp, ent = token_logprobs_and_entropy(logits, batch.completion_ids, **self.processing)
+            return logp, ent
+        return token_logprobs(logits, batch.completion_ids, **self.processing), None
+
+    def _micro_plans(self, minibatches: list[TrainBatch | None]) -> list[list[MicroBatch | None]]:
+        """Each minibatch's micro-batches (``micro_batch_tokens``); every rank runs as many
+        passes per minibatch as the rank with the most (None: a pass that contributes nothing)."""
+        plans: list[list[MicroBatch | None]] = [
+            [] if mb is None else list(plan_micro_batches(mb, self.config.micro_batch_tokens))
+            for mb in minibatches
+        ]
+        counts = self.dist.max_ints([len(p) for p in plans])
+        return [p + [None] * (c - len(p)) for p, c in zip(plans, counts, strict=True)]
 
     @torch.no_grad()
-    def _proximal(self, minibatches: list[TrainBatch | None]) -> list[Tensor | None]:
+    def _proximal(
+        self, minibatches: list[TrainBatch | None], plans: list[list[MicroBatch | None]]
+    ) -> list[Tensor | None]:
         """log π_prox: the weights before this step's first update, recomputed by the trainer."""
-        return [None if mb is None else self._forward(mb, entropy=False)[0] for mb in minibatches]
+        out: list[Tensor | None] = []
+        for mb, plan in zip(minibatches, plans, strict=True):
+            prox = None if mb is None else torch.zeros_like(mb.completion_mask)
+            for micro in plan:
+                if micro is None:
+                    self.engine.pad_pass(self.model, backward=False)
+                    continue
+                assert prox is not None
+                prox[micro.rows, : micro.width] = self._forward(micro.batch, entropy=False)[0]
+            out.append(prox)
+        return out
 
     def _weights(
         self, mb: TrainBatch | None, prox: Tensor | None, sums: defaultdict[str, float]
@@ -461,11 +561,13 @@ class Trainer:
     def _update(
         self,
         mb: TrainBatch | None,
+        plan: list[MicroBatch | None],
         prox: Tensor | None,
         weights: Tensor | None,
         sums: defaultdict[str, float],
     ) -> int:
-        """One optimizer update on a (global) minibatch; returns 1 if an update was attempted
+        """One optimizer update on a (global) minibatch, gradients accumulated over its
+        micro-batches (reduced over ranks by the engine); returns 1 if an update was attempted
         (applied, or skipped by the gradient-spike guard: counted in ``skipped_updates``)."""
         cfg = self.config
         local_tokens = float(mb.completion_mask.sum()) if mb is not None else 0.0
@@ -473,39 +575,46 @@ class Trainer:
         if global_tokens <= 0:
             return 0
         self.optimizer.zero_grad(set_to_none=True)
-        if mb is not None and prox is not None and weights is not None and local_tokens > 0:
-            logp, ent = self._forward(mb, entropy=True)
+        for micro in plan:
+            if micro is None:
+                self.engine.pad_pass(self.model, backward=True)
+                continue
+            assert prox is not None and weights is not None
+            part = micro.batch
+            logp, ent = self._forward(part, entropy=True)
             assert ent is not None
             pl = policy_loss(
                 logp,
-                prox,
-                mb.advantages,
-                weights,
-                mb.completion_mask,
+                micro.take(prox),
+                part.advantages,
+                micro.take(weights),
+                part.completion_mask,
                 eps=cfg.clip_eps,
                 eps_high=cfg.eps_high,
                 normalizer=global_tokens,
             )
             loss = pl.loss + entropy_bonus(
-                ent, mb.completion_mask, coef=cfg.entropy_coef, normalizer=global_tokens
+                ent, part.completion_mask, coef=cfg.entropy_coef, normalizer=global_tokens
             )
             loss.backward()  # type: ignore[no-untyped-call]
             sums["loss"] += float(loss.detach())
-            sums["entropy_sum"] += float((ent.detach() * mb.completion_mask).sum())
+            sums["entropy_sum"] += float((ent.detach() * part.completion_mask).sum())
             sums["clipped"] += float(pl.clipped_tokens)
-            sums["update_tokens"] += local_tokens
-        self.dist.sum_gradients(self.model.parameters())
+            sums["update_tokens"] += float(part.completion_mask.sum())
         if cfg.max_grad_norm is not None or cfg.grad_spike_factor is not None:
+            # the norm is the global one on every rank, so every rank skips the same updates
             clip_to = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
-            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip_to))
+            norm = self.engine.clip_grad_norm(self.model, clip_to)
             sums["grad_norm"] += norm / max(1, self.dist.world_size)
             if self.spike_guard.skip(norm):
                 sums["skipped_updates"] += 1.0 / max(1, self.dist.world_size)
                 self.optimizer.zero_grad(set_to_none=True)
                 return 1
-        scale = self._ess_lr_scale(mb, prox) if cfg.ess_lr_scaling else 1.0
-        for group in self.optimizer.param_groups:
-            group["lr"] = cfg.lr * scale
+        scale = 1.0
+        if cfg.ess_lr_scaling:  # otherwise the optimizer's learning rate is left as it is
+            scale = self._ess_lr_scale(mb, prox)
+            for group in self.optimizer.param_groups:
+                group["lr"] = cfg.lr * scale
         sums["lr_scale"] += scale
         self.optimizer.step()
         return 1
@@ -575,17 +684,24 @@ class Trainer:
 
     # ------------------------------------------------------------------ publish / checkpoint
     def state_dict_for_publish(self) -> dict[str, Tensor]:
-        """Detached CPU copies of the current weights (every key, tied ones included)."""
-        return {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()}
+        """Detached CPU copies of the current weights (every key, tied ones included). Sharded,
+        a collective: every rank calls it, rank 0 gets the gathered weights, the others ``{}``."""
+        return self.engine.full_state_dict(self.model)
 
-    async def _publish(self, publisher: Publisher) -> None:
+    async def _publish(self, publisher: Publisher | None) -> None:
+        """Publish the current weights (every rank calls it; rank 0 holds the publisher)."""
         state = self.state_dict_for_publish()
+        if not self.dist.is_leader or publisher is None:
+            # A follower: rank 0's numbers (maybe renumbered) come with the next batch.
+            self.published_version = self.version
+            self._publish_first = False
+            return
         try:
-            await publisher.publish(self.version, state)
+            await self._leader_wait(publisher.publish(self.version, state))
         except VersionNotNewer as exc:  # the swarm is ahead of our record: renumber, once
             self.version = max(self.version, exc.latest + 1)
             log.warning("%s; publishing these weights as v%d instead", exc, self.version)
-            await publisher.publish(self.version, state)
+            await self._leader_wait(publisher.publish(self.version, state))
         self.published_version = self.version
         self._publish_first = False
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -603,46 +719,68 @@ class Trainer:
 
     def save_checkpoint(self, path: Path | None = None) -> Path:
         """Write weights, optimizer, step, version, published version and rollout cursor to a new
-        directory (atomically renamed into place); keep the last ``keep_checkpoints``."""
+        directory (atomically renamed into place); keep the last ``keep_checkpoints``.
+
+        Sharded (several ranks), a collective: every rank writes its shards with
+        ``torch.distributed.checkpoint`` (:mod:`trainer.dcp_checkpoint`), rank 0 the rest."""
         from safetensors.torch import save_model
 
         root = self.out_dir / CHECKPOINT_DIR
         final = path or root / f"step-{self.step:08d}"
         tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_model(self.model, str(tmp / "model.safetensors"))
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        state = {
-            "step": self.step,
-            "version": self.version,
-            "published_version": self.published_version,
-            "cursor": self.cursor,
-            "config": self.config.model_dump(),
-        }
-        _atomic_write_json(tmp / "state.json", state)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        if path is None:
-            # Everything but the newest complete ones goes, including what a crash left behind:
-            # a ``.tmp`` save, or an old checkpoint whose removal was cut short.
-            keep = set(_complete_checkpoints(root)[-self.config.keep_checkpoints :])
-            for old in root.glob("step-*"):
-                if old not in keep and old.is_dir():
-                    shutil.rmtree(old, ignore_errors=True)
+        leader = self.dist.is_leader
+        if leader:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if self.engine.sharded:
+            self.dist.barrier()  # the directory is fresh before any rank writes into it
+            save_sharded(tmp / SHARDED_DIR, self.model, self.optimizer)
+        else:
+            save_model(self.model, str(tmp / "model.safetensors"))
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        if leader:
+            state = {
+                "step": self.step,
+                "version": self.version,
+                "published_version": self.published_version,
+                "cursor": self.cursor,
+                "world_size": self.dist.world_size,
+                "config": self.config.model_dump(),
+            }
+            _atomic_write_json(tmp / "state.json", state)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            if path is None:
+                # Everything but the newest complete ones goes, including what a crash left
+                # behind: a ``.tmp`` save, or an old checkpoint whose removal was cut short.
+                keep = set(_complete_checkpoints(root)[-self.config.keep_checkpoints :])
+                for old in root.glob("step-*"):
+                    if old not in keep and old.is_dir():
+                        shutil.rmtree(old, ignore_errors=True)
+        self.dist.barrier()  # no rank goes on (to read it, or to the next save) before it is done
         return final
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint`. The version becomes
         ``max(saved version, last published version)`` so it never goes back. The optimizer's
-        moments come back; its learning rate, weight decay and β2 are this run's config's."""
-        from safetensors.torch import load_model
+        moments come back; its learning rate, weight decay and β2 are this run's config's.
+
+        Any number of ranks loads any checkpoint: a sharded one is resharded by
+        ``torch.distributed.checkpoint``; a single-process one is split over the ranks."""
+        from safetensors.torch import load_file, load_model
 
         state = json.loads((path / "state.json").read_text())
-        load_model(self.model, str(path / "model.safetensors"))
-        opt_state = torch.load(path / "optimizer.pt", weights_only=True)
-        self.optimizer.load_state_dict(opt_state)
+        if (path / SHARDED_DIR).is_dir():
+            load_sharded(path / SHARDED_DIR, self.model, self.optimizer)
+        elif self.engine.sharded:
+            opt_state = torch.load(path / "optimizer.pt", weights_only=True)
+            model_state = load_file(str(path / "model.safetensors"))
+            load_full_checkpoint(self.model, self.optimizer, model_state, opt_state)
+        else:
+            load_model(self.model, str(path / "model.safetensors"))
+            opt_state = torch.load(path / "optimizer.pt", weights_only=True)
+            self.optimizer.load_state_dict(opt_state)
         for group in self.optimizer.param_groups:  # the config wins over the saved values
             group["lr"] = self.config.lr
             group["weight_decay"] = self.config.weight_decay
@@ -676,7 +814,7 @@ def _complete_checkpoints(root: Path) -> list[Path]:
 def _resolve_device(name: str, dist: DistContext) -> torch.device:
     if name != "auto":
         return torch.device(name)
-    if dist.device.startswith("cuda"):
+    if dist.enabled:  # this rank's GPU under NCCL; the CPU under gloo
         return torch.device(dist.device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -107,8 +107,11 @@ class InferenceBackend(ABC):
         """Free the device memory / engine processes held by the backend."""
 
     def stop_set(self, sampling: SamplingConfig) -> frozenset[int]:
-        """Token ids that end a sample under ``sampling``."""
-        return frozenset(self.eos_token_ids) | frozenset(sampling.stop_token_ids)
+        """Token ids that end a sample under ``sampling``: exactly its stop set (a lease's),
+        or this backend's EOS ids when it names none (local use)."""
+        if sampling.stop_token_ids is None:
+            return frozenset(self.eos_token_ids)
+        return frozenset(sampling.stop_token_ids)
 
     def check_requests(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> None:
         """Reject token ids outside the vocabulary (one-line ValueError naming the request)."""
@@ -119,7 +122,7 @@ class InferenceBackend(ABC):
                     f"request {i}: prompt token {bad[0]} is outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
-        bad_stop = [t for t in sampling.stop_token_ids if not 0 <= t < self.vocab_size]
+        bad_stop = [t for t in sampling.stop_token_ids or () if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop token {bad_stop[0]} is outside [0, {self.vocab_size})")
 

@@ -66,7 +66,8 @@ class FakeBackend(InferenceBackend):
         if not allowed:
             raise ValueError("every token is a stop token; nothing to generate")
         logprob = -math.log(self.vocab_size)
-        eos = self.eos_token_ids[0]
+        # ends on its EOS when the stop set has it, else on the set's smallest id (never: empty)
+        eos = self.eos_token_ids[0] if self.eos_token_ids[0] in stops else min(stops, default=-1)
         out: list[list[SampleOut]] = []
         for req in requests:
             group = []
@@ -75,7 +76,7 @@ class FakeBackend(InferenceBackend):
                 toks: list[int] = []
                 reason: str = "length"
                 for _ in range(sampling.max_new_tokens):
-                    if rng.random() < self.stop_probability:
+                    if eos >= 0 and rng.random() < self.stop_probability:
                         toks.append(eos)
                         reason = "stop"
                         break

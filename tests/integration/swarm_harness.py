@@ -178,7 +178,11 @@ async def launch_coordinator(
         tmp / "coordinator.log",
         env,
     )
-    await until(info_file.exists, "coordinator.json", 60, proc)
+    try:
+        await until(info_file.exists, "coordinator.json", 60, proc)
+    except BaseException:  # not handed to the caller yet: nobody else would stop it
+        proc.stop()
+        raise
     info = json.loads(info_file.read_text())
     key = Identity.load(state / "coordinator.key")
     assert key.fingerprint == info["fingerprint"]
@@ -284,8 +288,12 @@ class TestNode:
         self.transport = transport
         self.client = CoordinatorClient(transport, coordinator_peer_id, self.identity)
 
-    async def register(self) -> None:
-        await self.client.register(
+    async def register(self, **advert_changes: Any) -> None:
+        """Register with a CPU advert; ``advert_changes`` replace its fields (forged adverts)."""
+        await self.client.register(self.advert(**advert_changes))
+
+    def advert(self, **changes: Any) -> CapabilityAdvert:
+        return msgspec.structs.replace(
             CapabilityAdvert(
                 peer_id=self.transport.peer_id,
                 node_key=self.identity.public_key,
@@ -300,7 +308,8 @@ class TestNode:
                 reachability="unknown",
                 software_version="test",
                 expires_at=time.time() + 600,
-            )
+            ),
+            **changes,
         )
 
     async def lease(self, max_prompts: int = 2) -> Lease:

@@ -4,9 +4,8 @@ process with its own libp2p daemon) trains the embedded default until its exact 
 ``swarm inspect`` reads the nodes' adverts from the DHT while it runs.
 
 The demo is started as a subprocess in its own session; its children are its own business (it
-ends them by PID), and this test only checks afterwards that none of them is left. If the demo
-does not end in time, the test SIGTERMs it (it then stops its children) and, as a last resort,
-SIGKILLs the process groups of the PIDs it recorded in ``demo.json``, and only those.
+ends them by PID), and this test only checks afterwards that none of them is left
+(:mod:`demo_harness` holds the process checks and the last-resort clean-up).
 """
 
 from __future__ import annotations
@@ -19,14 +18,20 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
+from demo_harness import (
+    REPO,
+    alive,
+    demo_env,
+    last_resort_cleanup,
+    leftovers,
+    status_of,
+    wait_for,
+)
 
-REPO = Path(__file__).resolve().parents[2]
 CHILDREN = ("coordinator", "trainer", "node-0", "node-1", "node-2")
 START_LINES = {  # what each process logs once it is up and doing its job
     "coordinator": r"coordinator up: /ip4/",
@@ -44,15 +49,11 @@ DEMO_TIMEOUT_S = DEMO_TIME_LIMIT_S + 60.0  # plus start-up and shutdown
 TARGET_EXACT = 0.5
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-
-
 def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     """Run ``swarm ARGS`` in its own session; afterwards nothing of that session may be left
     (``swarm inspect`` starts a libp2p daemon, which must go away with it)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "swarm.cli", *args], cwd=REPO, env=_env(), text=True,
+        [sys.executable, "-m", "swarm.cli", *args], cwd=REPO, env=demo_env(), text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
@@ -60,7 +61,7 @@ def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
         stdout, stderr = proc.communicate(timeout=timeout)
     finally:
         deadline = time.monotonic() + 10
-        while (left := _leftovers(None, {proc.pid})) and time.monotonic() < deadline:
+        while (left := leftovers(None, {proc.pid})) and time.monotonic() < deadline:
             time.sleep(0.2)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)  # a no-op unless it hung or left something
@@ -69,76 +70,8 @@ def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-def _status(http_url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(http_url + "/status", timeout=3.0) as resp:
-        doc: dict[str, Any] = json.loads(resp.read())
-    return doc
-
-
-def _wait(what: str, ready: Any, demo: subprocess.Popen[bytes], out: Path, limit: float) -> Any:
-    """Poll ``ready()`` until it returns something truthy; fail if the demo exits meanwhile."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError):
-            value = ready()
-            if value:
-                return value
-        if demo.poll() is not None:
-            pytest.fail(
-                f"demo exited ({demo.returncode}) before {what}:\n{out.read_text()[-3000:]}"
-            )
-        time.sleep(0.5)
-    pytest.fail(f"timed out after {limit:.0f}s waiting for {what}:\n{out.read_text()[-3000:]}")
-
-
 def _log(t0: float, what: str) -> None:
     print(f"[{time.monotonic() - t0:6.1f}s] {what}", flush=True)  # shown with -s or on failure
-
-
-def _stat(pid: int) -> list[str] | None:
-    """Fields of ``/proc/PID/stat`` after the command name (state first), or None if gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
-    except OSError:
-        return None
-
-
-def _alive(pid: int) -> bool:
-    """True when ``pid`` exists and is not a zombie."""
-    fields = _stat(pid)
-    return fields is not None and fields[0] != "Z"
-
-
-def _leftovers(run_dir: Path | None, sessions: set[int]) -> dict[int, str]:
-    """Live processes (pid -> command line) in one of ``sessions`` (each child of the demo leads
-    its own session, and its p2pd daemon stays in it) or whose command line names ``run_dir``."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        pid = int(entry.name)
-        fields = _stat(pid)
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if fields is None or fields[0] == "Z":
-            continue
-        if int(fields[3]) in sessions or (run_dir is not None and str(run_dir) in cmdline):
-            found[pid] = cmdline[:200]
-    return found
-
-
-def _last_resort_cleanup(run_dir: Path, demo_pid: int) -> None:
-    """SIGKILL the process groups of the demo's children (recorded in demo.json) and of the demo
-    itself. A process group ID is not reused while any member lives, so this ends only ours."""
-    try:
-        groups = [demo_pid, *json.loads((run_dir / "demo.json").read_text())["pids"].values()]
-    except (OSError, ValueError, KeyError):
-        groups = [demo_pid]
-    for pgid in groups:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
 
 
 @pytest.mark.slow
@@ -153,7 +86,7 @@ def test_demo_trains_broadcasts_and_cleans_up(tmp_path: Path) -> None:
     ]  # fmt: skip
     with open(out, "wb") as fh:
         demo = subprocess.Popen(
-            argv, cwd=REPO, env=_env(), stdout=fh, stderr=subprocess.STDOUT,
+            argv, cwd=REPO, env=demo_env(), stdout=fh, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
     try:
@@ -161,11 +94,13 @@ def test_demo_trains_broadcasts_and_cleans_up(tmp_path: Path) -> None:
         # `swarm inspect` needs ~15 s on a busy 2-core machine (importing hivemind + torch), so
         # it starts as soon as the nodes have registered, while the first rollouts come in.
         info_path = run_dir / "coordinator" / "coordinator.json"
-        info = _wait("coordinator.json", lambda: json.loads(info_path.read_text()), demo, out, 90)
+        info = wait_for(
+            "coordinator.json", lambda: json.loads(info_path.read_text()), demo, out, 90
+        )
         http_url = info["http_url"]
-        registered = _wait(
+        registered = wait_for(
             "three nodes to register",
-            lambda: set(states) if len(states := _status(http_url)["node_states"]) == 3 else None,
+            lambda: set(states) if len(states := status_of(http_url)["node_states"]) == 3 else None,
             demo, out, 120,
         )  # fmt: skip
         _log(t0, "nodes registered")
@@ -173,9 +108,9 @@ def test_demo_trains_broadcasts_and_cleans_up(tmp_path: Path) -> None:
             inspecting = pool.submit(
                 _cli, "inspect", "--json", "--run-dir", str(run_dir), timeout=60
             )
-            _wait(
+            wait_for(
                 "accepted rollouts",
-                lambda: _status(http_url)["rollouts_accepted"] > 0,
+                lambda: status_of(http_url)["rollouts_accepted"] > 0,
                 demo, out, 120,
             )  # fmt: skip
             _log(t0, "rollouts accepted")
@@ -216,7 +151,7 @@ def test_demo_trains_broadcasts_and_cleans_up(tmp_path: Path) -> None:
             except subprocess.TimeoutExpired:
                 demo.kill()
                 demo.wait()
-            _last_resort_cleanup(run_dir, demo.pid)
+            last_resort_cleanup(run_dir, demo.pid)
 
     _log(t0, f"demo ended ({demo.returncode})")
 
@@ -225,13 +160,13 @@ def test_demo_trains_broadcasts_and_cleans_up(tmp_path: Path) -> None:
     sessions = {demo.pid, *pids.values()}
     deadline = time.monotonic() + 10
     while True:
-        left = [name for name, pid in pids.items() if _alive(pid)]
-        strays = _leftovers(run_dir, sessions)
+        left = [name for name, pid in pids.items() if alive(pid)]
+        strays = leftovers(run_dir, sessions)
         if (not left and not strays) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     if left or strays:
-        _last_resort_cleanup(run_dir, demo.pid)
+        last_resort_cleanup(run_dir, demo.pid)
     assert not left, f"still running: {left}"
     assert not strays, f"processes of the demo are still running: {strays}"
 

@@ -197,7 +197,7 @@ def test_eos_ends_sample_and_length_caps_it(eos_model: torch.nn.Module) -> None:
 
 def test_extra_stop_tokens(backend: HFBackend) -> None:
     stop = TOK.encode("a")[0]
-    cfg = SamplingConfig(max_new_tokens=30, stop_token_ids=(stop,))
+    cfg = SamplingConfig(max_new_tokens=30, stop_token_ids=(EOS, stop))
     groups = backend.generate(requests(n=6), cfg)
     hit = 0
     for group in groups:
@@ -205,6 +205,19 @@ def test_extra_stop_tokens(backend: HFBackend) -> None:
             assert_well_formed(s, cfg, {EOS, stop})
             hit += s.token_ids[-1] == stop
     assert hit > 0
+
+
+def test_the_stop_set_is_exactly_the_given_one(backend: HFBackend) -> None:
+    """A lease's stop set is used as is: a token outside it (here the model's own EOS) does not
+    end a sample; ``None`` (local use) means the model's EOS ids."""
+    stop = TOK.encode("a")[0]
+    only = SamplingConfig(max_new_tokens=30, stop_token_ids=(stop,))
+    samples = [s for g in backend.generate(requests(n=6), only) for s in g]
+    for s in samples:
+        assert_well_formed(s, only, {stop})
+        assert s.finish_reason == "length" or s.token_ids[-1] == stop
+    assert any(EOS in s.token_ids[:-1] for s in samples)  # EOS generated, did not stop
+    assert backend.stop_set(SamplingConfig()) == frozenset({EOS})
 
 
 def test_load_state_dict_swaps_weights_in_place(backend: HFBackend) -> None:

@@ -256,9 +256,26 @@ def test_node_run_bad_input(run_cli: Runner, tmp_path: Path) -> None:
         ([*good, "--backend", "tpu", *sd], "--backend tpu"),
         ([*good, "--price-per-hour", "-1", *sd], "--price-per-hour -1"),
         ([*good, "--config", str(tmp_path / "missing.toml"), *sd], "no such config file"),
+        ([*good, "--status-port", "70000", *sd], "--status-port 70000"),
     ]:  # fmt: skip
         line = assert_one_error(*run_cli("node", "run", *argv), code=2)
         assert needle in line, (argv, line)
+
+
+def test_node_status_port_in_use_is_one_line_before_joining(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc, out, err = run_sub(
+            "node", "run", "--coordinator", CLOSED, "--coordinator-key", KEY, "--backend", "fake",
+            "--status-port", str(port), "--state-dir", str(tmp_path / "node"), timeout=120,
+        )  # fmt: skip
+    line = assert_one_error(rc, out, err, code=2)
+    assert f"cannot serve the status page on 127.0.0.1:{port}" in line, line
+    assert "--status-port" in line and "coordinator" not in line.split(";")[0], line
 
 
 def test_node_run_vllm_without_gpu(run_cli: Runner, tmp_path: Path) -> None:
@@ -301,9 +318,26 @@ def test_trainer_run_bad_input(run_cli: Runner, tmp_path: Path) -> None:
         ([*good, "--config", str(tmp_path / "bad.toml")], "not valid TOML"),
         ([*good, "--config", str(tmp_path / "unknown.toml")], "bogus_key"),
         ([*good, "--max-steps", "0"], "--max-steps 0"),
+        ([*good, "--nproc", "0"], "--nproc 0"),
     ]:
         line = assert_one_error(*run_cli("trainer", "run", *argv), code=2)
         assert needle in line, (argv, line)
+
+
+def test_trainer_run_nproc_under_torchrun(
+    run_cli: Runner, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # torchrun already started the ranks: one line from rank 0, the same exit code, no line from
+    # the others (bad input is the same on every rank).
+    argv = ["--coordinator", CLOSED, "--coordinator-key", KEY, "--nproc", "2"]
+    argv += ["--state-dir", str(tmp_path / "t")]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    line = assert_one_error(*run_cli("trainer", "run", *argv), code=2)
+    assert "drop --nproc" in line
+    monkeypatch.setenv("RANK", "1")
+    code, out, err = run_cli("trainer", "run", *argv)
+    assert code == 2 and "error:" not in out + err
 
 
 def test_trainer_run_unreachable_coordinator(tmp_path: Path) -> None:

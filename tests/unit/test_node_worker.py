@@ -25,7 +25,7 @@ from coordinator.tasks import ReverseTask
 from node.backends.base import GenerationRequest, SampleOut, SamplingConfig
 from node.backends.fake import FakeBackend
 from node.config import NodeConfig
-from node.rollouts import wire_finish_reason
+from node.rollouts import to_sampling_config, wire_finish_reason
 from node.status import Backoff
 from node.worker import NodeWorker
 from policy.sampling import prompt_seed, sample_seed
@@ -152,7 +152,7 @@ class MemCoordinator:
 
     async def _release(self, peer: str, data: bytes) -> bytes:
         key, msg = self._open(data, ReleaseLease)
-        prompts = self.core.release(key, msg.lease_id, msg.epoch)
+        prompts = self.core.release(key, msg.lease_id, msg.epoch, msg.reason)
         return encode(Ack(ref=msg.lease_id, detail=f"{len(prompts)} released"))
 
     def lease_states(self) -> dict[str, str]:
@@ -250,7 +250,7 @@ async def test_samples_record_the_derived_seeds(swarm: Swarm) -> None:
     for i, (prompt, group) in enumerate(zip(lease.prompts, sub.groups, strict=True)):
         seed = prompt_seed(lease.sampling.seed, i)
         assert [s.seed for s in group.samples] == [sample_seed(seed, j) for j in range(2)]
-        sampling = SamplingConfig(max_new_tokens=lease.sampling.max_new_tokens)
+        sampling = to_sampling_config(lease)  # the lease's settings, its stop set included
         again = replay.generate(
             [GenerationRequest(unpack_tokens(prompt.token_ids), 2, seed)], sampling
         )
@@ -381,3 +381,72 @@ def test_prompt_seeds_are_stable_and_distinct() -> None:
     assert len(seeds) == 100 and prompt_seed(7, 3) == prompt_seed(7, 3)
     assert all(0 <= s < 2**63 for s in seeds)
     assert prompt_seed(7, 0) != prompt_seed(8, 0)
+
+
+class FailingBackend(FakeBackend):
+    """Fails ``fail`` times (with ``messages[i % len]``), then generates like the fake backend."""
+
+    def __init__(self, fail: int, messages: tuple[str, ...]) -> None:
+        super().__init__()
+        self.fail = fail
+        self.messages = messages
+        self.attempts = 0
+
+    def generate(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> Any:
+        self.attempts += 1
+        if self.attempts <= self.fail:
+            raise ValueError(self.messages[(self.attempts - 1) % len(self.messages)])
+        return super().generate(requests, sampling)
+
+
+POSITIONS = "prompt of 300 tokens + max_new_tokens 64 exceeds the model's 256 positions"
+
+
+async def test_identical_generation_failures_stop_the_node_taking_leases(swarm: Swarm) -> None:
+    await swarm.coord.publish(1)
+    backend = FailingBackend(fail=10**6, messages=(POSITIONS,))
+    w = swarm.worker(backend, max_identical_failures=3)
+    await w.start()
+    await until(lambda: w.failures.gave_up, "the node to give up")
+    await asyncio.sleep(0.5)  # a node that kept going would have taken many more leases by now
+    assert backend.attempts == 3 and w.stats.leases_released == 3
+    line = w._status_line()
+    assert "status: failed" in line and "stopped taking leases after 3 identical failures" in line
+    assert POSITIONS in line
+    assert w.statistics()["failed"] is True
+    # the coordinator knows why (/status node_problems, swarm inspect)
+    (problem,) = swarm.coord.core.node_problems.values()
+    assert (
+        problem.startswith("stopped taking leases after 3 identical failures")
+        and POSITIONS in problem
+    )
+    beats = w._hb_seq
+    await until(lambda: w._hb_seq > beats, "heartbeats to go on")  # still up and visible
+
+
+async def test_a_failure_that_goes_away_does_not_stop_the_node(swarm: Swarm) -> None:
+    await swarm.coord.publish(1)
+    backend = FailingBackend(fail=2, messages=(POSITIONS,))
+    w = swarm.worker(backend, max_identical_failures=3)
+    await w.start()
+    await until(lambda: w.stats.leases_accepted >= 1, "an accepted lease after the failures")
+    assert not w.failures.gave_up and w.failures.problem is None
+    assert not swarm.coord.core.node_problems  # cleared by the accepted work
+
+
+def test_failure_tracker_backs_off_and_gives_up_only_on_identical_failures() -> None:
+    import random
+
+    from node.failures import FailureTracker
+
+    t = FailureTracker(3, 1.0, 8.0, random.Random(0))
+    delays = [t.record(f"error {i}") for i in range(5)]  # all different: never gives up
+    assert not t.gave_up and t.repeats == 1
+    assert delays[0] <= 1.0 and delays[3] >= 4.0  # grows: uniform in [d/2, d], d doubling
+    t.record("same")
+    t.record("same")
+    assert not t.gave_up and t.problem == "same (2x in a row)"
+    t.record("same")
+    assert t.gave_up and t.problem is not None and t.problem.startswith("stopped taking leases")
+    t.reset()
+    assert not t.gave_up and t.problem is None and t.backoff.failures == 0
