@@ -316,7 +316,11 @@ def write_report(results: list[dict[str, Any]], args: argparse.Namespace, *, wri
     text = [
         "## Learning under staleness (`bench/staleness.py`)",
         "",
-        f"`{' '.join(['nice -n 5 python bench/staleness.py', *_argv(args)])}`",
+        "The full matrix (every option, S ∈ {0, 1, 2, 4, 6, 8}, 5 seeds, reverse3 and reverse4; "
+        "resumable): `nice -n 5 python bench/staleness.py --jobs 2 --nice 5`. The tables below "
+        f"hold the runs finished so far, reported by "
+        f"`{' '.join(['python bench/staleness.py --report-only', *_argv(args)])}` "
+        "(each run's figures do not depend on which others ran).",
         "",
         f"Embedded model from random init, {cfg.batch_prompts} prompts × {cfg.group_size} samples "
         f"per learner step, {cfg.minibatches} minibatches, AdamW lr {cfg.lr}, entropy "
@@ -349,8 +353,8 @@ def _overrides(results: list[dict[str, Any]], opt: str) -> str:
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
-    out = ["--jobs", str(args.jobs)]
-    out += ["--tasks", *args.tasks, "--S", *map(str, args.S), "--seeds", *map(str, args.seeds)]
+    out = ["--tasks", *args.tasks, "--S", *map(str, args.S), "--seeds", *map(str, args.seeds)]
+    out += ["--options", *args.options]
     if args.set:
         out += ["--set", *args.set]
     return out
