@@ -81,7 +81,9 @@ def config(db: Path, fraction: float) -> CoordinatorConfig:
             "group_size": G,
             "sampling": {"max_new_tokens": MAX_NEW},
             "leases": {"max_prompts_per_lease": PROMPTS, "target_lease_s": 1000.0},
-            "intake": {"spot_check_fraction": fraction},
+            # a fixed check rate (the adaptive one is measured in the demo), no reward audits
+            "intake": {"spot_check_fraction": fraction, "new_node_check_rate": fraction},
+            "reward_audit": {"fraction": 0.0},
             "capacity": {"activation": False},
         }
     )
@@ -182,7 +184,7 @@ class Bench:
             if not isinstance(verdict, Ack):
                 raise SystemExit(f"{self.name}: honest submission refused: {verdict}")
             self.rollouts += sum(len(g.samples) for g in sub.groups)
-            if self.core.intake.spot_checked(sub.lease_id):
+            if self.core.intake.spot_checked(sub.lease_id, self.core.trust.rate(node_key)):
                 self.rescored += 1
                 self.rescored_latencies.append(elapsed)
         self.submissions += len(batch)

@@ -15,6 +15,10 @@ Modules (transport-independent core; the network service is built on :class:`cor
 - :mod:`coordinator.leases`     ``LeaseManager``: the lease state machine (injected clock)
 - :mod:`coordinator.intake`     verification checks 3–7 of DESIGN.md §7 (``Intake``)
 - :mod:`coordinator.logprobs`   ``LogprobVerifier`` protocol, ``InProcessLogprobVerifier``
+- :mod:`coordinator.trust`      adaptive check rates per node (new, suspect, trusted)
+- :mod:`coordinator.audits`     reward audits: audit copies of prompts, the per-node sign test
+- :mod:`coordinator.receipts`   the hash-chained, signed verdict log and its verification
+- :mod:`coordinator.audit_cli`  ``swarm audit``: verify the log, trace one rollout
 - :mod:`coordinator.reputation` strikes and bans with growing back-off
 - :mod:`coordinator.capacity`   overlap rule, staleness feasibility, cost-aware activation (pure)
 

@@ -21,19 +21,74 @@ class _Section(BaseModel):
 
 
 class Tolerance(_Section):
-    """How closely a node's behaviour log-probs must match the coordinator's fp32 re-score."""
+    """How closely a node's behaviour log-probs must match the coordinator's re-score (made in
+    the dtype the node registered), and how a boundary token or a replayed draw is judged.
+
+    Each token's deviation ``Δ`` is the distance of the claimed log-prob from the admissible
+    interval of :func:`policy.boundary.logprob_interval` (0 inside it). Defaults come from
+    honest runs (bench/calibrate_verifier.py, docs/reliability.md "Calibration")."""
 
     metric: Literal["max_abs", "median_rel"] = Field(
         description="max_abs: largest |Δ logprob|; median_rel: median exp(|Δ|)−1 (GRAIL)"
     )
     threshold: float = Field(gt=0, description="Reject when the metric exceeds this value")
+    tail_delta: float | None = Field(
+        default=None,
+        gt=0,
+        description="A token whose |Δ| exceeds this is a tail token (None: no tail bound; "
+        "max_abs is its own worst-token bound)",
+    )
+    tail_fraction: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Reject when more than this share of the checked tokens are tail tokens "
+        "(the median ignores up to half of them)",
+    )
+    logit_margin: float = Field(
+        default=1e-3,
+        ge=0,
+        description="Raw-logit difference two honest machines may show: top-k/top-p boundary "
+        "tokens within it are admissible either way (policy/boundary.py)",
+    )
+    replay_slack: float = Field(
+        default=1e-3,
+        ge=0,
+        description="Probability mass by which a replayed draw's CDF interval is widened",
+    )
+    replay_miss_share: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Share of replayed tokens allowed to miss their seeded draw",
+    )
 
 
 def _default_tolerances() -> dict[str, Tolerance]:
+    # Calibrated on honest runs: docs/reliability.md "Calibration" (bench/calibrate_verifier.py).
+    # The logit margins are policy.boundary.DEFAULT_LOGIT_MARGIN (kept equal by a test).
     return {
-        "*/float32": Tolerance(metric="max_abs", threshold=1e-3),
-        "*/bfloat16": Tolerance(metric="median_rel", threshold=0.10),
-        "*/float16": Tolerance(metric="median_rel", threshold=0.10),
+        "*/float32": Tolerance(
+            metric="max_abs", threshold=1e-3, logit_margin=1e-3, replay_slack=1e-3
+        ),
+        "*/bfloat16": Tolerance(
+            metric="median_rel",
+            threshold=0.10,
+            tail_delta=1.0,
+            tail_fraction=0.02,
+            logit_margin=0.25,
+            replay_slack=2e-2,
+            replay_miss_share=0.02,
+        ),
+        "*/float16": Tolerance(
+            metric="median_rel",
+            threshold=0.10,
+            tail_delta=1.0,
+            tail_fraction=0.02,
+            logit_margin=0.05,
+            replay_slack=1e-2,
+            replay_miss_share=0.02,
+        ),
     }
 
 
@@ -110,22 +165,30 @@ class IntakeSection(_Section):
     """Verification of submitted rollouts (DESIGN.md §7)."""
 
     spot_check_fraction: float = Field(
-        default=0.1,
+        default=0.05,
         ge=0,
         le=1,
-        description="Fraction of leases whose log-probs are re-scored (0 = off)",
+        description="Floor of the adaptive check rate: share of leases re-scored for a node with "
+        "a long clean history (0 with new_node_check_rate 0 = spot checks off)",
+    )
+    new_node_check_rate: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="Share of leases re-scored for a node without clean history (new, "
+        "re-registered, or released from suspicion); halves every clean_checks_halflife passed "
+        "checks down to spot_check_fraction",
+    )
+    clean_checks_halflife: float = Field(
+        default=2.0, gt=0, description="Passed spot checks that halve a node's check rate"
     )
     spot_check_max_samples: int = Field(
         default=8, ge=1, description="Samples re-scored per spot-checked lease"
     )
     tolerances: dict[str, Tolerance] = Field(
         default_factory=_default_tolerances,
-        description='Per "backend/dtype" tolerance ("*" matches any backend)',
-    )
-    replay_backends: list[str] = Field(
-        default_factory=lambda: ["hf"],
-        description="Backends whose sampler is the reference inverse-CDF sampler: spot checks "
-        "replay each sample's seeded uniforms and refuse tokens they do not give",
+        description='Per "backend/dtype" tolerance ("*" matches any backend); backend and dtype '
+        "are the node's registration's, never a submission's",
     )
     sampling_z_max: float = Field(
         default=6.0,
@@ -136,8 +199,63 @@ class IntakeSection(_Section):
     )
     suspect_full_check: bool = Field(
         default=True,
-        description="Check every lease (every sample) of a node with a strike on record, so "
-        "nothing bad of it is accepted after its first detection",
+        description="Check every lease (every sample) of a suspect: a node struck or flagged "
+        "that has not since passed suspect_release_checks full checks in a row",
+    )
+    suspect_release_checks: int = Field(
+        default=16,
+        ge=1,
+        description="Consecutive passed full checks after which a struck or flagged node is no "
+        "longer a suspect (its rate then decays from new_node_check_rate)",
+    )
+    registration_change_interval_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="A node may change its registered backend or dtype at most this often "
+        "(seconds); a sooner change is refused (registration_mismatch, no strike)",
+    )
+
+
+class RewardAuditSection(_Section):
+    """Reward audits: a keyed-random share of prompts is re-issued to another node and each
+    node's rewards are compared with others' on the same prompts (coordinator/audits.py)."""
+
+    fraction: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="Share of accepted prompts re-issued to another node (0 = audits off); the "
+        "copies train like any group, so the cost is duplicated prompts, not wasted work",
+    )
+    min_pairs: int = Field(
+        default=16,
+        ge=2,
+        description="Audited prompt pairs (with different mean rewards) of a node before its "
+        "first test; later tests at 2x, 4x, ... as many",
+    )
+    alpha: float = Field(
+        default=1e-3,
+        gt=0,
+        lt=1,
+        description="False-positive rate of the flag over a node's whole life (sign test, "
+        "alpha spent as alpha/2, alpha/4, ... over the tests)",
+    )
+    max_version_gap: int = Field(
+        default=1,
+        ge=0,
+        description="Only pairs sampled at policy versions at most this far apart are compared "
+        "(learning between versions raises the later group's rewards)",
+    )
+
+
+class ReceiptsSection(_Section):
+    """The hash-chained verdict log (coordinator/receipts.py, ``swarm audit``)."""
+
+    seal_every: int = Field(
+        default=64, ge=1, description="Sign the chain after at most this many new entries"
+    )
+    seal_interval_s: float = Field(
+        default=30.0, gt=0, description="Sign new entries at least this often (seconds)"
     )
 
 
@@ -254,6 +372,12 @@ class CoordinatorConfig(_Section):
     )
     reputation: ReputationSection = Field(
         default_factory=lambda: ReputationSection(), description="Strikes and bans"
+    )
+    reward_audit: RewardAuditSection = Field(
+        default_factory=lambda: RewardAuditSection(), description="Reward audits"
+    )
+    receipts: ReceiptsSection = Field(
+        default_factory=lambda: ReceiptsSection(), description="Verdict log"
     )
     capacity: CapacitySection = Field(
         default_factory=lambda: CapacitySection(), description="Capacity model"

@@ -8,7 +8,12 @@ envelope) and return protocol messages. Refusals raise :class:`~coordinator.erro
 
 Every state change is committed to SQLite before the method returns. Time comes from the injected
 ``clock`` (Unix seconds), so tests drive leases and bans without sleeping. Call :meth:`tick`
-periodically (expiry, re-planning).
+periodically (expiry, re-planning, sealing the receipt log).
+
+Verification is held to the node's registration (its backend and dtype, recorded in each lease),
+at the node's adaptive check rate (:mod:`coordinator.trust`); reward audits re-issue a keyed-random
+share of prompts (:mod:`coordinator.audits`); every lease-bound verdict, registration, flag and
+learner step goes into the hash-chained receipt log (:mod:`coordinator.receipts`).
 """
 
 from __future__ import annotations
@@ -21,21 +26,25 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge
 
+from coordinator.audits import RewardAudits
 from coordinator.capacity import NodeCapacity, Plan, plan_activation
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import IntakeRejection, Rejection
-from coordinator.intake import Intake, IntakeContext, IntakeMetrics, PromptSlot
+from coordinator.intake import CheckReport, Intake, IntakeContext, IntakeMetrics, PromptSlot
 from coordinator.leases import LeaseManager
+from coordinator.ledger import Ledger
 from coordinator.logprobs import LogprobVerifier
 from coordinator.problems import Task
+from coordinator.receipts import ReceiptLog
 from coordinator.reputation import Reputation
 from coordinator.store import ACK, LeaseRecord, NodeRecord, RolloutRow, Store, Verdict
+from coordinator.trust import Trust
 from policy.model import Tokenizer
 from policy.prompts import PromptRenderer
-from protocol.codec import encode
-from protocol.envelope import ReplayGuard, open_envelope
-from protocol.errors import DecodeError, ReasonCode
-from protocol.identity import fingerprint_of
+from protocol.codec import decode, encode
+from protocol.envelope import ReplayGuard, open_envelope, verify_envelope
+from protocol.errors import ProtocolError, ReasonCode
+from protocol.identity import Identity, fingerprint_of
 from protocol.manifest import verify_manifest
 from protocol.messages import (
     AcceptedRollout,
@@ -83,6 +92,7 @@ class Coordinator:
         registry: CollectorRegistry | None = None,
         replay: ReplayGuard | None = None,
         servable: Callable[[int], bool] | None = None,
+        signer: Identity | None = None,
         prompts: PromptRenderer | None = None,
         stop_token_ids: Sequence[int] | None = None,
     ) -> None:
@@ -119,15 +129,23 @@ class Coordinator:
             max_new_tokens=config.sampling.max_new_tokens,
         )
         self.reputation = Reputation(store, config.reputation)
+        self.trust = Trust(store, config.intake)
+        self.audits = RewardAudits(store, config.reward_audit, store.secret())
+        #: the hash-chained verdict log, sealed with ``signer`` (the coordinator key)
+        self.receipts = ReceiptLog(
+            store,
+            signer,
+            seal_every=config.receipts.seal_every,
+            seal_interval_s=config.receipts.seal_interval_s,
+        )
+        self.ledger = Ledger(store, self.receipts, verifier)
         self.metrics = IntakeMetrics(self.registry)
         self.intake = Intake(
             task,
             tokenizer,
             verifier=verifier,
             secret=store.secret(),
-            spot_check_fraction=config.intake.spot_check_fraction,
             spot_check_max_samples=config.intake.spot_check_max_samples,
-            replay_backends=config.intake.replay_backends,
             metrics=self.metrics,
         )
         self._g_active = Gauge(
@@ -153,16 +171,10 @@ class Coordinator:
     # --- identity and admission ------------------------------------------------------------------
     def open(self, env: SignedEnvelope, type_: type[T]) -> tuple[bytes, T]:
         """Check 2: signature, replay window, and (except for Register) a known, unbanned node."""
-        try:
-            msg = open_envelope(env, type_, now=self.clock(), replay=self.replay)
-        except DecodeError as exc:
-            # Only a payload that came with a valid signature (NaN log-probs, token/log-prob
-            # count mismatch, unknown fields, ...) is the signer's fault: a strike. Size and
-            # version refusals precede the signature check, so anyone could forge those.
-            if exc.authenticated and self.store.get_node(env.signer) is not None:
-                with self.store.transaction():
-                    self.reputation.strike(env.signer, exc.code.value, exc.detail, self.clock())
-            raise
+        # A decode error (unknown field, NaN, too long, ...) costs no strike, even with a valid
+        # signature (docs/operations.md §6.2): a node one protocol revision ahead, or with a
+        # numerical glitch, must not be banned for it; the refusal is all it gets.
+        msg = open_envelope(env, type_, now=self.clock(), replay=self.replay)
         if not isinstance(msg, Register):
             self._admit(env.signer)
         return env.signer, msg
@@ -192,6 +204,10 @@ class Coordinator:
         old = self.store.get_node(node_key)
         if old is None:
             self._make_room(now)
+        relabel = old is not None and (old.backend, old.dtype) != (advert.backend, advert.dtype)
+        if relabel:
+            assert old is not None
+            self._check_relabel(node_key, old, advert, now)
         record = NodeRecord(
             node_key=node_key,
             fingerprint=fingerprint_of(node_key),
@@ -208,7 +224,20 @@ class Coordinator:
             leases_completed=old.leases_completed if old else 0,
             leases_expired=old.leases_expired if old else 0,
         )
-        self.store.upsert_node(record)
+        with self.store.transaction():
+            self.store.upsert_node(record)
+            if old is None or relabel:
+                if relabel:
+                    self.trust.relabelled(node_key, now)
+                self.receipts.append(
+                    "register",
+                    {
+                        "node": record.fingerprint,
+                        "held_to": f"{advert.backend}/{advert.dtype}",
+                        "previous": f"{old.backend}/{old.dtype}" if old is not None else None,
+                    },
+                    now,
+                )
         # Re-planning scans the whole swarm: only when the plan's inputs changed (a new or
         # returning node, another price or throughput), so repeated re-registrations stay cheap.
         horizon = now - self.config.heartbeat_interval_s * self.config.heartbeat_misses
@@ -225,6 +254,27 @@ class Coordinator:
             current_policy_version=self.store.latest_version(),
             server_time=now,
         )
+
+    def _check_relabel(
+        self, node_key: bytes, old: NodeRecord, advert: CapabilityAdvert, now: float
+    ) -> None:
+        """A registered node asks to be held to another backend/dtype: allowed at most every
+        ``intake.registration_change_interval_s`` (logged; its clean history restarts)."""
+        last = self.trust.state(node_key).label_changed_at or old.registered_at
+        wait = last + self.config.intake.registration_change_interval_s - now
+        if wait > 0:
+            raise Rejection(
+                ReasonCode.REGISTRATION_MISMATCH,
+                f"registered as {old.backend}/{old.dtype}; a change to {advert.backend}/"
+                f"{advert.dtype} is allowed in {wait:.0f}s (one change per "
+                f"{self.config.intake.registration_change_interval_s:.0f}s)",
+                strike=False,
+                retry_after_s=wait,
+            )
+        log.warning(
+            "node %s re-registered as %s/%s (was %s/%s); its checks restart as for a new node",
+            fingerprint_of(node_key), advert.backend, advert.dtype, old.backend, old.dtype,
+        )  # fmt: skip
 
     def _make_room(self, now: float) -> None:
         """Keep the node table within ``max_nodes``: forget the longest-gone node that holds
@@ -274,7 +324,11 @@ class Coordinator:
                 reason=f"you hold {held} active leases (limit {cap}); submit or release them",
             )
         lease = self.leases.issue(
-            node_key, version=version, tokens_per_s=node.tokens_per_s, max_prompts=req.max_prompts
+            node_key,
+            version=version,
+            tokens_per_s=node.tokens_per_s,
+            max_prompts=req.max_prompts,
+            held_to=(node.backend, node.dtype),
         )
         s = self.config.sampling
         return Lease(
@@ -323,8 +377,9 @@ class Coordinator:
 
     def _slots(self, lease: LeaseRecord) -> dict[str, PromptSlot]:
         slots = {}
+        originals = self.audits.originals(lease.prompts)  # audit copies ask the original prompt
         for position, index in enumerate(lease.prompts):
-            problem = self.task.problem(index)
+            problem = self.task.problem(originals.get(index, index))
             ids = tuple(self.prompts.render(problem.prompt))
             slots[problem.prompt_id] = PromptSlot(index, problem, ids, position)
         return slots
@@ -359,7 +414,8 @@ class Coordinator:
         try:
             accepted = await self.intake.verify(sub, ctx)
         except IntakeRejection as exc:
-            return self._refuse(node_key, lease.lease_id, exc, digest)
+            ctx.report.failed = ctx.report.failed or exc.code.value
+            return self._refuse(node_key, lease.lease_id, exc, digest, lease, ctx.report)
         fault_point("submit.before_commit")
         now = self.clock()
         with self.store.transaction():
@@ -375,6 +431,7 @@ class Coordinator:
             rows = [a for a in accepted if a.prompt_index in still_open]
             if not rows:
                 return self._closed(node_key, lease, digest)
+            first_seq = self.store.max_rollout_seq() + 1
             self.store.insert_rollouts(
                 [
                     RolloutRow(
@@ -405,6 +462,22 @@ class Coordinator:
                 "were already completed elsewhere", len(rows), skipped,
             )  # fmt: skip
             self.store.put_verdict(lease.lease_id, digest, verdict, now)
+            if ctx.report.spot_checked and ctx.report.passed:
+                self.trust.passed(node_key, full=ctx.report.full)
+            rewards: dict[int, list[float]] = {}
+            for a in rows:
+                rewards.setdefault(a.prompt_index, []).append(a.reward)
+            flags = self.audits.after_accept(
+                lease_id=lease.lease_id, node_key=node_key, version=sub.policy_version,
+                rewards=rewards, now=now,
+            )  # fmt: skip
+            last_seq = self.store.max_rollout_seq()  # one transaction: seqs are contiguous
+            self.ledger.verdict(lease, digest, verdict, ctx.report, (first_seq, last_seq), now)
+            for flag in flags:
+                self.trust.flag(flag.node_key, flag.detail, now)
+                self.receipts.append(
+                    "flag", {"node": fingerprint_of(flag.node_key), "detail": flag.detail}, now
+                )
         fault_point("submit.after_commit")
         self.node_problems.pop(node_key, None)  # it works again
         self.metrics.accepted.inc(len(rows))
@@ -416,6 +489,11 @@ class Coordinator:
         current = self.store.latest_version()
         s = self.config.staleness_bound
         known = frozenset(self.store.versions())
+        node = self.store.get_node(node_key)
+        backend = lease.backend or (node.backend if node else "")
+        dtype = lease.dtype or (node.dtype if node else "")
+        trust = self.trust.state(node_key)
+        suspect = trust.suspect and self.config.intake.suspect_full_check
         return IntakeContext(
             node_key=node_key,
             lease=lease,
@@ -427,7 +505,11 @@ class Coordinator:
             vocab_size=self.tokenizer.vocab_size,
             eos_token_id=self.tokenizer.eos_token_id,
             stop_token_ids=frozenset(self.stop_token_ids),
-            suspect=self.config.intake.suspect_full_check and self.reputation.suspect(node_key),
+            suspect=suspect,
+            backend=backend,
+            dtype=dtype,
+            check_rate=self.trust.rate_of(trust),
+            report=CheckReport(),
         )
 
     def _closed(self, node_key: bytes, lease: LeaseRecord, digest: bytes) -> Reject:
@@ -446,22 +528,52 @@ class Coordinator:
             )
         else:
             exc = Rejection(ReasonCode.DUPLICATE, f"lease {lease.lease_id} is already complete")
-        result = self._refuse(node_key, lease.lease_id, exc, digest)
+        result = self._refuse(node_key, lease.lease_id, exc, digest, lease)
         assert isinstance(result, Reject)
         return result
 
     def _refuse(
-        self, node_key: bytes, ref: str, exc: Rejection, digest: bytes | None = None
+        self,
+        node_key: bytes,
+        ref: str,
+        exc: Rejection,
+        digest: bytes | None = None,
+        lease: LeaseRecord | None = None,
+        report: CheckReport | None = None,
     ) -> Reject:
         now = self.clock()
         self.metrics.rejected.labels(reason=exc.code.value).inc()
         with self.store.transaction():
             if digest is not None:  # lease-bound: remember the verdict for re-sends
-                self.store.put_verdict(ref, digest, Verdict(exc.code.value, exc.detail), now)
+                verdict = Verdict(exc.code.value, exc.detail)
+                self.store.put_verdict(ref, digest, verdict, now)
+                if lease is not None:
+                    self.ledger.verdict(lease, digest, verdict, report or CheckReport(), None, now)
             if exc.strike and self.store.get_node(node_key) is not None:
                 self.reputation.strike(node_key, exc.code.value, exc.detail, now)
+                self.trust.struck(node_key)
         log.info("rejected %s from %s: %s", ref, fingerprint_of(node_key), exc)
         return Reject(ref=ref, code=exc.code, detail=exc.detail, retry_after_s=exc.retry_after_s)
+
+    def replayed_submission(self, env: SignedEnvelope) -> Ack | Reject | None:
+        """The stored verdict for a submission envelope the replay guard refused (the same
+        signed bytes sent again): re-sending a submission byte for byte returns its verdict,
+        accepted or rejected, without counting anything twice. None: no verdict is stored (the
+        caller answers ``replayed``)."""
+        try:
+            verify_envelope(env)
+            sub = decode(env.payload, RolloutSubmission)
+        except ProtocolError:
+            return None
+        lease = self.store.get_lease(sub.lease_id)
+        if lease is None or lease.node_key != env.signer:
+            return None
+        stored = self.store.get_verdict(lease.lease_id, hashlib.sha256(encode(sub)).digest())
+        return None if stored is None else _message(lease.lease_id, stored)
+
+    def learner_report(self, step: int, cursor: int, step_time_s: float) -> None:
+        """The trainer's figures with a fetch (:meth:`coordinator.ledger.Ledger.learner_report`)."""
+        self.ledger.learner_report(step, cursor, step_time_s, self.clock())
 
     def fetch_rollouts(
         self, after_seq: int, max_rollouts: int, min_policy_version: int | None = None
@@ -505,11 +617,26 @@ class Coordinator:
                     ReasonCode.VERSION_NOT_NEWER,
                     f"version {manifest.version} is not newer than {latest}",
                 )
+            self._check_delta_base(manifest)
             self.store.put_version(manifest.version, encode(manifest_env), self.clock())
         fault_point("publish.after_commit")
         self._g_version.set(manifest.version)
         log.info("published policy version %d", manifest.version)
         return manifest
+
+    def _check_delta_base(self, manifest: Manifest) -> None:
+        """A delta version must name, by its exact root hash, a version published here: the
+        swarm could not apply it otherwise (the trainer then publishes a keyframe)."""
+        if manifest.delta is None:
+            return
+        base, raw = manifest.delta.base_version, self.store.get_version(manifest.delta.base_version)
+        held = None if raw is None else decode(decode(raw, SignedEnvelope).payload, Manifest)
+        if held is None or held.root_hash != manifest.delta.base_root_hash:
+            why = "was never published here" if held is None else "was published with other bytes"
+            raise Rejection(
+                ReasonCode.DELTA_BASE_MISSING,
+                f"v{manifest.version} is a delta against v{base}, which {why}; publish a keyframe",
+            )
 
     # --- capacity --------------------------------------------------------------------------------
     def alive_nodes(self) -> list[NodeRecord]:
@@ -557,15 +684,17 @@ class Coordinator:
         return node_key.hex() not in self._standby
 
     def tick(self) -> None:
-        """Periodic upkeep: expire overdue leases, re-plan the active set."""
+        """Periodic upkeep: expire overdue leases, re-plan the active set, seal new receipts."""
         self.leases.expire_due()
         self.replan()
+        self.receipts.seal(self.clock())
 
     def close(self) -> None:
         """Release the database and any task worker process."""
         closer = getattr(self.task, "close", None)
         if callable(closer):
             closer()
+        self.receipts.seal(self.clock(), force=True)
         self.store.close()
 
     def status(self) -> dict[str, Any]:
@@ -596,7 +725,12 @@ class Coordinator:
             "plan_standby": [
                 fingerprint_of(bytes.fromhex(k)) for k in (self.plan.standby if self.plan else ())
             ],
+            **self.verification_status(),
         }
+
+    def verification_status(self) -> dict[str, Any]:
+        """Verification compute against the learner's, and the receipt log's head."""
+        return self.ledger.status()
 
 
 def _message(ref: str, verdict: Verdict) -> Ack | Reject:

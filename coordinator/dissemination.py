@@ -4,7 +4,7 @@
 (:mod:`swarm.holders`: every peer announces, per version, a bitmap of the chunks it has verified)
 every ``period`` seconds and keeps, for the dashboard and ``/status``:
 
-* :attr:`HolderCensus.counts`   -- version -> registered nodes holding all of its chunks;
+* :attr:`HolderCensus.counts`   -- version -> registered nodes holding its full checkpoint;
 * :attr:`HolderCensus.by_peer`  -- libp2p peer id -> versions it holds in full.
 
 Holder records are unsigned (a peer may claim chunks it lacks; downloads verify every chunk and
@@ -19,10 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from coordinator.node_view import advert_of
 from coordinator.store import Store
+from protocol.manifest import part_indices
 from swarm import keys
 from swarm.chunks import ChunkStore
 from swarm.holders import HolderDirectory
@@ -39,13 +40,15 @@ CENSUS_PERIOD_S = 2.0
 class HolderCensus:
     """Counts the registered nodes that hold each recent version (see the module docstring).
 
-    ``versions`` gives ``(version, number of chunks)`` of the versions to count (those whose
-    manifest the coordinator has), ``node_peers`` the peer ids of the registered nodes."""
+    ``versions`` gives ``(version, number of chunks, chunks of its full checkpoint)`` of the
+    versions to count (those whose manifest the coordinator has): a peer holds a version when it
+    holds every chunk of the full checkpoint (a delta version's delta chunks are not needed),
+    ``node_peers`` the peer ids of the registered nodes."""
 
     def __init__(
         self,
         directory: HolderDirectory,
-        versions: Callable[[], Iterable[tuple[int, int]]],
+        versions: Callable[[], Iterable[tuple[int, int, Collection[int]]]],
         node_peers: Callable[[], set[str]],
         *,
         period: float = CENSUS_PERIOD_S,
@@ -66,11 +69,11 @@ class HolderCensus:
         wanted = sorted(self.versions())
         peers = self.node_peers()
         results = await asyncio.gather(
-            *(self.directory.lookup(v) for v, _ in wanted), return_exceptions=True
+            *(self.directory.lookup(v) for v, _, _ in wanted), return_exceptions=True
         )
         counts: dict[int, int] = {}
         held: dict[str, set[int]] = {}
-        for (version, n_chunks), got in zip(wanted, results, strict=True):
+        for (version, n_chunks, full), got in zip(wanted, results, strict=True):
             if isinstance(got, BaseException):
                 log.debug("holder lookup of v%d failed: %s", version, got)
                 if version in self.counts:
@@ -82,7 +85,7 @@ class HolderCensus:
             complete = [
                 peer
                 for peer, bitmap in got.items()
-                if peer in peers and len(keys.indices_from_bitmap(bitmap, n_chunks)) == n_chunks
+                if peer in peers and keys.indices_from_bitmap(bitmap, n_chunks).issuperset(full)
             ]
             counts[version] = len(complete)
             for peer in complete:
@@ -114,12 +117,13 @@ def coordinator_census(
     """The census of a coordinator: the last ``keep`` published versions whose manifest it
     holds, and the peer ids its registered nodes gave in their adverts."""
 
-    def versions() -> list[tuple[int, int]]:
-        out = []
+    def versions() -> list[tuple[int, int, Collection[int]]]:
+        out: list[tuple[int, int, Collection[int]]] = []
         for version in store.versions()[-keep:]:
             held = chunks.manifest(version)
             if held is not None:
-                out.append((version, len(held[1].chunks)))
+                m = held[1]
+                out.append((version, len(m.chunks), part_indices(m, "full")))
         return out
 
     def node_peers() -> set[str]:

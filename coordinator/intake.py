@@ -3,9 +3,12 @@
 Checks 1–2 (frame size, schema, envelope signature, replay window, known and unbanned node) happen
 before a submission reaches this module (codec, :func:`protocol.envelope.open_envelope`,
 :meth:`coordinator.core.Coordinator.open`). This module runs checks 3–7 as small functions, each
-raising :class:`~coordinator.errors.IntakeRejection` with a protocol reason code:
+raising :class:`~coordinator.errors.IntakeRejection` with a protocol reason code, in this order
+(docs/protocol.md §12 is the normative list):
 
-3. :func:`check_groups`      group belongs to the lease, is complete (G samples), no duplicates,
+3. :func:`check_labels`      the submission's backend and dtype are those the node registered
+                             (recorded in the lease): a submission never chooses its own checks
+   :func:`check_groups`      group belongs to the lease, is complete (G samples), no duplicates,
                              and the submission answers every prompt of the lease
 4. :func:`check_version`     claimed policy version is the lease's, and within S of the current;
    :func:`check_seeds`       every sample names the seed the lease assigns it
@@ -15,13 +18,15 @@ raising :class:`~coordinator.errors.IntakeRejection` with a protocol reason code
 6. :func:`score_rewards`     reward recomputed by the task verifier from the decoded completion
                              (the wire has no reward field at all: a node cannot even claim one)
 7. :meth:`Intake.spot_check` behaviour log-probs of a sampled fraction re-scored at the claimed
-                             version (:class:`LogprobVerifier`), tolerance per (backend, dtype);
-                             the sampling statistic, and for backends with the reference sampler
-                             each token replayed from its seed (``sampling_mismatch``). A node
-                             with a strike on record is checked on every lease, every sample.
+                             version in the registered dtype (:class:`LogprobVerifier`), with the
+                             registered (backend, dtype)'s tolerance, tail bound and boundary
+                             margin; the sampling statistic, and every token replayed from its
+                             seed (``sampling_mismatch``), whatever the backend. A suspect node
+                             is checked on every lease, every sample.
 
-A lease is spot-checked when ``HMAC(secret, lease_id) < fraction``: deterministic (a re-sent
-submission gets the same verdict) yet unpredictable for a node, which does not know the secret.
+A lease is spot-checked when ``HMAC(secret, lease_id) < rate``, the node's adaptive check rate
+(:mod:`coordinator.trust`): unpredictable for a node, which does not know the secret. What was
+checked, with its figures, is written into :class:`CheckReport` for the receipt log.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import hmac
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -62,6 +67,38 @@ class PromptSlot:
     position: int = 0
 
 
+@dataclass
+class CheckReport:
+    """What the intake checked on one submission (filled in as the checks run; receipts)."""
+
+    #: the node's check rate when the submission arrived (1.0 for a suspect)
+    rate: float = 0.0
+    #: every sample re-scored (suspect)
+    full: bool = False
+    #: the spot check ran (False: not drawn, or no verifier)
+    spot_checked: bool = False
+    #: True/False: the spot check passed/failed; None: not run or skipped
+    passed: bool | None = None
+    #: the spot check's figures (statistic -> value), and ``skipped`` when weights were missing
+    figures: dict[str, float] = field(default_factory=dict)
+    #: the check that refused the submission ("" when accepted)
+    failed: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "rate": round(self.rate, 6),
+            "full": self.full,
+            "spot_checked": self.spot_checked,
+            "passed": self.passed,
+            "figures": {k: _finite_round(v) for k, v in sorted(self.figures.items())},
+            "failed": self.failed,
+        }
+
+
+def _finite_round(v: float) -> float | str:
+    return round(v, 6) if math.isfinite(v) else str(v)
+
+
 @dataclass(frozen=True)
 class IntakeContext:
     """What the checks need to know besides the submission itself."""
@@ -79,8 +116,15 @@ class IntakeContext:
     eos_token_id: int
     #: the lease's stop set (what the lease carried: the model's EOS ids plus configured extras)
     stop_token_ids: frozenset[int]
-    #: the node has a strike on record: every lease and every sample is re-scored
+    #: the node is a suspect (struck or flagged, not yet released): every sample re-scored
     suspect: bool = False
+    #: what the node is held to (its registration when the lease was issued)
+    backend: str = "hf"
+    dtype: str = "float32"
+    #: the node's adaptive spot-check rate (share of its leases re-scored)
+    check_rate: float = 0.0
+    #: filled in by the intake as the checks run
+    report: CheckReport = field(default_factory=CheckReport)
 
 
 @dataclass(frozen=True)
@@ -104,6 +148,17 @@ def _reject(code: ReasonCode, detail: str) -> IntakeRejection:
 
 
 # --- check 3 ----------------------------------------------------------------------------------
+def check_labels(sub: RolloutSubmission, ctx: IntakeContext) -> None:
+    """The backend and dtype a submission names are the node's registered ones: they choose the
+    tolerance and the re-scoring dtype, so a node may not pick them per submission."""
+    if sub.backend != ctx.backend or sub.dtype != ctx.dtype:
+        raise _reject(
+            ReasonCode.REGISTRATION_MISMATCH,
+            f"the submission says {sub.backend}/{sub.dtype}, this node registered "
+            f"{ctx.backend}/{ctx.dtype}; register again to change backend or dtype",
+        )
+
+
 def check_groups(sub: RolloutSubmission, ctx: IntakeContext) -> None:
     seen: set[str] = set()
     for group in sub.groups:
@@ -159,12 +214,12 @@ def check_seeds(sub: RolloutSubmission, ctx: IntakeContext) -> None:
     for group in sub.groups:
         position = ctx.slots[group.prompt_id].position
         for j, sample in enumerate(group.samples):
-            want = expected_seed(ctx.lease.epoch, position, j)
-            if sample.seed != want:
+            if sample.seed != expected_seed(ctx.lease.epoch, position, j):
+                # The detail never names the expected seed: derive it (docs/protocol.md §11).
                 raise _reject(
                     ReasonCode.SAMPLING_MISMATCH,
-                    f"prompt {group.prompt_id!r} sample {j}: seed {sample.seed}, the lease "
-                    f"assigns {want} (samples are drawn from the lease's seeds, not chosen)",
+                    f"prompt {group.prompt_id!r} sample {j}: seed {sample.seed} is not the one "
+                    "the lease assigns (samples are drawn from the lease's seeds, not chosen)",
                 )
 
 
@@ -259,29 +314,29 @@ class Intake:
         *,
         verifier: LogprobVerifier | None,
         secret: bytes,
-        spot_check_fraction: float,
         spot_check_max_samples: int,
-        replay_backends: Sequence[str] = ("hf",),
         metrics: IntakeMetrics | None = None,
     ) -> None:
         self.task = task
         self.tokenizer = tokenizer
         self.verifier = verifier
         self.secret = secret
-        self.fraction = spot_check_fraction
         self.max_samples = spot_check_max_samples
-        self.replay_backends = frozenset(replay_backends)
         self.metrics = metrics or IntakeMetrics()
 
     def _u(self, label: str) -> float:
         mac = hmac.new(self.secret, label.encode(), hashlib.sha256).digest()
         return int.from_bytes(mac[:8], "big") / 2.0**64
 
-    def spot_checked(self, lease_id: str) -> bool:
-        """Is this lease's submission re-scored? Keyed by a secret the node does not know."""
-        return self.verifier is not None and self._u(f"spot:{lease_id}") < self.fraction
+    def spot_checked(self, lease_id: str, rate: float) -> bool:
+        """Is this lease's submission re-scored at check ``rate``? Keyed by a secret the node
+        does not know."""
+        return self.verifier is not None and self._u(f"spot:{lease_id}") < rate
 
     async def verify(self, sub: RolloutSubmission, ctx: IntakeContext) -> list[AcceptedSample]:
+        report = ctx.report
+        report.rate = 1.0 if ctx.suspect else ctx.check_rate
+        check_labels(sub, ctx)
         check_groups(sub, ctx)
         check_version(sub, ctx)
         check_seeds(sub, ctx)
@@ -321,22 +376,24 @@ class Intake:
                     )
                 )
         suspect = ctx.suspect and self.verifier is not None
-        if accepted and (suspect or self.spot_checked(ctx.lease.lease_id)):
-            await self.spot_check(sub, ctx.lease, accepted, every_sample=suspect)
+        if accepted and (suspect or self.spot_checked(ctx.lease.lease_id, ctx.check_rate)):
+            report.full = suspect
+            await self.spot_check(sub, ctx, accepted, every_sample=suspect)
         return accepted
 
     async def spot_check(
         self,
         sub: RolloutSubmission,
-        lease: LeaseRecord,
+        ctx: IntakeContext,
         samples: Sequence[AcceptedSample],
         *,
         every_sample: bool = False,
     ) -> None:
         """Check 7: re-score a deterministic, secret-keyed subset of ``samples`` (all of them for
-        a suspect node): claimed log-probs, the sampling statistic and, for replayable
-        backends, each token against the sample's seeded uniform."""
+        a suspect node) in the registered dtype: claimed log-probs, their tail, the sampling
+        statistic and each token against the sample's seeded uniform."""
         assert self.verifier is not None
+        lease = ctx.lease
         lease_id = lease.lease_id
         ranked = sorted(
             samples, key=lambda s: self._u(f"pick:{lease_id}:{s.prompt_index}:{s.sample_index}")
@@ -351,17 +408,22 @@ class Intake:
                 [list(s.prompt_tokens) for s in picked],
                 [s.completion_tokens for s in picked],
                 [s.logprobs for s in picked],
-                backend=sub.backend,
-                dtype=sub.dtype,
-                seeds=[s.seed for s in picked] if sub.backend in self.replay_backends else None,
+                backend=ctx.backend,  # the registration's, never the submission's labels
+                dtype=ctx.dtype,
+                seeds=[s.seed for s in picked],
                 steps=lease.max_new_tokens,
             )
         except VerifierUnavailable as exc:
             # The reference weights are not here (yet): the node is not at fault, so the lease is
             # not refused; the skip is counted and logged so an operator sees coverage drop.
             self.metrics.spot_checks.labels(result="skipped").inc()
+            ctx.report.figures["skipped"] = 1.0
             log.warning("spot check of %s skipped: %s", lease_id, exc)
             return
         self.metrics.spot_checks.labels(result="pass" if verdict.ok else "fail").inc()
+        ctx.report.spot_checked = True
+        ctx.report.passed = verdict.ok
+        ctx.report.figures.update(verdict.figures)
         if not verdict.ok:
+            ctx.report.failed = verdict.metric
             raise _reject(verdict.code, verdict.detail)

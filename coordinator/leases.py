@@ -109,13 +109,16 @@ class LeaseManager:
         version: int,
         tokens_per_s: float | None,
         max_prompts: int | None = None,
+        held_to: tuple[str, str] = ("", ""),
     ) -> LeaseRecord:
-        """A new lease for ``node_key`` (re-queued prompts first, then fresh ones)."""
+        """A new lease for ``node_key`` (re-queued prompts and audit copies of other nodes'
+        prompts first, then fresh ones); ``held_to`` is the node's registered (backend, dtype),
+        which its submission for this lease is verified against."""
         now = self.clock()
         with self.store.transaction():
             self.expire_due()
             n = self.lease_size(tokens_per_s, max_prompts)
-            prompts = self.store.pending_prompts(n)
+            prompts = self.store.pending_prompts(n, node_key)
             if len(prompts) < n:
                 cursor = int(self.store.get_meta(CURSOR) or 0)
                 fresh = n - len(prompts)
@@ -133,6 +136,8 @@ class LeaseManager:
                 issued_at=now,
                 deadline=now + self.deadline_s(len(prompts), tokens_per_s),
                 state="active",
+                backend=held_to[0],
+                dtype=held_to[1],
             )
             self.store.insert_lease(lease)
         log.debug(

@@ -2,22 +2,30 @@
 
 :class:`LogprobVerifier` is what the intake calls; :class:`InProcessLogprobVerifier` re-scores with
 :func:`policy.scoring.audit_samples` on a model held by the coordinator (a cache of the last
-``S + 1`` versions) and compares with a tolerance chosen per ``(backend, dtype)``:
+``S + 1`` versions, cast to the dtype the node registered) and judges with the
+:class:`~coordinator.config.Tolerance` of the node's registered ``(backend, dtype)``:
 
-* ``max_abs``: largest ``|Δ|`` over all tokens (fp32 on CPU is near exact: 1e-3);
-* ``median_rel``: ``median(exp(|Δ|)) − 1`` over all tokens (GRAIL's statistic; bf16 across GPUs:
-  honest deviation ≤ 0.066 in 430k trials, rejected above 0.10).
+* each token's ``Δ`` is the distance of the claimed log-prob from its admissible interval (a point
+  away from the top-k/top-p boundaries, wider where another machine's rounding within the
+  tolerance's ``logit_margin`` may flip a boundary token: :mod:`policy.boundary`);
+* ``max_abs``: largest ``Δ`` (fp32: near exact, 1e-3); ``median_rel``: ``median(exp(Δ)) − 1``
+  (GRAIL's statistic; bf16 across GPUs: honest deviation ≤ 0.066 in 430k trials, rejected above
+  0.10);
+* the tail: the share of tokens with ``Δ > tail_delta`` at most ``tail_fraction`` (the median
+  alone ignores up to half of the tokens, whose log-probs go straight into importance weights).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 import statistics
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from coordinator.config import Tolerance
@@ -42,10 +50,15 @@ class LogprobVerdict:
     detail: str
     #: the reason code of a failed check (``logprob_mismatch`` or ``sampling_mismatch``)
     code: ReasonCode = ReasonCode.LOGPROB_MISMATCH
+    #: every figure the check computed (for the receipt log): statistic -> value
+    figures: dict[str, float] = field(default_factory=dict)
 
 
 class LogprobVerifier(Protocol):
-    """Re-scores completions at ``version`` and says whether the claimed log-probs are honest."""
+    """Re-scores completions at ``version`` and says whether the claimed log-probs are honest.
+
+    ``backend``/``dtype`` are what the node is held to (its registration, recorded in the
+    lease), never a submission's labels; ``seeds`` (one per completion) replay every draw."""
 
     async def check(
         self,
@@ -69,13 +82,35 @@ def tolerance_for(table: Mapping[str, Tolerance], backend: str, dtype: str) -> T
     return Tolerance(metric="max_abs", threshold=1e-3)
 
 
-def deviation(metric: str, claimed: list[list[float]], reference: list[list[float]]) -> float:
-    """Tolerance statistic between claimed and re-scored log-probs (inf on a length mismatch)."""
+def token_deltas(
+    claimed: list[list[float]],
+    lo: list[list[float]],
+    hi: list[list[float]] | None = None,
+) -> list[float]:
+    """``Δ`` per token: distance of each claimed log-prob from ``[lo, hi]`` (``hi`` = ``lo``
+    when omitted); ``inf`` for a token no honest machine keeps or on a length mismatch."""
     deltas: list[float] = []
-    for c, r in zip(claimed, reference, strict=True):
-        if len(c) != len(r):
-            return math.inf
-        deltas += [abs(a - b) if math.isfinite(b) else math.inf for a, b in zip(c, r, strict=True)]
+    highs = hi if hi is not None else lo
+    for c, a, b in zip(claimed, lo, highs, strict=True):
+        if len(c) != len(a) or len(c) != len(b):
+            return [math.inf]
+        for x, low, high in zip(c, a, b, strict=True):
+            if not math.isfinite(low):
+                deltas.append(math.inf)
+            else:
+                deltas.append(max(0.0, low - x, x - high))
+    return deltas
+
+
+def deviation(
+    metric: str,
+    claimed: list[list[float]],
+    reference: list[list[float]],
+    reference_hi: list[list[float]] | None = None,
+) -> float:
+    """Tolerance statistic of the claimed log-probs against the re-scored ones (or their
+    admissible intervals ``[reference, reference_hi]``); inf on a length mismatch."""
+    deltas = token_deltas(claimed, reference, reference_hi)
     if not deltas:
         return 0.0
     if metric == "max_abs":
@@ -83,13 +118,11 @@ def deviation(metric: str, claimed: list[list[float]], reference: list[list[floa
     return statistics.median(math.exp(min(d, 700.0)) for d in deltas) - 1.0
 
 
-#: Probability mass by which a replayed token's CDF interval is widened (float rounding between
-#: the node's forward pass and ours), and the share of replayed tokens allowed to miss, per dtype.
-REPLAY_SLACK: dict[str, tuple[float, float]] = {
-    "float32": (1e-3, 0.0),
-    "bfloat16": (2e-2, 0.02),
-    "float16": (1e-2, 0.02),
-}
+def tail_share(deltas: Sequence[float], tail_delta: float) -> float:
+    """Share of tokens whose ``Δ`` exceeds ``tail_delta`` (0 for no tokens)."""
+    if not deltas:
+        return 0.0
+    return sum(1 for d in deltas if d > tail_delta) / len(deltas)
 
 
 def sampling_z(audits: Sequence[SampleAudit]) -> float:
@@ -106,14 +139,22 @@ def sampling_z(audits: Sequence[SampleAudit]) -> float:
 class InProcessLogprobVerifier:
     """Scores on a CPU/GPU model in this process; models are loaded on demand and cached.
 
-    One forward pass per check gives three tests, cheapest verdict first:
+    ``model_loader(version)`` gives the published weights (fp32); a node registered in another
+    dtype is re-scored on a copy cast to that dtype (hole: a bf16 node compared against fp32
+    would need a looser tolerance than bf16 against bf16). One forward pass per check gives four
+    tests, cheapest verdict first:
 
-    1. claimed vs re-scored log-probs within the ``(backend, dtype)`` tolerance
-       (``logprob_mismatch``: fabricated log-probs, another model or version);
-    2. the sampling statistic :func:`sampling_z` within ``±z_max`` (``sampling_mismatch``: greedy
+    1. claimed vs admissible log-probs within the tolerance's metric (``logprob_mismatch``:
+       fabricated log-probs, another model or version);
+    2. the tail: at most ``tail_fraction`` of the tokens beyond ``tail_delta``
+       (``logprob_mismatch``: a few log-probs forged far off, which a median ignores);
+    3. the sampling statistic :func:`sampling_z` within ``±z_max`` (``sampling_mismatch``: greedy
        or low-temperature decoding, another sampler — the log-probs alone can be honest);
-    3. with ``seeds`` (backends with the reference inverse-CDF sampler), every token is the draw
-       of its seeded uniform (``sampling_mismatch``: re-drawn or cherry-picked samples).
+    4. every token is an admissible draw of its seeded uniform (``sampling_mismatch``: re-drawn or
+       cherry-picked samples). Every backend samples with :func:`policy.draw.draw_tokens`, so
+       every submission is replayed.
+
+    ``compute_s`` / ``checks`` / ``tokens`` add up the re-scoring work (verification compute).
     """
 
     def __init__(
@@ -134,43 +175,61 @@ class InProcessLogprobVerifier:
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.pad_id = pad_id
         self.z_max = z_max
-        self._models: OrderedDict[int, Any] = OrderedDict()
+        self._models: OrderedDict[tuple[int, str], Any] = OrderedDict()
         self._lock = threading.Lock()  # one scoring at a time; torch threads are set by the caller
+        #: seconds spent re-scoring (forward passes and audits), checks run, tokens re-scored
+        self.compute_s = 0.0
+        self.checks = 0
+        self.tokens = 0
 
-    def _model(self, version: int) -> Any:
-        """The model of ``version`` (loaded if not cached); call with ``_lock`` held."""
-        if version in self._models:
-            self._models.move_to_end(version)
-            return self._models[version]
-        return self._cache(version, self.model_loader(version))
+    def _model(self, version: int, dtype: str) -> Any:
+        """The model of ``version`` in ``dtype`` (loaded/cast if not cached); call with
+        ``_lock`` held."""
+        key = (version, dtype)
+        if key in self._models:
+            self._models.move_to_end(key)
+            return self._models[key]
+        base = self._models.get((version, "float32"))
+        if base is None:
+            base = self._cache((version, "float32"), self.model_loader(version))
+        if dtype == "float32":
+            return base
+        import torch
 
-    def _cache(self, version: int, model: Any) -> Any:
-        self._models[version] = model
-        while len(self._models) > self.cache_size:
-            self._models.popitem(last=False)
+        return self._cache(key, copy.deepcopy(base).to(getattr(torch, dtype)))
+
+    def _cache(self, key: tuple[int, str], model: Any) -> Any:
+        self._models[key] = model
+        versions = {v for v, _ in self._models}
+        while len(versions) > self.cache_size:  # drop the least recently used version wholly
+            oldest = next(iter(self._models))[0]
+            for k in [k for k in self._models if k[0] == oldest]:
+                del self._models[k]
+            versions.discard(oldest)
         return model
 
     def preload(self, version: int) -> None:
         """Load the model of ``version`` ahead of its first check (blocking: call it from a worker
         thread). The load runs outside the scoring lock, so checks go on meanwhile."""
-        if version in self._models:
+        if (version, "float32") in self._models:
             return
         model = self.model_loader(version)
         with self._lock:
-            if version not in self._models:
-                self._cache(version, model)
+            if (version, "float32") not in self._models:
+                self._cache((version, "float32"), model)
 
     def cached_versions(self) -> list[int]:
-        return list(self._models)
+        return list(dict.fromkeys(v for v, _ in self._models))
 
     def _audit(
         self,
         version: int,
+        dtype: str,
         prompt_ids: list[list[int]],
         completions: list[list[int]],
         seeds: list[int] | None,
         steps: int | None,
-        slack: float,
+        tol: Tolerance,
     ) -> list[SampleAudit]:
         from policy.draw import sample_uniforms
         from policy.scoring import audit_samples
@@ -180,8 +239,9 @@ class InProcessLogprobVerifier:
             width = max([steps or 0, *map(len, completions)])
             uniforms = [sample_uniforms(seed, width) for seed in seeds]
         with self._lock:
-            model = self._model(version)
-            return audit_samples(
+            model = self._model(version, dtype)  # loading weights is I/O, not re-scoring
+            t0 = time.perf_counter()
+            out = audit_samples(
                 model,
                 prompt_ids,
                 completions,
@@ -189,9 +249,16 @@ class InProcessLogprobVerifier:
                 top_p=self.top_p,
                 top_k=self.top_k,
                 uniforms=uniforms,
-                slack=slack,
+                slack=tol.replay_slack,
+                margin=tol.logit_margin,
                 pad_id=self.pad_id,
             )
+            self.compute_s += time.perf_counter() - t0
+            self.checks += 1
+            self.tokens += sum(
+                len(p) + len(c) for p, c in zip(prompt_ids, completions, strict=True)
+            )
+            return out
 
     async def check(
         self,
@@ -207,41 +274,90 @@ class InProcessLogprobVerifier:
     ) -> LogprobVerdict:
         if seeds is not None and len(seeds) != len(completions):
             raise ValueError(f"{len(seeds)} seeds for {len(completions)} completions")
-        slack, miss_share = REPLAY_SLACK.get(dtype, REPLAY_SLACK["bfloat16"])
-        audits = await asyncio.to_thread(
-            self._audit, version, prompt_ids, completions, seeds, steps, slack
-        )
-        n_tokens = sum(map(len, completions))
-        where = f"{n_tokens} tokens of {len(completions)} samples at version {version}"
         tol = tolerance_for(self.tolerances, backend, dtype)
-        value = deviation(tol.metric, claimed_logprobs, [a.logprobs for a in audits])
-        if value > tol.threshold:
-            return LogprobVerdict(
-                False, tol.metric, value, tol.threshold,
-                f"{tol.metric}={value:.3g} over {where} ({backend}/{dtype} limit "
-                f"{tol.threshold:g})",
-            )  # fmt: skip
-        z = sampling_z(audits)
-        if abs(z) > self.z_max:
-            what = "likelier" if z > 0 else "less likely"
-            return LogprobVerdict(
-                False, "sampling_z", z, self.z_max,
-                f"the tokens are {what} than sampling at temperature {self.temperature:g} gives "
-                f"(z={z:.1f}, limit ±{self.z_max:g}) over {where}: greedy or another sampler",
-                ReasonCode.SAMPLING_MISMATCH,
-            )  # fmt: skip
-        if seeds is not None:
-            misses = sum(a.replay_misses or 0 for a in audits)
-            allowed = math.floor(miss_share * n_tokens)
-            if misses > allowed:
-                return LogprobVerdict(
-                    False, "replay_misses", float(misses), float(allowed),
-                    f"{misses} of {n_tokens} tokens are not the draws of the lease's seeds "
-                    f"(limit {allowed}) at version {version}: samples re-drawn, chosen or "
-                    "decoded another way",
-                    ReasonCode.SAMPLING_MISMATCH,
-                )  # fmt: skip
+        audits = await asyncio.to_thread(
+            self._audit, version, dtype, prompt_ids, completions, seeds, steps, tol
+        )
+        return judge(
+            audits,
+            claimed_logprobs,
+            tol,
+            label=f"{backend}/{dtype}",
+            version=version,
+            z_max=self.z_max,
+            temperature=self.temperature,
+            replayed=seeds is not None,
+        )
+
+
+def judge(
+    audits: Sequence[SampleAudit],
+    claimed: list[list[float]],
+    tol: Tolerance,
+    *,
+    label: str,
+    version: int,
+    z_max: float,
+    temperature: float,
+    replayed: bool,
+) -> LogprobVerdict:
+    """The verdict of one spot check from its audits, cheapest test first (see
+    :class:`InProcessLogprobVerifier`). The detail names figures and limits, never which samples
+    were checked nor what the expected draws were."""
+    n_tokens = sum(len(c) for c in claimed)
+    where = f"{n_tokens} tokens of {len(claimed)} samples at version {version}"
+    lo = [a.lo or a.logprobs for a in audits]
+    hi = [a.hi or a.logprobs for a in audits]
+    deltas = token_deltas(claimed, lo, hi)
+    value = deviation(tol.metric, claimed, lo, hi)
+    figures: dict[str, float] = {
+        "tokens": float(n_tokens),
+        "samples": float(len(claimed)),
+        tol.metric: value,
+        "boundary_tokens": float(sum(a.boundary for a in audits)),
+    }
+    if value > tol.threshold:
         return LogprobVerdict(
-            True, tol.metric, value, tol.threshold,
-            f"{tol.metric}={value:.3g}, z={z:.1f} over {where} ({backend}/{dtype})",
+            False, tol.metric, value, tol.threshold,
+            f"{tol.metric}={value:.3g} over {where} ({label} limit {tol.threshold:g})",
+            figures=figures,
         )  # fmt: skip
+    if tol.tail_delta is not None:
+        tail = tail_share(deltas, tol.tail_delta)
+        figures["tail_share"] = tail
+        if tail > tol.tail_fraction:
+            return LogprobVerdict(
+                False, "tail_share", tail, tol.tail_fraction,
+                f"{tail:.1%} of {where} deviate by more than {tol.tail_delta:g} in log-prob "
+                f"({label} limit {tol.tail_fraction:.1%})",
+                figures=figures,
+            )  # fmt: skip
+    z = sampling_z(audits)
+    figures["sampling_z"] = z
+    if abs(z) > z_max:
+        what = "likelier" if z > 0 else "less likely"
+        return LogprobVerdict(
+            False, "sampling_z", z, z_max,
+            f"the tokens are {what} than sampling at temperature {temperature:g} gives "
+            f"(z={z:.1f}, limit ±{z_max:g}) over {where}: greedy or another sampler",
+            ReasonCode.SAMPLING_MISMATCH,
+            figures=figures,
+        )  # fmt: skip
+    if replayed:
+        misses = sum(a.replay_misses or 0 for a in audits)
+        allowed = math.floor(tol.replay_miss_share * n_tokens)
+        figures["replay_misses"] = float(misses)
+        if misses > allowed:
+            return LogprobVerdict(
+                False, "replay_misses", float(misses), float(allowed),
+                f"{misses} of {n_tokens} tokens are not the draws of the lease's seeds "
+                f"(limit {allowed}) at version {version}: samples re-drawn, chosen or "
+                "decoded another way",
+                ReasonCode.SAMPLING_MISMATCH,
+                figures=figures,
+            )  # fmt: skip
+    return LogprobVerdict(
+        True, tol.metric, value, tol.threshold,
+        f"{tol.metric}={value:.3g}, z={z:.1f} over {where} ({label})",
+        figures=figures,
+    )  # fmt: skip

@@ -16,7 +16,7 @@ whoever renders them must treat them as text (the dashboard sets ``textContent``
 | ``node_software`` | the node's rollout-swarm version string |
 | ``node_versions_held`` | versions it holds in full (DHT holder census), ascending |
 | ``node_strikes`` | strikes ever recorded (failed verification checks that are its fault) |
-| ``node_suspect`` | any strike or ban on record: its work is re-checked in full |
+| ``node_suspect`` | a suspect now: its work is re-checked in full (coordinator/trust.py) |
 | ``node_last_error`` | the latest strike, ``reason: detail``; None = never struck |
 | ``node_last_error_age_s`` | seconds since that strike |
 | ``node_ban_reason`` | why it is banned, while a ban is in force; else None |
@@ -69,9 +69,11 @@ def node_details(
     nodes: Iterable[NodeRecord],
     versions_by_peer: Mapping[str, list[int]],
     now: float,
+    suspects: frozenset[bytes] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """The maps of :data:`NODE_FIELDS` for ``nodes`` (the registered nodes, already read by the
-    caller: the status document reads them once) with two queries for the whole swarm."""
+    caller: the status document reads them once) with two queries for the whole swarm;
+    ``suspects``: the node keys checked in full now (:mod:`coordinator.trust`)."""
     out: dict[str, dict[str, Any]] = {key: {} for key in NODE_FIELDS}
     strikes = store.strike_summaries()
     bans = store.bans()
@@ -90,7 +92,11 @@ def node_details(
         ban = bans.get(node.node_key)
         in_force = ban is not None and ban[1] > now
         out["node_strikes"][fp] = strike[0] if strike else 0
-        out["node_suspect"][fp] = strike is not None or ban is not None
+        out["node_suspect"][fp] = (
+            node.node_key in suspects
+            if suspects is not None
+            else strike is not None or ban is not None
+        )
         out["node_last_error"][fp] = f"{strike[1]}: {strike[2]}" if strike else None
         out["node_last_error_age_s"][fp] = round(now - strike[3], 1) if strike else None
         out["node_ban_reason"][fp] = ban[2] if ban is not None and in_force else None

@@ -27,6 +27,10 @@ class LeaseRecord:
     closed_at: float | None = None
     tokens: int = 0
     samples: int = 0
+    #: what the node was held to when the lease was issued (its registration); "" = unknown
+    #: (a lease from before registrations were recorded: the node's current one applies)
+    backend: str = ""
+    dtype: str = ""
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ NODE_MUTABLE = frozenset(
 )  # fmt: skip
 LEASE_COLS = (
     "lease_id, node_key, epoch, version, prompts, group_size, max_new_tokens, issued_at, deadline,"
-    " state, closed_at, tokens, samples"
+    " state, closed_at, tokens, samples, backend, dtype"
 )
 ROLLOUT_COLS = (
     "lease_id, prompt_index, sample_index, node_key, version, prompt_id, prompt_tokens,"
@@ -110,7 +114,7 @@ def node_from_row(r: tuple[Any, ...]) -> NodeRecord:
 def lease_from_row(r: tuple[Any, ...]) -> LeaseRecord:
     return LeaseRecord(
         r[0], bytes(r[1]), int(r[2]), int(r[3]), tuple(json.loads(r[4])), int(r[5]), int(r[6]),
-        float(r[7]), float(r[8]), r[9], r[10], int(r[11]), int(r[12]),
+        float(r[7]), float(r[8]), r[9], r[10], int(r[11]), int(r[12]), str(r[13]), str(r[14]),
     )  # fmt: skip
 
 

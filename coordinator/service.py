@@ -38,7 +38,7 @@ from coordinator.errors import Rejection
 from coordinator.history import StatusHistory
 from coordinator.http import StatusHttpServer
 from coordinator.logprobs import InProcessLogprobVerifier, VerifierUnavailable
-from coordinator.status import TrainerGauges, build_status, wire_status
+from coordinator.status import TrainerGauges, build_status, count_of, wire_status
 from coordinator.store import Store
 from coordinator.tasks import make_task
 from policy.preflight import PolicySetup
@@ -189,6 +189,7 @@ class CoordinatorService:
             verifier=verifier,
             publisher_key=self.identity.public_key,
             servable=self._holds,
+            signer=self.identity,
         )
         await self.peer.start()
         rate = cfg.network.upload_rate_mb_s
@@ -360,9 +361,14 @@ class CoordinatorService:
 
     async def _on_submit(self, caller: str, request: bytes) -> bytes:
         assert self.core is not None
+        env = decode(request, SignedEnvelope)
         try:
-            node_key, msg = self._open(request, RolloutSubmission)
+            node_key, msg = self.core.open(env, RolloutSubmission)
         except ProtocolError as exc:  # refused before the intake: still an intake rejection
+            if exc.code is ReasonCode.REPLAYED:  # the same signed bytes again: same verdict
+                stored = self.core.replayed_submission(env)
+                if stored is not None:
+                    return encode(stored)
             self.core.metrics.rejected.labels(reason=ReasonCode(exc.code).value).inc()
             raise
         pending = self._version_tasks.get(msg.policy_version)
@@ -507,8 +513,13 @@ class CoordinatorService:
             self.trainer_stats = dict(msg.trainer_stats)
             self.history.record_trainer(self.trainer_stats)
             step_time = self.trainer_stats.get("step_time_s")
+            step_s = 0.0
             if isinstance(step_time, int | float) and step_time > 0:  # measured T_train
-                self.core.t_train_s = float(step_time)
+                step_s = float(step_time)
+                self.core.t_train_s = step_s
+            step, cursor = self.trainer_stats.get("step"), self.trainer_stats.get("rollout_cursor")
+            if count_of(step) > 0:  # receipts: which learner step consumed which rollouts
+                self.core.learner_report(count_of(step), count_of(cursor), step_s)
             self._export_trainer_gauges()
         deadline = time.monotonic() + min(msg.wait_s, FETCH_WAIT_CAP_S)
         while True:

@@ -18,8 +18,11 @@ from prometheus_client import CollectorRegistry, Gauge
 from coordinator.core import Coordinator
 from coordinator.dissemination import HolderCensus
 from coordinator.node_view import node_details
+from coordinator.trust import TrustState
 from protocol.limits import MAX_NAME_LEN, MAX_STATUS_KEYS
 from swarm.broadcast import BroadcastNode
+
+NEW = TrustState(0, False, None, None)
 
 
 def build_status(
@@ -55,6 +58,16 @@ def build_status(
         else:
             states[n.fingerprint] = "active" if core.is_active(n.node_key) else "standby"
         last_seen[n.fingerprint] = round(now - n.last_seen, 1)
+    trust = core.trust.all_states()
+    check_rate: dict[str, float] = {}
+    trust_level: dict[str, str] = {}
+    clean: dict[str, int] = {}
+    for n in nodes:
+        t = trust.get(n.node_key, NEW)  # no row yet: never checked, never struck
+        check_rate[n.fingerprint] = round(core.trust.rate_of(t), 4)
+        trust_level[n.fingerprint] = core.trust.level_of(t)
+        clean[n.fingerprint] = t.clean_checks
+    flagged = [n.fingerprint for n in nodes if trust.get(n.node_key, NEW).flagged_at]
     rejected = _counter_by_label(core.metrics.rejected, "reason")
     plan = core.plan
     snap.update(
@@ -66,6 +79,10 @@ def build_status(
             "node_last_seen_s": last_seen,
             "node_tokens_per_s": tokens_per_s,
             "node_leases_completed": leases_done,
+            "node_check_rate": check_rate,
+            "node_trust": trust_level,
+            "node_clean_checks": clean,
+            "nodes_flagged": flagged,
             # what a node said when it last gave a lease back (cleared by its next accepted work)
             "node_problems": {
                 n.fingerprint: core.node_problems[n.node_key]
@@ -73,7 +90,8 @@ def build_status(
                 if n.node_key in core.node_problems
             },
             "rejected_by_reason": rejected,
-            "queue_depth": core.store.rollout_count() - _count(trainer_stats.get("rollout_cursor")),
+            "queue_depth": core.store.rollout_count()
+            - count_of(trainer_stats.get("rollout_cursor")),
             "plan_available_rollouts_per_s": plan.available if plan else None,
             "plan_meets_rule": plan.meets_rule if plan else None,
             "versions_held": [
@@ -83,7 +101,12 @@ def build_status(
             else [],
         }
     )
-    snap.update(node_details(core.store, nodes, census.by_peer if census else {}, now))
+    suspects = frozenset(
+        k for k, t in trust.items() if t.suspect and core.config.intake.suspect_full_check
+    )
+    snap.update(
+        node_details(core.store, nodes, census.by_peer if census else {}, now, suspects=suspects)
+    )
     snap["version_holders"] = {str(v): n for v, n in census.counts.items()} if census else {}
     snap["version_holders_age_s"] = (
         round(now - census.taken_at, 1) if census and census.taken_at else None
@@ -148,7 +171,7 @@ def wire_status(status: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _count(value: Any) -> int:
+def count_of(value: Any) -> int:
     """A count from the trainer's report; 0 unless it is a finite number."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return 0

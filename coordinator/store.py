@@ -78,7 +78,18 @@ CREATE TABLE IF NOT EXISTS bans (
     reason TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS versions (
     version INTEGER PRIMARY KEY, manifest BLOB NOT NULL, created_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS audits (
+    prompt_index INTEGER PRIMARY KEY, original INTEGER NOT NULL, source_lease TEXT NOT NULL,
+    source_node BLOB NOT NULL, version INTEGER NOT NULL, mean REAL NOT NULL,
+    created_at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS audits_by_node ON audits (source_node);
 """
+
+#: Columns added after the first release: (table, column, declaration) for older databases.
+MIGRATIONS = (
+    ("leases", "backend", "TEXT NOT NULL DEFAULT ''"),
+    ("leases", "dtype", "TEXT NOT NULL DEFAULT ''"),
+)
 
 
 class Store:
@@ -98,6 +109,10 @@ class Store:
             self._conn.execute("PRAGMA synchronous=FULL")
             self._conn.execute("PRAGMA foreign_keys=ON")
             self._conn.executescript(SCHEMA)
+            for table, column, decl in MIGRATIONS:
+                have = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
+                if column not in have:
+                    self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
     def close(self) -> None:
         with self._guard("close"):
@@ -146,6 +161,21 @@ class Store:
                     with self._guard("rollback"):
                         self._conn.execute("ROLLBACK")
                 raise
+
+    # --- generic access for the modules that own their own tables (trust, audits, receipts) ----
+    def ensure_schema(self, script: str) -> None:
+        """Create a module's tables and indices if missing (``CREATE ... IF NOT EXISTS``)."""
+        with self._lock, self._guard("schema"):
+            self._conn.executescript(script)
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> int:
+        """Run one write statement (inside the caller's transaction if any); rows changed."""
+        with self.transaction():
+            return int(self._exec(sql, args).rowcount)
+
+    def query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """Rows of one read statement."""
+        return self._all(sql, args)
 
     def _exec(self, sql: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
         with self._lock, self._guard(sql.split(None, 1)[0].lower()):
@@ -256,12 +286,12 @@ class Store:
     def insert_lease(self, lease: LeaseRecord) -> None:
         with self.transaction():
             self._exec(
-                f"INSERT INTO leases ({LEASE_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO leases ({LEASE_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     lease.lease_id, lease.node_key, lease.epoch, lease.version,
                     json.dumps(list(lease.prompts)), lease.group_size, lease.max_new_tokens,
                     lease.issued_at, lease.deadline, lease.state, lease.closed_at, lease.tokens,
-                    lease.samples,
+                    lease.samples, lease.backend, lease.dtype,
                 ),
             )  # fmt: skip
             self._many(
@@ -329,11 +359,15 @@ class Store:
                 [(i,) for i in indices],
             )
 
-    def pending_prompts(self, limit: int) -> list[int]:
+    def pending_prompts(self, limit: int, for_node: bytes | None = None) -> list[int]:
+        """Lowest pending prompt indices (audit copies, whose indices are negative, first);
+        ``for_node`` never gets an audit copy of its own work."""
         sql = (
-            "SELECT prompt_index FROM prompts WHERE state = 'pending' ORDER BY prompt_index LIMIT ?"
+            "SELECT prompt_index FROM prompts WHERE state = 'pending' AND prompt_index NOT IN"
+            " (SELECT prompt_index FROM audits WHERE source_node = ?)"
+            " ORDER BY prompt_index LIMIT ?"
         )
-        return [int(r[0]) for r in self._all(sql, (limit,))]
+        return [int(r[0]) for r in self._all(sql, (for_node or b"", limit))]
 
     def mark_prompts_done(self, indices: Sequence[int], lease_id: str) -> None:
         with self.transaction():
@@ -368,6 +402,10 @@ class Store:
         """Accepted samples with ``seq > after_seq`` in arrival order (at most ``limit``)."""
         sql = f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE seq > ? ORDER BY seq LIMIT ?"
         return [rollout_from_row(r) for r in self._all(sql, (after_seq, limit))]
+
+    def max_rollout_seq(self) -> int:
+        """Highest ``seq`` stored (0 when there is none)."""
+        return int(self._all("SELECT COALESCE(MAX(seq), 0) FROM rollouts")[0][0])
 
     def rollout_count(self) -> int:
         return int(self._all("SELECT COUNT(*) FROM rollouts")[0][0])

@@ -10,7 +10,13 @@
 3. verify again here, independently of the download path: the manifest envelope against the
    *pinned* coordinator key, its layout and expiry, and every chunk hash of the returned files;
 4. convert with :func:`swarm.checkpoint_io.files_to_state_dict` (safetensors only, never pickle)
-   and call ``backend.load_state_dict``; only then record ``v`` as accepted.
+   and call ``backend.load_state_dict`` with ``changed``: the tensors whose signed digests differ
+   from the loaded version's (None = all; :meth:`CheckpointManager.changed_tensors`), so a
+   backend can update only those; only then record ``v`` as accepted.
+
+Step 2 fetches a delta version as its delta when this node holds the base (the version it runs,
+usually), else the full checkpoint; either way what comes back was verified bit for bit against
+the signed manifest (:mod:`swarm.deltasync`).
 
 The chunk store keeps the newest ``keep_versions`` (``S + 1``) versions. The pinned key is given
 as a fingerprint; the raw public key is taken from the first manifest (on disk or from a seed)
@@ -39,9 +45,10 @@ from typing import Any
 from protocol.codec import decode, encode
 from protocol.errors import ProtocolError, ReasonCode
 from protocol.identity import fingerprint_of, short_fingerprint
-from protocol.manifest import verify_chunk, verify_manifest
+from protocol.manifest import part_indices, part_size, verify_chunk, verify_manifest
 from protocol.messages import Manifest, ManifestRequest, ManifestResponse
 from swarm.broadcast import MANIFEST_RPC, BroadcastNode
+from swarm.deltasync import Files
 from swarm.errors import BroadcastError, TransportError
 
 __all__ = [
@@ -171,15 +178,21 @@ class CheckpointManager:
             from swarm.checkpoint_io import files_to_state_dict
 
             state_dict = await asyncio.to_thread(files_to_state_dict, files)
-            await asyncio.to_thread(self.backend.load_state_dict, version, state_dict)
+            changed = self.changed_tensors(version)
+            await asyncio.to_thread(
+                self.backend.load_state_dict, version, state_dict, changed=changed
+            )
             self.accepted.set(version)
             self.loads += 1
             self.last_load_s = time.monotonic() - t0
+            fetched = self.broadcast.sync.last
             log.info(
-                "loaded policy v%d (%d bytes, %d chunks) in %.2f s",
+                "loaded policy v%d (%d bytes; %s, %d bytes fetched; %s tensors changed) in %.2f s",
                 version,
-                manifest.total_size,
-                len(manifest.chunks),
+                part_size(manifest, "full"),
+                fetched.path if fetched is not None else "?",
+                fetched.fetched_bytes if fetched is not None else 0,
+                "all" if changed is None else len(changed),
                 self.last_load_s,
             )
 
@@ -194,6 +207,22 @@ class CheckpointManager:
                 return
             key = await self._pinned_key(version)
             self._verify(version, key, await self._download(version))
+
+    def changed_tensors(self, version: int) -> frozenset[str] | None:
+        """Names of the tensors of ``version`` whose signed digests differ from those of the
+        loaded version (both manifests held here); None when that cannot be told (nothing
+        loaded, a manifest without a tensor list, or tensors gone or renamed)."""
+        loaded = self.loaded_version
+        store = self.broadcast.store
+        old = None if loaded is None else store.manifest(loaded)
+        new = store.manifest(version)
+        if old is None or new is None or old[1].tensors is None or new[1].tensors is None:
+            return None
+        before = {t.name: t for t in old[1].tensors}
+        after = {t.name: t for t in new[1].tensors}
+        if before.keys() != after.keys():
+            return None
+        return frozenset(n for n, t in after.items() if t != before[n])
 
     # -- steps ---------------------------------------------------------------------------------
     async def _pinned_key(self, version: int) -> bytes:
@@ -233,10 +262,10 @@ class CheckpointManager:
         self.broadcast.downloader.pinned_key = key  # the downloader verifies with it from now on
         return key
 
-    async def _download(self, version: int) -> dict[str, bytes]:
+    async def _download(self, version: int) -> Files:
         seeds = list(self.seeds())
         progress = _Progress(version) if self.progress else None
-        files: dict[str, bytes] | None = None
+        files: Files | None = None
         try:
             async with asyncio.timeout(self.download_timeout_s):
                 files = await self.broadcast.download(
@@ -261,7 +290,7 @@ class CheckpointManager:
             if progress is not None:
                 progress.close(complete=files is not None)
 
-    def _verify(self, version: int, key: bytes, files: dict[str, bytes]) -> Manifest:
+    def _verify(self, version: int, key: bytes, files: Files) -> Manifest:
         """Check the manifest signature (pinned key) and every chunk of ``files``."""
         entry = self.broadcast.store.manifest(version)
         if entry is None:
@@ -273,17 +302,18 @@ class CheckpointManager:
                     ReasonCode.MANIFEST_INVALID,
                     f"asked for v{version}, manifest says v{manifest.version}",
                 )
-            names = {c.file for c in manifest.chunks}
+            full = [manifest.chunks[i] for i in part_indices(manifest, "full")]
+            names = {c.file for c in full}
             if set(files) != names:
                 raise CheckpointRefused(
                     ReasonCode.MANIFEST_INVALID,
                     f"v{version}: files {sorted(files)} differ from the manifest's {sorted(names)}",
                 )
-            for c in manifest.chunks:
-                data = files[c.file]
+            for c in full:
+                data = memoryview(files[c.file])
                 verify_chunk(manifest, c.index, data[c.offset : c.offset + c.size])
             for name in names:
-                end = max(c.offset + c.size for c in manifest.chunks if c.file == name)
+                end = max(c.offset + c.size for c in full if c.file == name)
                 if len(files[name]) != end:
                     raise CheckpointRefused(
                         ReasonCode.MANIFEST_INVALID, f"v{version}: {name} has trailing bytes"

@@ -267,6 +267,14 @@ def _build_backend(
         raise _Fail(str(exc), EXIT_BAD_INPUT) from exc
     except (ValueError, FileNotFoundError, OSError) as exc:
         raise _Fail(f"cannot build the {cfg.backend} backend: {exc}", EXIT_BAD_INPUT) from exc
+    if backend.sampling_rule is None:
+        backend.close()
+        raise _Fail(
+            f"the {backend.name} backend does not draw with the swarm's sampling rule "
+            "(policy.draw.draw_tokens at the seeded uniforms); the coordinator replays every "
+            "draw and would refuse its samples: use --backend hf",
+            EXIT_BAD_INPUT,
+        )
     try:
         capability = probe(
             backend,

@@ -12,13 +12,17 @@ Modules:
 * :mod:`policy.model`    -- :class:`~policy.model.ModelSpec`, the tokenizers (embedded character
                             tokenizer, local Hugging Face), model building and weight loading
 * :mod:`policy.draw`     -- the processed distribution (temperature → top-k → top-p), the seeded
-                            uniforms and the inverse-CDF draw
+                            uniforms (SplitMix64) and the inverse-CDF draw: the sampling rule of
+                            every backend
 * :mod:`policy.scoring`  -- batched re-scoring of completions and sampling audits
+* :mod:`policy.boundary` -- top-k/top-p boundary tokens: the kept sets another machine's rounding
+                            may give, admissible log-prob intervals and replayed draws
 * :mod:`policy.prompts`  -- question text -> prompt tokens (chat template or plain)
 * :mod:`policy.preflight`-- impossible set-ups refused at start (positions, EOS, vocabulary)
 * :mod:`policy.importer` -- ``swarm model import``: GGUF / HF directory -> local safetensors
                             directory, named models (``smollm2``), fingerprints
-* :mod:`policy.testing`  -- a tiny Llama with a real BPE tokenizer, chat template and two EOS ids
+* :mod:`policy.testing`  -- test helpers: a tiny Llama with a real BPE tokenizer, chat template and
+                            two EOS ids; a model and its twin with another CPU's rounding
 
 Nothing is imported here, so importing the package stays cheap.
 """

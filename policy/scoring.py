@@ -4,7 +4,9 @@
 distribution the node sampled from), so the coordinator's spot check and the trainer compare like
 with like. :func:`audit_samples` re-scores and also measures how completions were sampled (the
 expected log-likelihood under honest sampling, and the seeded inverse-CDF replay of
-:mod:`policy.draw`).
+:mod:`policy.draw`), treating top-k / top-p boundary tokens within a logit margin as admissible
+(:mod:`policy.boundary`): each token gets an admissible log-prob *interval*, a single value away
+from the boundaries.
 
 Batching: sequences ``prompt + completion`` are left-padded, ``position_ids = cumsum(mask) - 1``
 (pads at 0), one forward per micro-batch, fp32 log-softmax of the raw logits.
@@ -13,11 +15,12 @@ Batching: sequences ``prompt + completion`` are left-padded, ``position_ids = cu
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from policy.boundary import kept_bounds, logprob_interval, replay_admissible
 from policy.draw import processed_logprobs
 
 if TYPE_CHECKING:
@@ -53,7 +56,9 @@ def left_pad(
 class SampleAudit:
     """What re-scoring one completion tells about it (see :func:`audit_samples`)."""
 
-    #: log p of each completion token under the sampling distribution
+    #: log p of each completion token under the sampling distribution (this machine's value; for
+    #: a boundary token this machine drops but another machine may keep, its log-prob had this
+    #: machine kept it as well; -inf only for a token no honest machine keeps)
     logprobs: list[float]
     #: Σ_t H_t: the expected Σ_t log p(token) under honest sampling is ``-entropy``
     entropy: float
@@ -61,6 +66,13 @@ class SampleAudit:
     variance: float
     #: tokens that are not the inverse-CDF draw at the sample's uniform (None: not replayed)
     replay_misses: int | None
+    #: admissible log-prob interval of each token over the kept sets another machine's rounding
+    #: (within the logit margin) may give; ``lo == hi == logprobs`` away from top-k/top-p
+    #: boundaries, ``-inf`` for a token no honest machine keeps. Empty: same as ``logprobs``.
+    lo: list[float] = field(default_factory=list)
+    hi: list[float] = field(default_factory=list)
+    #: tokens whose admissible interval has width (boundary positions)
+    boundary: int = 0
 
 
 def _windows(
@@ -72,9 +84,12 @@ def _windows(
     top_k: int,
     batch_size: int,
     pad_id: int,
+    *,
+    raw: bool = False,
 ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor, int]]:
     """Per micro-batch: ``(rows, logp [B, T, V], targets [B, T], T)`` where row ``k``'s
-    completion is right-aligned in the ``T = longest`` window (one forward per micro-batch)."""
+    completion is right-aligned in the ``T = longest`` window (one forward per micro-batch);
+    ``raw``: the raw logits instead of the processed log-probs."""
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
     if any(not p for p in prompt_ids):
@@ -92,6 +107,9 @@ def _windows(
             # logits at t predict token t+1: the last `longest` tokens are predicted by the
             # window [width-longest-1, width-1); each completion is right-aligned in it.
             window = logits[:, width - longest - 1 : width - 1, :]
+            if raw:
+                yield rows, window.float(), ids[:, width - longest :], longest
+                continue
             logp = processed_logprobs(window, temperature, top_p, top_k)
             yield rows, logp, ids[:, width - longest :], longest
 
@@ -133,43 +151,65 @@ def audit_samples(
     top_k: int = 0,
     uniforms: list[torch.Tensor] | None = None,
     slack: float = 1e-3,
+    margin: float = 0.0,
     batch_size: int = 32,
     pad_id: int = 0,
 ) -> list[SampleAudit]:
     """Re-score completions (as :func:`score_logprobs`) and measure how they were sampled.
 
+    * ``lo``/``hi``: each token's admissible log-prob interval when the node's raw logits may
+      differ from these by ``margin`` (:func:`policy.boundary.logprob_interval`): a point away
+      from the top-k/top-p boundaries, wider where rounding may flip a boundary token.
     * ``entropy``/``variance``: the mean and variance of Σ_t log p(token) under honest sampling
       from the same distribution; a greedy or low-temperature sampler lands far above the mean.
     * with ``uniforms`` (one tensor per completion, at least as long as it): token ``t`` must be
-      the inverse-CDF draw at ``u[t]``, i.e. ``cdf[k-1] <= u·total < cdf[k]``, each bound widened
-      by ``slack`` probability mass for float rounding between the node's and this forward pass.
+      the inverse-CDF draw at ``u[t]`` for some admissible kept set, i.e.
+      ``cdf[k-1] <= u·total < cdf[k]``, each bound widened by ``slack`` probability mass for
+      float rounding between the node's and this forward pass
+      (:func:`policy.boundary.replay_admissible`).
     """
     out: list[SampleAudit | None] = [None] * len(prompt_ids)
-    for rows, logp, targets, longest in _windows(
-        model, prompt_ids, completion_ids, temperature, top_p, top_k, batch_size, pad_id
+    device = next(model.parameters()).device
+    for rows, logits, targets, longest in _windows(
+        model, prompt_ids, completion_ids, 1.0, 1.0, 0, batch_size, pad_id, raw=True
     ):
+        logp = processed_logprobs(logits, temperature, top_p, top_k)
         probs = logp.exp()
         finite = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
         ent = -(probs * finite).sum(-1)  # [B, T]
         second = (probs * finite * finite).sum(-1)
         var = (second - ent * ent).clamp_min(0.0)
         picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        cdf = probs.cumsum(-1)
-        hi = cdf.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        lo = hi - probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        total = cdf[..., -1]
+        bounds = kept_bounds(logits, temperature, top_p, top_k, margin)
+        lo, hi = logprob_interval(bounds, targets)
+        # a boundary token this machine drops but another may keep: its log-prob had this
+        # machine kept it too (this machine's set plus the token), not -inf, which would wreck
+        # the sampling statistic of an honest sample
+        x_t = bounds.x.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        kept = torch.where(torch.isfinite(logp), bounds.x, torch.full_like(bounds.x, -torch.inf))
+        with_t = torch.logaddexp(torch.logsumexp(kept, -1), x_t)
+        picked = torch.where(
+            torch.isfinite(picked), picked, torch.where(torch.isfinite(lo), x_t - with_t, lo)
+        )
+        ok_all: torch.Tensor | None = None
+        if uniforms is not None:
+            u = torch.zeros(targets.shape, dtype=torch.float32)
+            for k, i in enumerate(rows):
+                n = len(completion_ids[i])
+                u[k, longest - n :] = uniforms[i][:n]
+            ok_all = replay_admissible(bounds, targets, u.to(device), slack)
         for k, i in enumerate(rows):
             n = len(completion_ids[i])
             sl = slice(longest - n, longest)
-            misses: int | None = None
-            if uniforms is not None:
-                v = uniforms[i][:n].to(total.device) * total[k, sl]
-                ok = (v >= lo[k, sl] - slack) & (v < hi[k, sl] + slack)
-                misses = int((~ok).sum())
+            misses = None if ok_all is None else int((~ok_all[k, sl]).sum())
+            lo_k, hi_k = lo[k, sl], hi[k, sl]
             out[i] = SampleAudit(
                 logprobs=picked[k, sl].cpu().tolist(),
                 entropy=float(ent[k, sl].sum()),
                 variance=float(var[k, sl].sum()),
                 replay_misses=misses,
+                lo=lo_k.cpu().tolist(),
+                hi=hi_k.cpu().tolist(),
+                boundary=int((hi_k > lo_k).sum()),
             )
     return [a or SampleAudit([], 0.0, 0.0, 0 if uniforms is not None else None) for a in out]

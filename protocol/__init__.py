@@ -1,7 +1,8 @@
 """rollout-swarm wire protocol: everything that crosses the wire between peers.
 
-No torch, vLLM or hivemind imports here (numpy, msgspec, cryptography and blake3 only), so a node's
-config and messages load without the ML stack. docs/protocol.md is the normative specification.
+No torch, vLLM or hivemind imports here (numpy, msgspec, cryptography, blake3 and zstandard
+only), so a node's config and messages load without the ML stack. docs/protocol.md is the
+normative specification.
 
 Modules:
 
@@ -14,6 +15,8 @@ Modules:
 * :mod:`protocol.identity` -- Ed25519 identities, key files (0600), fingerprints
 * :mod:`protocol.envelope` -- signed envelopes, canonical signed bytes, :class:`ReplayGuard`
 * :mod:`protocol.manifest` -- checkpoint manifests: chunking, hashing, signing, reassembly
+* :mod:`protocol.delta`    -- delta versions (RSDELTA1): tensor digests, encode, verified apply
+* :mod:`protocol.safetensors_layout` -- where each tensor lies in safetensors bytes
 """
 
 from protocol.errors import ProtocolError, ReasonCode

@@ -14,7 +14,9 @@ Hierarchy::
     │   │                             msgspec turns it into a validation error during decode
     │   ├── AuthError                 bad_signature, replayed, clock_skew
     │   ├── ManifestError             manifest_invalid
-    │   │   └── ChunkHashMismatch     chunk_hash_mismatch; .index and .file name the chunk
+    │   │   ├── ChunkHashMismatch     chunk_hash_mismatch; .index and .file name the chunk
+    │   │   └── DeltaError            delta_invalid, delta_mismatch, delta_base_missing,
+    │   │                             delta_chain_gap: a delta version cannot be applied here
     │   └── TransportError            timeout, closed
     └── KeyFileError                  a local key file is unreadable, malformed or too permissive
                                       (a local configuration problem, not a peer's fault)
@@ -63,11 +65,16 @@ class ReasonCode(StrEnum):
     LOGPROB_MISMATCH = "logprob_mismatch"
     SAMPLING_MISMATCH = "sampling_mismatch"
     REWARD_MISMATCH = "reward_mismatch"
+    REGISTRATION_MISMATCH = "registration_mismatch"
     DUPLICATE = "duplicate"
     # checkpoints
     CHUNK_HASH_MISMATCH = "chunk_hash_mismatch"
     MANIFEST_INVALID = "manifest_invalid"
     VERSION_NOT_NEWER = "version_not_newer"
+    DELTA_INVALID = "delta_invalid"
+    DELTA_MISMATCH = "delta_mismatch"
+    DELTA_BASE_MISSING = "delta_base_missing"
+    DELTA_CHAIN_GAP = "delta_chain_gap"
     # transport and catch-all
     TIMEOUT = "timeout"
     CLOSED = "closed"
@@ -120,6 +127,12 @@ class ChunkHashMismatch(ManifestError):
         return (type(self), (self.index, self.file, self.detail))
 
 
+class DeltaError(ManifestError):
+    """A delta version cannot be turned into verified full weights here (its bytes are
+    malformed, its reconstruction does not hash to the signed digests, or its base is not
+    available); the caller falls back to the full checkpoint."""
+
+
 class TransportError(ProtocolError):
     """A frame could not be read or written in time or the stream closed."""
 
@@ -139,6 +152,12 @@ _DECODE = {
     ReasonCode.UNSUPPORTED_VERSION,
 }
 _AUTH = {ReasonCode.BAD_SIGNATURE, ReasonCode.REPLAYED, ReasonCode.CLOCK_SKEW}
+_DELTA = {
+    ReasonCode.DELTA_INVALID,
+    ReasonCode.DELTA_MISMATCH,
+    ReasonCode.DELTA_BASE_MISSING,
+    ReasonCode.DELTA_CHAIN_GAP,
+}
 _TRANSPORT = {ReasonCode.TIMEOUT, ReasonCode.CLOSED}
 
 
@@ -151,6 +170,8 @@ def error_for(code: ReasonCode | str, detail: str) -> ProtocolError:
         return AuthError(rc, detail)
     if rc is ReasonCode.MANIFEST_INVALID:
         return ManifestError(rc, detail)
+    if rc in _DELTA:
+        return DeltaError(rc, detail)
     if rc in _TRANSPORT:
         return TransportError(rc, detail)
     return ProtocolError(rc, detail)

@@ -12,11 +12,17 @@ ordered chunk list::
 The manifest is signed by the coordinator key as a :class:`~protocol.messages.SignedEnvelope`;
 nodes verify it against the *pinned* coordinator key, then verify each chunk independently as it
 arrives (so a node can relay chunk k while fetching k+1).
+
+A version has two *parts* in one chunk list: the **full** checkpoint (safetensors files) and,
+for a delta version (``Manifest.delta``), the **delta** files that turn the base version's full
+checkpoint into this one (:mod:`protocol.delta`). A receiver fetches one part or the other
+(:func:`part_indices`); the full part always exists, so any version can be fetched whole.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -30,15 +36,26 @@ from protocol.envelope import seal, verify_envelope
 from protocol.errors import ChunkHashMismatch, ManifestError, ReasonCode
 from protocol.identity import Identity
 from protocol.limits import DEFAULT_CHUNK_SIZE, DEFAULT_LIMITS, Limits
-from protocol.messages import PROTOCOL_VERSION, ChunkInfo, Manifest, SignedEnvelope
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    ChunkInfo,
+    DeltaInfo,
+    Manifest,
+    SignedEnvelope,
+    TensorInfo,
+)
 
 __all__ = [
     "ROOT_DOMAIN",
     "HashAlgorithm",
+    "Part",
     "build_manifest",
     "build_manifest_from_dir",
     "check_manifest",
     "chunk_digest",
+    "delta_files",
+    "part_indices",
+    "part_size",
     "reassemble",
     "root_hash",
     "sign_manifest",
@@ -47,18 +64,20 @@ __all__ = [
 ]
 
 HashAlgorithm = Literal["sha256", "blake3"]
+Part = Literal["full", "delta"]
 ROOT_DOMAIN = b"rollout-swarm/manifest-root/v1\x00"
-_HASHERS: dict[str, Callable[[bytes], bytes]] = {
+Buffer = bytes | bytearray | memoryview
+_HASHERS: dict[str, Callable[[Buffer], bytes]] = {
     "sha256": lambda b: hashlib.sha256(b).digest(),
     "blake3": lambda b: blake3.blake3(b).digest(),
 }
 _ENTRY = struct.Struct(">QQ")
 
 
-def chunk_digest(algorithm: str, data: bytes | memoryview) -> bytes:
+def chunk_digest(algorithm: str, data: Buffer) -> bytes:
     """32-byte digest of ``data`` with ``algorithm`` ("sha256" or "blake3")."""
     try:
-        return _HASHERS[algorithm](bytes(data) if isinstance(data, memoryview) else data)
+        return _HASHERS[algorithm](data)
     except KeyError:
         raise ValueError(f"unknown hash algorithm {algorithm!r}; use sha256 or blake3") from None
 
@@ -85,8 +104,13 @@ def build_manifest(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     hash: HashAlgorithm = "sha256",
     limits: Limits = DEFAULT_LIMITS,
+    tensors: list[TensorInfo] | None = None,
+    delta: DeltaInfo | None = None,
 ) -> tuple[Manifest, list[bytes]]:
-    """Split ``files`` (name -> bytes) into chunks; return the unsigned manifest and the chunks."""
+    """Split ``files`` (name -> bytes) into chunks; return the unsigned manifest and the chunks.
+
+    ``files`` holds the full checkpoint and, with ``delta``, the delta files it names;
+    ``tensors`` is the full checkpoint's tensor list (:func:`protocol.delta.tensor_infos`)."""
     if not files:
         raise ValueError("a checkpoint needs at least one file")
     if not 0 < chunk_size <= limits.chunk_size:
@@ -121,6 +145,8 @@ def build_manifest(
         root_hash=root_hash(hash, infos),
         created_at=created_at,
         expires_at=expires_at,
+        tensors=tensors,
+        delta=delta,
     )
     check_manifest(manifest, now=created_at, limits=limits)
     return manifest, chunks
@@ -218,9 +244,51 @@ def check_manifest(manifest: Manifest, *, now: float, limits: Limits = DEFAULT_L
         raise bad(f"total_size {manifest.total_size} but chunks add up to {total}")
     if root_hash(manifest.hash_algorithm, manifest.chunks) != manifest.root_hash:
         raise bad("root hash does not match the chunk list")
+    _check_parts(manifest, bad)
 
 
-def verify_chunk(manifest: Manifest, index: int, data: bytes) -> None:
+def _check_parts(manifest: Manifest, bad: Callable[[str], ManifestError]) -> None:
+    """The tensor list and the delta part (docs/protocol.md §8.4-§8.5)."""
+    tensors = manifest.tensors
+    if tensors is not None:
+        for a, b in itertools.pairwise(tensors):
+            if a.name >= b.name:
+                raise bad(f"tensors not strictly ascending by name at {b.name!r}")
+    delta = manifest.delta
+    if delta is None:
+        return
+    if tensors is None:
+        raise bad("a delta version must list its tensors")
+    if delta.base_version >= manifest.version:
+        raise bad(f"delta base v{delta.base_version} is not older")
+    for earlier, later in itertools.pairwise(delta.files):
+        if earlier >= later:
+            raise bad(f"delta files not strictly ascending at {later!r}")
+    files = {c.file for c in manifest.chunks}
+    if missing := [f for f in delta.files if f not in files]:
+        raise bad(f"delta file {missing[0]!r} has no chunks")
+    if files <= set(delta.files):
+        raise bad("no full checkpoint files besides the delta")
+
+
+def delta_files(manifest: Manifest) -> frozenset[str]:
+    """Names of the delta files of ``manifest`` (empty for a keyframe)."""
+    return frozenset(manifest.delta.files) if manifest.delta is not None else frozenset()
+
+
+def part_indices(manifest: Manifest, part: Part) -> list[int]:
+    """Chunk indices of the ``"full"`` checkpoint or of the ``"delta"`` (empty for a keyframe)."""
+    names = delta_files(manifest)
+    want_delta = part == "delta"
+    return [c.index for c in manifest.chunks if (c.file in names) == want_delta]
+
+
+def part_size(manifest: Manifest, part: Part) -> int:
+    """Bytes of one part of ``manifest``."""
+    return sum(manifest.chunks[i].size for i in part_indices(manifest, part))
+
+
+def verify_chunk(manifest: Manifest, index: int, data: Buffer) -> None:
     """Raise :class:`ChunkHashMismatch` (naming the chunk) unless ``data`` is chunk ``index``."""
     if not 0 <= index < len(manifest.chunks):
         raise ManifestError(

@@ -46,6 +46,7 @@ from protocol.schema import (
     PackedTokens,
     PublicKey,
     Reachability,
+    SafetensorsDtype,
     Slug,
     StatusValue,
     Text,
@@ -63,6 +64,7 @@ __all__ = [
     "ChunkInfo",
     "ChunkRequest",
     "CpuInfo",
+    "DeltaInfo",
     "FetchRollouts",
     "GpuInfo",
     "GroupResult",
@@ -89,6 +91,7 @@ __all__ = [
     "Standby",
     "StatusRequest",
     "StatusResponse",
+    "TensorInfo",
     "Timings",
     "logprobs_array",
     "pack_logprobs",
@@ -320,6 +323,25 @@ class ChunkInfo(WireStruct):
     hash: Digest  # 32-byte digest of the chunk bytes (Manifest.hash_algorithm)
 
 
+class TensorInfo(WireStruct):
+    """One tensor of a checkpoint, as a node will load it (docs/protocol.md §8.4)."""
+
+    name: Name  # tensor name in the safetensors header (unique across the checkpoint's files)
+    dtype: SafetensorsDtype  # safetensors dtype string, e.g. "BF16"
+    shape: Annotated[list[U64], Meta(max_length=L.MAX_TENSOR_DIMS)]  # dimensions, outermost first
+    hash: Digest  # tensor digest (Manifest.hash_algorithm) over dtype, shape and raw data bytes
+
+
+class DeltaInfo(WireStruct):
+    """This version also travels as a sparse delta against ``base_version`` (protocol §8.5)."""
+
+    base_version: U64  # the version the delta applies to; < Manifest.version
+    base_root_hash: Digest  # root hash of that version's manifest (names the exact base bytes)
+    # names of the files in Manifest.chunks that hold the delta (ascending); every other file
+    # is part of the full checkpoint
+    files: Annotated[list[FileName], Meta(min_length=1, max_length=L.MAX_DELTA_FILES)]
+
+
 class Manifest(MessageBase):
     """Checkpoint version description; signed by the coordinator key in a SignedEnvelope."""
 
@@ -335,6 +357,9 @@ class Manifest(MessageBase):
     root_hash: Digest  # digest over the chunk list (docs/protocol.md, "root hash")
     created_at: Finite  # Unix seconds
     expires_at: Finite  # nodes refuse the manifest after this time, Unix seconds
+    # every tensor of the full checkpoint, ascending by name; None = not listed (then no delta)
+    tensors: Annotated[list[TensorInfo], Meta(max_length=L.MAX_TENSORS_SCHEMA)] | None = None
+    delta: DeltaInfo | None = None  # None = a keyframe: this version travels in full only
 
 
 class ManifestResponse(MessageBase):

@@ -34,6 +34,10 @@ PackedTokens = Annotated[bytes, Meta(max_length=L.MAX_PACKED_LEN)]  # little-end
 PackedLogprobs = Annotated[bytes, Meta(max_length=L.MAX_PACKED_LEN)]  # little-endian float32
 Blob = Annotated[bytes, Meta(max_length=L.MAX_BLOB_LEN)]
 Dtype = Literal["float32", "float16", "bfloat16"]
+SafetensorsDtype = Literal[
+    "BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16",
+    "I32", "U32", "F32", "I64", "U64", "F64",
+]  # fmt: skip
 FinishReason = Literal["eos", "stop", "length"]
 Reachability = Literal["public", "relayed", "unknown"]
 Scalar = bool | int | Finite | Text | None

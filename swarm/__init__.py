@@ -18,6 +18,8 @@ Modules:
 * :mod:`swarm.fetcher`       -- one version's download: rarest first, best peer, seed last
 * :mod:`swarm.wire`          -- swarm-local RPC messages (``ChunkAnyRequest``)
 * :mod:`swarm.broadcast`     -- :class:`ChunkServer`, :class:`Downloader`, :class:`BroadcastNode`
+* :mod:`swarm.deltasync`     -- :class:`VersionSync`: a version by delta, chain or in full
+* :mod:`swarm.publication`   -- :class:`VersionBuilder`: a version to publish, keyframe or delta
 * :mod:`swarm.peerproc`      -- a broadcast peer as a child process (tests, benchmark)
 * :mod:`swarm.testing`       -- helpers for tests (loopback peers, sample adverts)
 * :mod:`swarm.checkpoint_io` -- torch state_dict <-> safetensors file bytes

@@ -10,6 +10,8 @@
   key), then chunks from several peers at once (:mod:`swarm.fetcher` holds the scheduling).
 * :class:`BroadcastNode` bundles server, holder announcer and downloader; the seed (coordinator or
   trainer) runs the same thing with every chunk present (:meth:`BroadcastNode.seed_version`).
+  Its :meth:`~BroadcastNode.download` goes through :class:`swarm.deltasync.VersionSync`: a delta
+  version is fetched as its (small) delta when this peer holds the base.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from protocol.codec import decode, encode
 from protocol.errors import ProtocolError
-from protocol.manifest import verify_manifest
+from protocol.manifest import Part, part_indices, verify_manifest
 from protocol.messages import (
     Chunk,
     ChunkRequest,
@@ -34,6 +36,7 @@ from protocol.messages import (
 )
 from swarm import keys
 from swarm.chunks import ChunkStore
+from swarm.deltasync import Files, VersionSync
 from swarm.errors import ManifestUnavailable, NoDiskSpace, TransportError
 from swarm.fetcher import DownloadConfig, ProgressFn, Transfer
 from swarm.holders import HolderAnnouncer, HolderDirectory
@@ -198,13 +201,28 @@ class Downloader:
     async def download(
         self, version: int | None, seeds: Sequence[str], *, on_progress: ProgressFn | None = None
     ) -> dict[str, bytes]:
-        """Fetch ``version`` (None = newest the seeds have) and return ``{file name: bytes}``.
+        """Fetch the full checkpoint of ``version`` (None = newest the seeds have) and return
+        ``{file name: bytes}`` (never by delta: :class:`swarm.deltasync.VersionSync` does that).
 
         Resumes from verified chunks already on disk. Raises ``ManifestUnavailable``,
         ``ChunkUnavailable`` or ``NoDiskSpace`` (checked before any chunk is fetched).
         """
         env, manifest = await self.fetch_manifest(version, seeds)
-        self._check_disk(manifest)
+        await self.fetch_part(env, manifest, seeds, "full", on_progress=on_progress)
+        self.store.prune(protect={manifest.version})
+        return self.store.load_files(manifest.version)
+
+    async def fetch_part(
+        self,
+        env: SignedEnvelope,
+        manifest: Manifest,
+        seeds: Sequence[str],
+        part: Part,
+        *,
+        on_progress: ProgressFn | None = None,
+    ) -> None:
+        """Download every missing chunk of one part of a verified ``manifest`` into the store."""
+        self._check_disk(manifest, part)
         self.store.put_manifest(env, manifest)
         transfer = Transfer(
             manifest,
@@ -218,16 +236,17 @@ class Downloader:
             on_progress=on_progress,
             chunk_rpc=CHUNK_RPC,
             chunk_any_rpc=CHUNK_ANY_RPC,
+            wanted=part_indices(manifest, part),
         )
         self.last_transfer = transfer
         await transfer.run()
-        self.store.prune(protect={manifest.version})
-        return self.store.load_files(manifest.version)
 
-    def _check_disk(self, manifest: Manifest) -> None:
+    def _check_disk(self, manifest: Manifest, part: Part = "full") -> None:
         """Refuse up front a version that cannot fit (rather than fill the disk chunk by chunk)."""
         held = self.store.have(manifest.version)
-        needed = manifest.total_size - sum(manifest.chunks[i].size for i in held)
+        # a delta is applied into a full checkpoint that is stored too: both parts count
+        indices = part_indices(manifest, "full") if part == "full" else range(len(manifest.chunks))
+        needed = sum(manifest.chunks[i].size for i in indices if i not in held)
         free = shutil.disk_usage(self.store.root).free
         if needed + self.config.reserve_bytes > free:
             raise NoDiskSpace(
@@ -274,6 +293,8 @@ class BroadcastNode:
             config=config,
             clock=clock,
         )
+        #: plans each download: by delta against a held version, or in full (swarm.deltasync)
+        self.sync = VersionSync(self.downloader, announcer=self.announcer if relay else None)
 
     @property
     def scores(self) -> PeerScores:
@@ -308,9 +329,11 @@ class BroadcastNode:
 
     async def download(
         self, version: int | None, seeds: Sequence[str], *, on_progress: ProgressFn | None = None
-    ) -> dict[str, bytes]:
-        """See :meth:`Downloader.download`; the node relays chunks while downloading."""
-        files = await self.downloader.download(version, seeds, on_progress=on_progress)
+    ) -> Files:
+        """The verified full checkpoint of ``version`` (None = newest the seeds have), by delta
+        against a version held here when that is fewer bytes (:class:`VersionSync`); the node
+        relays chunks while downloading. Raises like :meth:`Downloader.download`."""
+        files = await self.sync.fetch(version, seeds, on_progress=on_progress)
         for v in self.announcer.versions():
             if v not in self.store.versions():
                 self.announcer.forget(v)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-__all__ = ["files_to_state_dict", "state_dict_to_files"]
+__all__ = ["cast_floats", "files_to_state_dict", "state_dict_to_files"]
 
 DEFAULT_FILE = "model.safetensors"
 
@@ -33,6 +33,26 @@ def _untie(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             t = t.clone(memory_format=torch.contiguous_format)
         seen.add(storage)
         out[name] = t
+    return out
+
+
+def cast_floats(state_dict: Mapping[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """Floating-point tensors converted to ``dtype`` ("bfloat16", "float16", "float32"; round to
+    nearest even), other tensors as they are. Tensors that shared storage still do afterwards
+    (tied weights stay tied), so :func:`state_dict_to_files` writes them as before."""
+    target = getattr(torch, dtype, None)
+    if not isinstance(target, torch.dtype) or not target.is_floating_point:
+        raise ValueError(f"publish dtype {dtype!r} is not a floating-point torch dtype")
+    out: dict[str, torch.Tensor] = {}
+    converted: dict[tuple[object, ...], torch.Tensor] = {}
+    for name, t in state_dict.items():
+        if not t.is_floating_point() or t.dtype == target:
+            out[name] = t
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), str(t.device), tuple(t.shape))
+        if key not in converted:
+            converted[key] = t.detach().to(target)
+        out[name] = converted[key]
     return out
 
 
@@ -66,12 +86,40 @@ def state_dict_to_files(
     }
 
 
-def files_to_state_dict(files: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
-    """Load safetensors bytes (one or more files) into one state_dict; duplicate names fail."""
+def files_to_state_dict(files: Mapping[str, bytes | bytearray]) -> dict[str, torch.Tensor]:
+    """Load safetensors bytes (one or more files) into one state_dict; duplicate names fail.
+
+    A ``bytearray`` (a checkpoint rebuilt from a delta) is not copied: its tensors are views
+    of it (``torch.frombuffer``), so the caller must not change it while they are in use."""
     out: dict[str, torch.Tensor] = {}
     for file_name in sorted(files):
-        for name, tensor in st_load(files[file_name]).items():
+        data = files[file_name]
+        loaded = _views(file_name, data) if isinstance(data, bytearray) else st_load(data)
+        for name, tensor in loaded.items():
             if name in out:
                 raise ValueError(f"tensor {name!r} appears in more than one file ({file_name})")
             out[name] = tensor
+    return out
+
+
+_TORCH_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+    "U16": torch.uint16, "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32,
+    "U32": torch.uint32, "F32": torch.float32, "I64": torch.int64, "U64": torch.uint64,
+    "F64": torch.float64, "F8_E5M2": torch.float8_e5m2, "F8_E4M3": torch.float8_e4m3fn,
+}  # fmt: skip
+
+
+def _views(file_name: str, data: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file as views of ``data`` (little-endian hosts)."""
+    from protocol.safetensors_layout import parse_layout
+
+    out: dict[str, torch.Tensor] = {}
+    for span in parse_layout(file_name, data):
+        dtype = _TORCH_DTYPES[span.dtype]
+        if span.numel == 0:
+            out[span.name] = torch.empty(span.shape, dtype=dtype)
+            continue
+        flat = torch.frombuffer(data, dtype=dtype, count=span.numel, offset=span.start)
+        out[span.name] = flat.reshape(span.shape)
     return out

@@ -6,6 +6,9 @@ Layout::
     <root>/v000000000042/chunks/000017.bin     chunk 17, written atomically (tmp file + rename)
 
 A chunk is written only after it matches the manifest's hash (``protocol.manifest.verify_chunk``).
+A version has a full part and, for a delta version, a delta part (``protocol.manifest.Part``);
+"complete" means the *full* part is held (the weights can be loaded); the delta part is held
+only by peers that fetched it, and served like any chunk.
 On restart :meth:`ChunkStore.open` re-verifies what is on disk and discards anything that does
 not match, so a download resumes from the verified chunks. The store keeps the newest
 ``keep_versions`` versions (``S + 1`` in DESIGN.md §5); :meth:`ChunkStore.prune` removes the rest.
@@ -22,7 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from protocol.codec import decode, encode
-from protocol.manifest import reassemble, verify_chunk
+from protocol.manifest import Part, part_indices, verify_chunk
 from protocol.messages import Manifest, SignedEnvelope
 
 logger = logging.getLogger(__name__)
@@ -114,9 +117,22 @@ class ChunkStore:
         """Indices of the verified chunks of ``version`` held on disk."""
         return frozenset(self._have.get(version, ()))
 
-    def is_complete(self, version: int) -> bool:
+    def is_complete(self, version: int, part: Part = "full") -> bool:
+        """Every chunk of ``part`` (default: the full checkpoint) of ``version`` is held."""
         entry = self._manifests.get(version)
-        return entry is not None and len(self._have[version]) == len(entry[1].chunks)
+        if entry is None:
+            return False
+        wanted = part_indices(entry[1], part)
+        return bool(wanted) and self._have[version].issuperset(wanted)
+
+    def missing_bytes(self, version: int, part: Part = "full") -> int:
+        """Bytes of ``part`` of ``version`` not held yet (0 without a manifest)."""
+        entry = self._manifests.get(version)
+        if entry is None:
+            return 0
+        have = self._have[version]
+        chunks = entry[1].chunks
+        return sum(chunks[i].size for i in part_indices(entry[1], part) if i not in have)
 
     def put_chunk(self, version: int, index: int, data: bytes) -> None:
         """Verify ``data`` against the manifest and keep it; raises ``ChunkHashMismatch``."""
@@ -144,21 +160,55 @@ class ChunkStore:
         self.put_manifest(env, manifest)
         for index, data in enumerate(chunks):
             self.put_chunk(manifest.version, index, data)
-        if not self.is_complete(manifest.version):
+        if len(self._have[manifest.version]) != len(manifest.chunks):
             raise ValueError(f"version {manifest.version}: fewer chunks than the manifest lists")
 
-    def load_files(self, version: int) -> dict[str, bytes]:
-        """Reassemble a complete version into ``{file name: bytes}``."""
+    def load_files(
+        self, version: int, part: Part = "full", *, verify: bool = True
+    ) -> dict[str, bytes]:
+        """Reassemble ``part`` (default: the full checkpoint) of ``version`` into
+        ``{file name: bytes}``. ``verify=False`` skips re-hashing chunks that were verified when
+        they were stored (for a caller that verifies what it derives from them itself)."""
+        return {k: b"".join(v) for k, v in self._pieces(version, part, verify=verify).items()}
+
+    def load_mutable(self, version: int, part: Part = "full") -> dict[str, bytearray]:
+        """Like ``load_files(version, part, verify=False)``, as fresh ``bytearray`` s the caller
+        may patch in place (:func:`protocol.delta.apply_delta`)."""
         entry = self._manifests.get(version)
-        if entry is None or not self.is_complete(version):
-            raise KeyError(f"version {version} is not complete in the store")
-        chunks = []
-        for i in range(len(entry[1].chunks)):
+        if entry is None or not self.is_complete(version, part):
+            raise KeyError(f"the {part} part of version {version} is not complete in the store")
+        chunks = entry[1].chunks
+        indices = part_indices(entry[1], part)
+        sizes: dict[str, int] = {}
+        for i in indices:
+            sizes[chunks[i].file] = chunks[i].offset + chunks[i].size
+        out = {name: bytearray(size) for name, size in sizes.items()}
+        for i in indices:  # read straight into place: one copy from the page cache
+            c = chunks[i]
+            try:
+                with open(self._chunk_path(version, i), "rb") as f:
+                    n = f.readinto(memoryview(out[c.file])[c.offset : c.offset + c.size])
+            except OSError:
+                n = -1
+            if n != c.size:
+                self._have[version].discard(i)
+                raise KeyError(f"version {version}: chunk {i} vanished from disk")
+        return out
+
+    def _pieces(self, version: int, part: Part, *, verify: bool) -> dict[str, list[bytes]]:
+        entry = self._manifests.get(version)
+        if entry is None or not self.is_complete(version, part):
+            raise KeyError(f"the {part} part of version {version} is not complete in the store")
+        manifest = entry[1]
+        out: dict[str, list[bytes]] = {}
+        for i in part_indices(manifest, part):
             data = self.get_chunk(version, i)
             if data is None:
                 raise KeyError(f"version {version}: chunk {i} vanished from disk")
-            chunks.append(data)
-        return reassemble(entry[1], chunks)
+            if verify:
+                verify_chunk(manifest, i, data)
+            out.setdefault(manifest.chunks[i].file, []).append(data)
+        return out
 
     def prune(self, protect: Iterable[int] = ()) -> list[int]:
         """Drop all but the newest ``keep_versions`` versions (never ``protect``); list dropped."""

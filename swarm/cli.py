@@ -11,6 +11,7 @@ Commands::
     swarm node run                  turn this machine into a contributor node
     swarm trainer run               start the GRPO learner
     swarm inspect                   show the swarm: nodes, versions, intake, capacity
+    swarm audit                     verify the coordinator's receipt log, trace one rollout
     swarm model import SOURCE       GGUF file / HF dir / named model -> local safetensors dir
     swarm keygen PATH               create (or show) an Ed25519 key file and print its fingerprint
 """
@@ -303,6 +304,38 @@ def inspect(
             interval=interval,
             json_out=json_out,
             timeout=timeout,
+        )
+    )
+
+
+@app.command()
+def audit(
+    state_dir: Annotated[
+        Path | None, typer.Option(help="Coordinator state directory (default coordinator-data).")
+    ] = None,
+    db: Annotated[
+        Path | None, typer.Option(help="The coordinator's SQLite file (instead of --state-dir).")
+    ] = None,
+    receipt: Annotated[
+        str | None,
+        typer.Option(help="Trace one rollout: its seq, or LEASE_ID/PROMPT_ID/SAMPLE_INDEX."),
+    ] = None,
+    coordinator_key: Annotated[
+        str | None, typer.Option(help="Pinned coordinator fingerprint the seals must carry.")
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+) -> None:
+    """Verify the hash-chained, signed verdict log; with --receipt, show how a rollout got into
+    training (lease, node, version, checks, verdict, learner step). Exit 1 if it does not verify."""
+    from coordinator.audit_cli import run_audit
+
+    raise typer.Exit(
+        run_audit(
+            state_dir=state_dir,
+            db=db,
+            receipt=receipt,
+            coordinator_key=coordinator_key,
+            json_out=json_out,
         )
     )
 

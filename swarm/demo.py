@@ -278,7 +278,7 @@ class Demo:
         o = self.opts
         assert o.batch_prompts is not None and o.group_size is not None
         model = f'model_path = "{o.model_dir}"\n' if o.model_dir else ""
-        spot = 0.25 if o.byzantine else 0.1
+        spot = 0.25 if o.byzantine else 0.05  # floor of the adaptive check rate
         # a real model on CPU makes tens of tokens per second, not thousands: longer leases
         real = o.model_dir is not None
         leases = (

@@ -83,6 +83,7 @@ class LiveView:
                 f"exact {_fmt(s.get('trainer_exact_match'))} "
                 f"staleness {_fmt(s.get('trainer_staleness_mean'), '.2f')} "
                 f"accepted {_fmt(s.get('rollouts_accepted'))} "
+                f"verify {_fmt(s.get('verification_compute_frac'), '.1%')} "
                 f"rejected {sum((s.get('rejected_by_reason') or {}).values()):.0f} | "
                 f"{monitor_line(s)}",
                 flush=True,
@@ -97,7 +98,7 @@ class LiveView:
         s = self.demo.status
         head = Table(title=f"swarm demo — {self.demo.run_dir.name}", show_header=True)
         for col in ("time", "step", "version", "reward", "exact", "staleness", "idle",
-                    "accepted", "rejected"):  # fmt: skip
+                    "accepted", "rejected", "verify"):  # fmt: skip
             head.add_column(col, justify="right")
         head.add_row(
             f"{time.monotonic() - self.demo.t0:.0f}s",
@@ -109,6 +110,7 @@ class LiveView:
             _fmt(s.get("trainer_idle_frac"), ".2f"),
             _fmt(s.get("rollouts_accepted")),
             _fmt(sum((s.get("rejected_by_reason") or {}).values()), ".0f"),
+            _fmt(s.get("verification_compute_frac"), ".1%"),
         )
         health = Table(title="learning stability (trainer/monitors.py)", show_header=True)
         for col in ("ESS/n", "mismatch KL", "clip frac", "mask frac", "grad norm", "warning"):
@@ -123,7 +125,7 @@ class LiveView:
             f"[bold red]{warning}[/]" if warning else "ok",
         )
         nodes = Table(show_header=True)
-        for col in ("node", "state", "tokens/s", "leases done", "last seen"):
+        for col in ("node", "state", "tokens/s", "leases done", "check rate", "last seen"):
             nodes.add_column(col)
         states = s.get("node_states") or {}
         for fp, state in sorted(states.items()):
@@ -132,6 +134,7 @@ class LiveView:
                 state,
                 _fmt((s.get("node_tokens_per_s") or {}).get(fp), ".0f"),
                 _fmt((s.get("node_leases_completed") or {}).get(fp)),
+                _fmt((s.get("node_check_rate") or {}).get(fp), ".2f"),
                 f"{_fmt((s.get('node_last_seen_s') or {}).get(fp), '.1f')}s ago",
             )
         rejected = s.get("rejected_by_reason") or {}
@@ -225,8 +228,13 @@ def summarise(demo: Demo, reason: str) -> str:
         f"{s.get('rollouts_accepted') or 0} rollouts and rejected "
         f"{sum(rejected.values()):.0f} submissions"
         f"{_reasons(rejected)}"
-        f"; banned nodes: {len(banned)}. Stability warnings on {warned} of {len(demo.curve)} "
-        f"learner steps seen{f' (last: {last_warning})' if last_warning else ''}. "
+        f"; banned nodes: {len(banned)}. Verification re-scored "
+        f"{s.get('verification_checks') or 0} leases in "
+        f"{_fmt(s.get('verification_compute_s'), '.1f')} s, "
+        f"{_fmt(s.get('verification_compute_frac'), '.1%')} of the learner's "
+        f"{_fmt(s.get('trainer_compute_s'), '.1f')} s of compute. "
+        f"Stability warnings on {warned} of {len(demo.curve)} learner steps seen"
+        f"{f' (last: {last_warning})' if last_warning else ''}. "
         f"Plot: {png or 'none'}; logs: {demo.logs}."
     )
     figures = {

@@ -28,7 +28,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Set
+from collections.abc import Callable, Coroutine, Iterable, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +87,7 @@ class Transfer:
         chunk_any_rpc: str,
         announcer: HolderAnnouncer | None = None,
         on_progress: ProgressFn | None = None,
+        wanted: Iterable[int] | None = None,
     ) -> None:
         self.m = manifest
         self.transport, self.store, self.directory = transport, store, directory
@@ -95,7 +96,10 @@ class Transfer:
         self.chunk_rpc, self.chunk_any_rpc = chunk_rpc, chunk_any_rpc
         self.announcer, self.on_progress = announcer, on_progress
         self.n = len(manifest.chunks)
-        self.missing = set(range(self.n)) - store.have(manifest.version)
+        #: the chunks this transfer is for (one part of the version; default every chunk)
+        self.wanted = set(range(self.n)) if wanted is None else set(wanted)
+        self.missing = self.wanted - store.have(manifest.version)
+        self.total_bytes = sum(manifest.chunks[i].size for i in self.wanted)
         self.holders: dict[str, frozenset[int]] = {}
         #: chunks a peer announced but answered "not_held" for: its claim is ignored from then on
         self.denied: dict[str, set[int]] = {}
@@ -106,7 +110,7 @@ class Transfer:
         self.started: dict[asyncio.Task[int], float] = {}
         self.hedged: set[int] = set()  # chunk indices already asked of a second peer
         self.seed_failures = 0
-        self.done_bytes = sum(manifest.chunks[i].size for i in store.have(manifest.version))
+        self.done_bytes = self.total_bytes - sum(manifest.chunks[i].size for i in self.missing)
         self.sources: Counter[str] = Counter()  # chunks received per peer (for stats)
         self.bad: dict[str, str] = {}  # peers that served a bad chunk here -> reason code
         self.shunned: set[str] = set()  # holders skipped: they served bad data before
@@ -317,7 +321,7 @@ class Transfer:
 
     def _progress(self) -> None:
         if self.on_progress is not None:
-            self.on_progress(self.done_bytes, self.m.total_size)
+            self.on_progress(self.done_bytes, self.total_bytes)
 
     def _missing_msg(self, why: str) -> str:
         missing = sorted(self.missing)

@@ -124,6 +124,8 @@ async def _download(node: object, args: argparse.Namespace) -> None:
     transfer = node.downloader.last_transfer
     sources = dict(transfer.sources) if transfer is not None else {}
     stats = {"seconds": done_at - t0, "scores": node.scores.snapshot(), "sources": sources}
+    if node.sync.last is not None:  # "full", "delta", "chain" or "held" (swarm.deltasync)
+        stats["path"] = node.sync.last.path
     print(f"DONE {done_at} {json.dumps(stats)}", flush=True)
 
 

@@ -169,6 +169,21 @@ class TrainerConfig(BaseModel):
         1.0, gt=0.0, description="Clip the global gradient norm to this; None disables."
     )
 
+    # --- publishing ------------------------------------------------------------------------
+    publish_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16",
+        description="dtype of the published weights (the trainer keeps its own dtype for the "
+        "optimizer): bf16 halves the bytes and leaves most weights bit-identical from one "
+        "version to the next, so versions travel as small deltas.",
+    )
+    keyframe_every: int = Field(
+        0,
+        ge=0,
+        description="Every K-th published version is a full keyframe (no delta); 1 turns deltas "
+        "off; 0 publishes keyframes only when needed (first version, no base, layout change, "
+        "delta not smaller than half the checkpoint).",
+    )
+
     # --- run -------------------------------------------------------------------------------
     out_dir: str = Field("runs/trainer", description="Checkpoints and metrics.jsonl go here.")
     checkpoint_every: int = Field(

@@ -10,7 +10,9 @@
   version (``rswarm/status``) is handed to :meth:`~trainer.recipe.Trainer.sync_published`, and a
   ``version_not_newer`` refusal becomes :class:`~trainer.recipe.VersionNotNewer`: a trainer
   restarted after a crash in the middle of a publication continues with strictly newer versions
-  instead of being refused again and again.
+  instead of being refused again and again. The weights go out in ``publish_dtype``, each
+  version after the first as a delta against the previous one when that pays
+  (:mod:`swarm.publication`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from protocol.codec import decode, encode
 from protocol.envelope import seal
 from protocol.errors import ReasonCode
 from protocol.identity import Identity
-from protocol.manifest import build_manifest
 from protocol.messages import (
     FetchRollouts,
     Manifest,
@@ -56,6 +57,8 @@ PUBLISH_ATTEMPTS = 8
 #: On SIGTERM, seconds the step or publication in progress may take to finish before it is cut.
 STOP_GRACE_S = 30.0
 MANIFEST_TTL_S = 7 * 24 * 3600.0
+#: refusals of a delta version that a keyframe of the same weights avoids
+DELTA_REFUSALS = frozenset({ReasonCode.DELTA_BASE_MISSING, ReasonCode.DELTA_INVALID})
 
 
 class CoordinatorError(RuntimeError):
@@ -139,7 +142,10 @@ class CoordinatorSource:
 
 
 class SwarmPublisher:
-    """Publishes versions: coordinator signs the manifest, this peer seeds the chunks."""
+    """Publishes versions: coordinator signs the manifest, this peer seeds the chunks.
+
+    The weights go out in ``publish_dtype``; each version after the first is built as a delta
+    against the previous one when that pays (:class:`swarm.publication.VersionBuilder`)."""
 
     def __init__(
         self,
@@ -151,31 +157,86 @@ class SwarmPublisher:
         model_config_hash: str,
         tokenizer_hash: str,
         chunk_size: int,
+        publish_dtype: str = "bfloat16",
+        keyframe_every: int = 0,
     ) -> None:
+        from swarm.publication import PublishPolicy, VersionBuilder
+
         self.transport = transport
         self.broadcast = broadcast
         self.coordinator_peer = coordinator_peer
         self.identity = identity
-        self.model_config_hash = model_config_hash
-        self.tokenizer_hash = tokenizer_hash
-        self.chunk_size = chunk_size
+        self.publish_dtype = publish_dtype
+        self.builder = VersionBuilder(
+            model_config_hash=model_config_hash,
+            tokenizer_hash=tokenizer_hash,
+            chunk_size=chunk_size,
+            policy=PublishPolicy(keyframe_every=keyframe_every),
+        )
         self.last_version: int | None = None
+        self._keyframe_next = False
+
+    def request_keyframe(self) -> None:
+        """Publish the next version as a full keyframe (no delta), whatever the policy says."""
+        self._keyframe_next = True
 
     async def publish(self, version: int, state_dict: Mapping[str, Any]) -> None:
-        from swarm.checkpoint_io import state_dict_to_files
+        from swarm.checkpoint_io import cast_floats, state_dict_to_files
+        from swarm.publication import held_base
 
-        files = state_dict_to_files(dict(state_dict))
-        now = time.time()
-        manifest, chunks = build_manifest(
-            files,
-            version=version,
-            parent_version=self.last_version,
-            chunk_size=self.chunk_size,
-            model_config_hash=self.model_config_hash,
-            tokenizer_hash=self.tokenizer_hash,
-            created_at=now,
-            expires_at=now + MANIFEST_TTL_S,
+        files = await asyncio.to_thread(
+            lambda: state_dict_to_files(cast_floats(state_dict, self.publish_dtype))
         )
+        store = self.broadcast.store
+        last = self.last_version if self.last_version is not None else store.latest()
+        base = await asyncio.to_thread(held_base, store, last)
+        for attempt in ("as planned", "as a keyframe"):
+            now = time.time()
+            built = await asyncio.to_thread(
+                self.builder.build,
+                files,
+                version=version,
+                parent_version=self.last_version,
+                base=base,
+                created_at=now,
+                expires_at=now + MANIFEST_TTL_S,
+                force_keyframe=self._keyframe_next or attempt == "as a keyframe",
+            )
+            msg = await self._propose(version, built.manifest)
+            if not (isinstance(msg, Reject) and msg.code in DELTA_REFUSALS):
+                break
+            # the coordinator does not hold our base (its state was reset, or it pruned it)
+            log.warning(
+                "coordinator refused v%d as a delta (%s: %s); publishing a keyframe",
+                version,
+                msg.code,
+                msg.detail,
+            )
+        if isinstance(msg, Reject) and msg.code is ReasonCode.VERSION_NOT_NEWER:
+            latest = await self.latest_version()
+            if latest is not None and latest >= version:
+                raise VersionNotNewer(version, latest)
+        if isinstance(msg, Reject):
+            raise CoordinatorError(f"coordinator refused v{version}: {msg.code}: {msg.detail}")
+        if not isinstance(msg, ManifestResponse) or msg.manifest is None:
+            raise CoordinatorError(f"unexpected answer to publish: {type(msg).__name__}")
+        signed: Manifest = await self.broadcast.seed_version(msg.manifest, built.chunks)
+        self.last_version = signed.version
+        self._keyframe_next = False
+        if signed.delta is not None:
+            what = f"a delta of {built.delta_bytes} bytes against v{signed.delta.base_version}"
+        else:
+            what = f"a keyframe ({built.reason})"
+        log.info(
+            "published policy v%d as %s; full checkpoint %d bytes, %d chunks in all",
+            version,
+            what,
+            built.full_bytes,
+            len(built.chunks),
+        )
+
+    async def _propose(self, version: int, manifest: Manifest) -> Any:
+        """``rswarm/publish``: the coordinator's decoded answer (signed manifest or Reject)."""
         req = PublishVersion(manifest=encode(manifest), source=self.transport.peer_id)
         for attempt in range(PUBLISH_ATTEMPTS):
             try:  # publishing is idempotent on the coordinator: a retry gets the same manifest
@@ -194,19 +255,7 @@ class SwarmPublisher:
                 delay = min(RETRY_MAX_S, 0.2 * 2**attempt) * (0.5 + random.random())
                 log.warning("publishing v%d failed (%s); retrying in %.1f s", version, exc, delay)
                 await asyncio.sleep(delay)
-        msg = decode(raw)
-        if isinstance(msg, Reject) and msg.code is ReasonCode.VERSION_NOT_NEWER:
-            latest = await self.latest_version()
-            if latest is not None and latest >= version:
-                raise VersionNotNewer(version, latest)
-        if isinstance(msg, Reject):
-            raise CoordinatorError(f"coordinator refused v{version}: {msg.code}: {msg.detail}")
-        if not isinstance(msg, ManifestResponse) or msg.manifest is None:
-            raise CoordinatorError(f"unexpected answer to publish: {type(msg).__name__}")
-        signed: Manifest = await self.broadcast.seed_version(msg.manifest, chunks)
-        self.last_version = signed.version
-        log.info("published policy v%d (%d bytes in %d chunks)", version, signed.total_size,
-                 len(chunks))  # fmt: skip
+        return decode(raw)
 
     async def latest_version(self) -> int | None:
         """The newest version the coordinator holds (``rswarm/status``); None if it has none."""
@@ -321,6 +370,8 @@ async def run_trainer(
             model_config_hash=_digest_hex(config_fingerprint(load_config(spec))),
             tokenizer_hash=_digest_hex(load_tokenizer(spec).fingerprint()),
             chunk_size=chunk_size,
+            publish_dtype=config.publish_dtype,
+            keyframe_every=config.keyframe_every,
         )
         # The sampling contract is the coordinator's: adopt it, or refuse what cannot match.
         from trainer.contract import adopt_contract

@@ -47,8 +47,13 @@ __all__ = [
 
 
 def auto_kind(spec: ModelSpec) -> str:
-    """The kind "auto" resolves to: "vllm" when CUDA is available, vLLM is importable and
-    ``spec`` is a model directory; otherwise "hf" (the embedded model is too small for vLLM)."""
+    """The kind "auto" resolves to: "vllm" when CUDA is available, vLLM is importable, ``spec`` is
+    a model directory and the vllm backend draws with the swarm's sampling rule; otherwise "hf"
+    (the embedded model is too small for vLLM)."""
+    from node.backends.vllm import VLLMBackend
+
+    if VLLMBackend.sampling_rule is None:  # its samples would fail the coordinator's replay
+        return "hf"
     if spec.path is None or importlib.util.find_spec("vllm") is None:
         return "hf"
     import torch

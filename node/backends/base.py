@@ -7,9 +7,13 @@ why the sample ended. The coordinator re-scores a fraction of samples with
 :func:`policy.scoring.score_logprobs`, so the log-probs must be those of the distribution the token
 was actually drawn from, computed in fp32 from the raw logits.
 
-Seeding: sample ``j`` of a request with seed ``s`` is drawn from its own random stream seeded
-with :func:`sample_seed` ``(s, j)``, so a sample does not depend on the other requests in the
-batch nor on ``n``.
+Seeding and the sampling rule: sample ``j`` of a request with seed ``s`` has its own uniforms,
+``policy.draw.sample_uniforms(sample_seed(s, j), ·)``, so a sample does not depend on the other
+requests in the batch nor on ``n``; token ``t`` is ``policy.draw.draw_tokens`` of its logits at
+``u[t]`` (the processed distribution's inverse-CDF draw). The coordinator replays those draws for
+every backend, so a backend that samples any other way has its samples refused: it declares the
+rule it implements in :attr:`InferenceBackend.sampling_rule`, and a node refuses to run one that
+implements none.
 
 This module imports neither torch nor vLLM.
 """
@@ -17,7 +21,7 @@ This module imports neither torch nor vLLM.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -92,10 +96,22 @@ class InferenceBackend(ABC):
     vocab_size: int = 0
     #: the model's EOS token ids (always stop a sample).
     eos_token_ids: tuple[int, ...] = ()
+    #: the sampling rule this backend draws with: ``policy.draw.SAMPLING_RULE`` when every token is
+    #: ``draw_tokens`` at the sample's seeded uniform; None = another sampler (the node refuses to
+    #: run it: its samples would fail the coordinator's replay).
+    sampling_rule: str | None = None
 
     @abstractmethod
-    def load_state_dict(self, version: int, state_dict: Mapping[str, Any]) -> None:
-        """Swap the weights in place to checkpoint ``version`` (name -> tensor, HF names)."""
+    def load_state_dict(
+        self,
+        version: int,
+        state_dict: Mapping[str, Any],
+        changed: Collection[str] | None = None,
+    ) -> None:
+        """Swap the weights in place to checkpoint ``version`` (name -> tensor, HF names).
+
+        ``changed`` names the tensors that differ from the loaded version (their signed digests
+        differ; the others are bit-identical): a backend may update only those. None = all."""
 
     @abstractmethod
     def generate(

@@ -15,7 +15,7 @@ import hashlib
 import json
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,8 @@ class FakeBackend(InferenceBackend):
     """Deterministic, model-free backend (see module docstring)."""
 
     name = "fake"
+    #: not the swarm's rule (no model, no logits): tests only, with the spot check off
+    sampling_rule = "fake"
 
     def __init__(
         self,
@@ -53,7 +55,12 @@ class FakeBackend(InferenceBackend):
         self.loaded_version = None
         self.generate_calls = 0
 
-    def load_state_dict(self, version: int, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(
+        self,
+        version: int,
+        state_dict: Mapping[str, Any],
+        changed: Collection[str] | None = None,
+    ) -> None:
         self.loaded_version = version
 
     def generate(

@@ -7,13 +7,14 @@ no logits processors to keep in sync (DESIGN §10: generate's top_k=50 default, 
 raw logits).
 
 Loop: requests are left-padded and prefilled once per prompt (not once per sample); the cache is
-then expanded to the ``n`` samples of each request. Every step computes fp32
-:func:`policy.draw.processed_logprobs` of the last logits, draws the token by inverse-CDF with a
-uniform taken from the sample's own ``torch.Generator`` (seeded by
-:func:`~policy.sampling.sample_seed`), records its log-prob, and feeds it back with
-``position_ids = cumsum(mask) - 1``. A sample ends at the first stop/EOS token (kept) or at
-``max_new_tokens``; the loop ends when every row has. Finished rows are dropped from the batch
-when at least half of the live rows are done, so long tails do not pay for finished samples.
+then expanded to the ``n`` samples of each request. Every step draws each row's token with
+:func:`policy.draw.draw_tokens` (the swarm's sampling rule: fp32 processed distribution of the
+last logits, inverse-CDF at the sample's uniform for this position, from
+:func:`policy.draw.sample_uniforms` of its :func:`~policy.sampling.sample_seed`), records its
+log-prob, and feeds it back with ``position_ids = cumsum(mask) - 1``. A sample ends at the first
+stop/EOS token (kept) or at ``max_new_tokens``; the loop ends when every row has. Finished rows
+are dropped from the batch when at least half of the live rows are done, so long tails do not pay
+for finished samples.
 
 Threads: torch's process-wide thread setting is respected, never changed here.
 """
@@ -21,7 +22,7 @@ Threads: torch's process-wide thread setting is respected, never changed here.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -33,7 +34,7 @@ from node.backends.base import (
     SamplingConfig,
     sample_seed,
 )
-from policy.draw import inverse_cdf, processed_logprobs, sample_uniforms
+from policy.draw import SAMPLING_RULE, draw_tokens, sample_uniforms
 from policy.model import ModelSpec, build_model, load_weights
 from policy.scoring import cache_kwarg
 
@@ -66,6 +67,7 @@ class HFBackend(InferenceBackend):
     """transformers model + batched KV-cache sampling (see module docstring)."""
 
     name = "hf"
+    sampling_rule = SAMPLING_RULE
 
     def __init__(
         self,
@@ -99,10 +101,27 @@ class HFBackend(InferenceBackend):
         self._cache_kw = cache_kwarg(self.model)
 
     # ------------------------------------------------------------------ weights
-    def load_state_dict(self, version: int, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(
+        self,
+        version: int,
+        state_dict: Mapping[str, Any],
+        changed: Collection[str] | None = None,
+    ) -> None:
         with torch.no_grad():
-            load_weights(self.model, dict(state_dict))
+            if changed is None or self.loaded_version is None:
+                load_weights(self.model, dict(state_dict))
+            else:
+                self._update(state_dict, changed)
         self.loaded_version = version
+
+    def _update(self, state_dict: Mapping[str, Any], changed: Collection[str]) -> None:
+        """Copy only the ``changed`` tensors into the model's parameters and buffers."""
+        targets = dict(self.model.named_parameters(remove_duplicate=False))
+        targets |= dict(self.model.named_buffers(remove_duplicate=False))
+        if unknown := [n for n in changed if n not in targets or n not in state_dict]:
+            raise ValueError(f"checkpoint does not fit the model: unexpected={sorted(unknown)}")
+        for name in changed:
+            targets[name].copy_(state_dict[name])
 
     # ------------------------------------------------------------------ sampling
     def generate(
@@ -191,10 +210,15 @@ class HFBackend(InferenceBackend):
         next_pos = mask.sum(-1)  # position of the next token of each batch row
         done = torch.zeros((n_rows,), dtype=torch.bool, device=dev)  # per batch row
         for t in range(steps):
-            logp = processed_logprobs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-            tok = inverse_cdf(logp.exp(), uniforms.index_select(0, live)[:, t])
+            tok, tok_logp = draw_tokens(
+                logits,
+                uniforms.index_select(0, live)[:, t],
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+            )
             tokens[live, t] = tok
-            logps[live, t] = logp.gather(1, tok.unsqueeze(1)).squeeze(1)
+            logps[live, t] = tok_logp
             hit = torch.isin(tok, stop_ids) & ~done
             if bool(hit.any()):
                 rows_hit = live[hit]

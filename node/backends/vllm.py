@@ -10,6 +10,12 @@ Correctness choices (all checked by ``tests/unit/test_backends_vllm.py``, marker
   accepted, where raw == processed; anything else raises instead of returning wrong log-probs.
 - seeds: each sample is its own vLLM request with ``n=1`` and ``seed=sample_seed(seed, j)``
   (prefix caching shares the prompt's KV across the group), so samples do not depend on ``n``.
+- sampling rule: not yet the swarm's. vLLM draws with its own sampler (torch RNG), so its tokens
+  are not ``policy.draw.draw_tokens`` at the sample's seeded uniforms and the coordinator's replay
+  refuses them; :attr:`sampling_rule` is None and a node will not run this backend until a vLLM
+  sampler (logits processor) calls ``draw_tokens`` with ``sample_uniforms(sample seed)[t]`` for
+  each row's position ``t`` and sets ``sampling_rule = policy.draw.SAMPLING_RULE`` (the vLLM
+  issue).
 - EOS: the engine runs with ``skip_tokenizer_init=True`` (token ids in, token ids out), where
   vLLM does not know the EOS id, so EOS ids are always passed as ``stop_token_ids``; vLLM keeps
   the stop token in ``token_ids``.
@@ -28,7 +34,7 @@ import gc
 import logging
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +58,8 @@ class VLLMBackend(InferenceBackend):
     """vLLM engine wrapper (see module docstring)."""
 
     name = "vllm"
+    #: vLLM's own sampler, not policy.draw.draw_tokens yet (see the module docstring)
+    sampling_rule: str | None = None
 
     def __init__(
         self,
@@ -153,17 +161,27 @@ class VLLMBackend(InferenceBackend):
         return Path(self._tmp.name)
 
     # ------------------------------------------------------------------ weights
-    def load_state_dict(self, version: int, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(
+        self,
+        version: int,
+        state_dict: Mapping[str, Any],
+        changed: Collection[str] | None = None,
+    ) -> None:
         from safetensors.torch import save_file
 
         tensors: dict[str, Any] = {}
         seen: set[int] = set()
         for name, tensor in state_dict.items():
+            if changed is not None and name not in changed:
+                continue  # bit-identical to the loaded version: vLLM keeps it (issue 20)
             t = tensor.detach().to("cpu").contiguous()
             if t.data_ptr() in seen:  # tied weights share storage; safetensors refuses that
                 t = t.clone()
             seen.add(t.data_ptr())
             tensors[name] = t
+        if not tensors:  # nothing changed
+            self.loaded_version = version
+            return
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, path = tempfile.mkstemp(prefix="rollout-swarm-weights-", suffix=".safetensors", dir=shm)
         os.close(fd)

@@ -194,7 +194,7 @@ def sign_raw(identity: Identity, payload: bytes) -> bytes:
 
 @dataclass
 class Keys:
-    node: Identity  # a registered node (its malformed payloads are authenticated: strikes)
+    node: Identity  # a registered node (its malformed payloads are authenticated; no strike)
     trainer: Identity  # the configured trainer key
     node_peer_id: str  # the libp2p peer the node registered from (the attacker's)
     manifest: Manifest  # the manifest of the published version 1

@@ -151,6 +151,9 @@ def coordinator_toml(
         "sampling": {"max_new_tokens": 4},
         "leases": {"min_deadline_s": 30.0, "target_lease_s": 0.5, "max_prompts_per_lease": 4},
         "intake": {"spot_check_fraction": 1.0},
+        # audit copies would give a prompt a second group: tests that count groups per prompt
+        # keep it off; the Byzantine suite turns it on
+        "reward_audit": {"fraction": 0.0},
         "capacity": {"activation": False},
         "network": {"trainer_key": trainer.fingerprint},
     }
@@ -225,13 +228,17 @@ class Trainer:
         if self.peer is not None:
             await self.peer.stop()
 
-    async def publish(self, version: int, *, held: bool = True) -> None:
-        """Publish ``version``; with ``held``, wait until the coordinator holds its weights."""
+    async def publish(
+        self, version: int, *, held: bool = True, state_dict: dict[str, Any] | None = None
+    ) -> None:
+        """Publish ``version`` (the weights ``policy_state_dict(version)`` unless ``state_dict``
+        is given); with ``held``, wait until the coordinator holds its weights."""
         from swarm.checkpoint_io import state_dict_to_files
 
         now = time.time()
+        weights = state_dict if state_dict is not None else policy_state_dict(version)
         manifest, chunks = build_manifest(
-            state_dict_to_files(policy_state_dict(version)),
+            state_dict_to_files(weights),
             version=version,
             parent_version=version - 1 if version > 1 else None,
             model_config_hash="00",
@@ -254,9 +261,17 @@ class Trainer:
 
             await until(holds, f"the coordinator to hold v{version}", 30, self.coord.proc)
 
-    async def fetch(self, after_seq: int = 0) -> list[AcceptedRollout]:
+    async def fetch(
+        self, after_seq: int = 0, stats: dict[str, Any] | None = None
+    ) -> list[AcceptedRollout]:
+        """The accepted rollouts after ``after_seq``; ``stats`` is reported as the trainer's
+        figures (e.g. ``step`` and ``rollout_cursor``, which the receipt log records)."""
         msg = FetchRollouts(
-            after_seq=after_seq, max_rollouts=4096, min_policy_version=None, wait_s=0
+            after_seq=after_seq,
+            max_rollouts=4096,
+            min_policy_version=None,
+            wait_s=0,
+            trainer_stats=stats or {},
         )
         request = seal(self.identity, msg, now=time.time())
         raw = await self.transport.call(self.coord.peer_id, rpc.FETCH, encode(request), timeout=30)
@@ -289,7 +304,8 @@ class TestNode:
         self.client = CoordinatorClient(transport, coordinator_peer_id, self.identity)
 
     async def register(self, **advert_changes: Any) -> None:
-        """Register with a CPU advert; ``advert_changes`` replace its fields (forged adverts)."""
+        """Register with a CPU advert; ``advert_changes`` replace its fields (forged adverts, or
+        ``dtype="bfloat16"``: the backend/dtype a node registers is what it is held to)."""
         await self.client.register(self.advert(**advert_changes))
 
     def advert(self, **changes: Any) -> CapabilityAdvert:

@@ -2,21 +2,27 @@
 reason code, strikes ban the cheat, honest nodes keep being served throughout, and after a cheat's
 first detection nothing more of it is accepted into the trainer's feed.
 
-One ``swarm coordinator launch`` process on 127.0.0.1 with spot checks on a third of the leases
-(so the log-prob and sampling cheats are only caught when checked — until their first strike,
-after which every lease of theirs is checked in full). Honest nodes sample with the ``hf``
-backend on the published weights; each cheat starts from an honest submission and changes what a
-cheater would change, keeping everything else honest (e.g. greedy decoding reports the honest
-log-probs of the lease's distribution, so only the sampling audit can tell).
+One ``swarm coordinator launch`` process on 127.0.0.1 with adaptive spot checks: every lease of a
+new node is re-scored, the rate halves every 2 clean checks down to a floor of a third of the
+leases, and a struck node is checked in full. So the log-prob and sampling cheats are caught on
+their first lease — except one that first builds a clean history and then cheats, which meets the
+floor's lottery. Reward audits re-issue a quarter of the prompts to other nodes. Honest nodes
+sample with the ``hf`` backend on the published weights; each cheat starts from an honest
+submission and changes what a cheater would change, keeping everything else honest (e.g. greedy
+decoding reports the honest log-probs of the lease's distribution, so only the sampling audit can
+tell). A second coordinator samples at T 1.3, top-k 5, top-p 0.8 with tied token embeddings: an
+honest node whose rounding differs (another CPU) is never struck for boundary tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import pytest
@@ -31,6 +37,7 @@ from swarm_harness import (
     launch_coordinator,
 )
 
+from coordinator.receipts import load_entries, verify_chain
 from coordinator.tasks import Problem, ReverseTask
 from node.byzantine import misbehave
 from node.client import Rejected
@@ -49,6 +56,8 @@ from protocol.messages import (
     RolloutSubmission,
     Standby,
     Timings,
+    pack_logprobs,
+    unpack_logprobs,
     unpack_tokens,
 )
 
@@ -56,9 +65,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 TOK = CharTokenizer()
 TASK = ReverseTask()
-SPOT_FRACTION = 0.34
+SPOT_FRACTION = 0.34  # the floor of the adaptive check rate
 STRIKES_TO_BAN = 3
-MAX_ROUNDS = 40  # a sampled-only cheat escapes 40 unchecked leases with p = 0.66^40 ≈ 6e-8
+TRUST_LEASES = 8  # honest leases of the cheat that builds a clean history first
+MAX_ROUNDS = 50  # past its history, that cheat escapes 40 floor checks with p = 0.66^40 ≈ 6e-8
 
 
 # --- the cheats ---------------------------------------------------------------------------------
@@ -102,6 +112,88 @@ def _sample_with(
     return build_submission(
         lease, requests, outs, eos, backend="hf", dtype="float32", timings=_timings()
     )
+
+
+def _best_of(lease: Lease, n: int) -> RolloutSubmission:
+    """Each sample is the best (by reward) of ``n`` draws, the others from other seeds; the lease's
+    seeds are named and the log-probs are the honest ones of the drawn tokens."""
+    from node.backends.base import SampleOut
+
+    backend = _backend(lease.policy_version)
+    requests = lease_requests(lease)
+    sampling = to_sampling_config(lease)
+    draws = [
+        backend.generate(
+            [dataclasses.replace(r, seed=r.seed + 104729 * k) for r in requests], sampling
+        )
+        for k in range(n)
+    ]
+    outs: list[list[SampleOut]] = []
+    for i, prompt in enumerate(lease.prompts):
+        problem = TASK.problem(int(prompt.prompt_id.rsplit(":", 1)[1]))
+
+        def reward(o: SampleOut, problem: Problem = problem) -> float:
+            return TASK.reward(problem, TOK.decode(o.token_ids), o.finish_reason == "stop")
+
+        outs.append([max((d[i][j] for d in draws), key=reward) for j in range(lease.group_size)])
+    return build_submission(
+        lease, requests, outs, set(backend.eos_token_ids), backend="hf", dtype="float32",
+        timings=_timings(),
+    )  # fmt: skip
+
+
+def _bf16_backend(version: int) -> Any:
+    import copy
+
+    import torch
+
+    from node.backends.hf import HFBackend
+
+    return HFBackend(model=copy.deepcopy(_backend(version).model).to(torch.bfloat16), device="cpu")
+
+
+def _forged_tail(lease: Lease) -> RolloutSubmission:
+    """Honest bf16 samples of a node registered bfloat16, with 40% of each sample's log-probs set
+    to −20: a median statistic ignores them, the tail bound does not."""
+    backend = _bf16_backend(lease.policy_version)
+    requests = lease_requests(lease)
+    outs = backend.generate(requests, to_sampling_config(lease))
+    sub = build_submission(
+        lease, requests, outs, set(backend.eos_token_ids), backend="hf", dtype="bfloat16",
+        timings=_timings(),
+    )  # fmt: skip
+
+    def forge(sample: Any) -> Any:
+        lps = unpack_logprobs(sample.logprobs)
+        k = int(0.4 * len(lps))
+        return msgspec.structs.replace(sample, logprobs=pack_logprobs([-20.0] * k + lps[k:]))
+
+    return msgspec.structs.replace(
+        sub,
+        groups=[
+            msgspec.structs.replace(g, samples=[forge(x) for x in g.samples]) for g in sub.groups
+        ],
+    )
+
+
+def _relabelled(lease: Lease) -> RolloutSubmission:
+    """Honest work, labelled vllm/bfloat16 by a node registered hf/float32 (to choose the bf16
+    tolerance): refused on the label alone."""
+    return msgspec.structs.replace(honest_submission(lease), backend="vllm", dtype="bfloat16")
+
+
+def _builds_trust_then(
+    cheat: Callable[[Lease], RolloutSubmission],
+) -> Callable[[Lease], RolloutSubmission]:
+    """Honest for the first ``TRUST_LEASES`` leases (its check rate decays to the floor), then
+    ``cheat`` on every lease."""
+    seen = [0]
+
+    def play(lease: Lease) -> RolloutSubmission:
+        seen[0] += 1
+        return honest_submission(lease) if seen[0] <= TRUST_LEASES else cheat(lease)
+
+    return play
 
 
 def _byz(mode: str) -> Callable[[Lease], RolloutSubmission]:
@@ -153,6 +245,8 @@ class Cheat:
     codes: frozenset[ReasonCode]
     #: refused by a check every submission gets (else only by a spot check, until struck)
     always: bool
+    #: the dtype the cheat registers (what it is then held to)
+    dtype: str = "float32"
     node: TestNode | None = None
     attempts: int = 0
     accepted_before_detection: int = 0
@@ -220,6 +314,26 @@ def cheats() -> list[Cheat]:
         ),
         Cheat("copies another node's submission", None, frozenset({ReasonCode.WRONG_NODE}), True),
         Cheat("copies another node's groups into its lease", None, frozenset({ig}), True),
+        Cheat(
+            "relabels its work vllm/bfloat16 (registered hf/float32)",
+            _relabelled,
+            frozenset({ReasonCode.REGISTRATION_MISMATCH}),
+            True,
+        ),
+        Cheat(
+            "forged tail log-probs (40% at -20, registered bfloat16)",
+            _forged_tail,
+            frozenset({lm}),
+            False,
+            dtype="bfloat16",
+        ),
+        Cheat("best of 4 draws per sample", lambda x: _best_of(x, 4), frozenset({sm}), False),
+        Cheat(
+            f"best of 4 draws after {TRUST_LEASES} honest leases",
+            _builds_trust_then(lambda x: _best_of(x, 4)),
+            frozenset({sm}),
+            False,
+        ),
     ]
 
 
@@ -229,9 +343,9 @@ class Swarm:
     coord: CoordinatorProc
     trainer: Trainer
 
-    async def node(self) -> TestNode:
+    async def node(self, dtype: str = "float32") -> TestNode:
         node = TestNode(self.trainer.transport, self.coord.peer_id)
-        await node.register()
+        await node.register(dtype=dtype)
         return node
 
 
@@ -242,7 +356,12 @@ async def swarm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm
     config = coordinator_toml(
         tmp,
         trainer_id,
-        intake={"spot_check_fraction": SPOT_FRACTION},
+        intake={
+            "spot_check_fraction": SPOT_FRACTION,
+            "new_node_check_rate": 1.0,
+            "clean_checks_halflife": 2.0,
+        },
+        reward_audit={"fraction": 0.25},
         reputation={"strikes_to_ban": STRIKES_TO_BAN, "ban_base_s": 3600.0},
         leases={"max_active_per_node": 8},
     )
@@ -278,7 +397,7 @@ async def test_every_cheat_is_refused_struck_and_banned_while_honest_nodes_train
     victim = await swarm.node()  # an honest node whose work the copy cheats steal
     plays = cheats()
     for cheat in plays:
-        cheat.node = await swarm.node()
+        cheat.node = await swarm.node(cheat.dtype)
     honest_keys: set[tuple[str, str, int]] = set()
     seq = 0
 
@@ -372,11 +491,43 @@ async def test_every_cheat_is_refused_struck_and_banned_while_honest_nodes_train
     banned = set(status["nodes_banned"])  # type: ignore[arg-type]
     assert banned == {c.node.identity.fingerprint for c in plays if c.node is not None}
     assert not banned & {n.identity.fingerprint for n in [*honest, victim]}
+    rates = status["node_check_rate"]
+    assert isinstance(rates, dict)
+    assert all(rates[n.identity.fingerprint] < 1.0 for n in honest)  # clean history: fewer checks
+    print(f"honest check rates at the end: {[rates[n.identity.fingerprint] for n in honest]}")
+
+    # Receipts: every honest rollout the learner consumed traces back through the signed chain.
+    await swarm.trainer.fetch(0, stats={"step": 1, "rollout_cursor": feed[-1].seq})
+    assert await _audit(swarm, receipt=str(feed[0].seq)) == 0
 
 
-async def test_a_replayed_envelope_is_refused_and_strikes_nobody(swarm: Swarm) -> None:
-    """A third party re-sends a node's signed submission byte for byte: refused as replayed, not
-    counted twice, and the signer (who did nothing wrong) gets no strike."""
+async def _audit(swarm: Swarm, receipt: str) -> int:
+    """``swarm audit`` on the running coordinator's state (its SQLite file, read-only)."""
+    import asyncio
+    import sys
+
+    from swarm_harness import ROOT, until
+
+    async def sealed() -> bool:
+        return bool((await swarm.trainer.status())["receipts_sealed_seq"])
+
+    await until(sealed, "a sealed receipt log", 60, swarm.coord.proc)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "swarm.cli", "audit", "--state-dir", str(swarm.coord.state),
+        "--coordinator-key", swarm.coord.fingerprint, "--receipt", receipt,
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    text = out.decode()
+    print(text)
+    assert "receipt log verifies" in text and "consumed by step 1" in text, text
+    return int(proc.returncode or 0)
+
+
+async def test_a_resent_envelope_gets_its_stored_verdict_and_counts_once(swarm: Swarm) -> None:
+    """The same signed submission sent again byte for byte (by a retrying node or a third party
+    replaying it): the stored verdict, accepted or refused, comes back; nothing is stored twice
+    and the signer gets no further strike."""
     node = await swarm.node()
     lease = await node.lease()
     wire = node.sealed(node.rollouts(lease))
@@ -386,8 +537,87 @@ async def test_a_replayed_envelope_is_refused_and_strikes_nobody(swarm: Swarm) -
     before = len(await swarm.trainer.fetch(0))
     for _ in range(3):
         again = decode(await call(swarm.coord.peer_id, rpc.SUBMIT, wire, timeout=30))
-        assert isinstance(again, Reject) and again.code is ReasonCode.REPLAYED, again
+        assert again == first
     assert len(await swarm.trainer.fetch(0)) == before
-    nxt = await node.lease()  # the signer is not banned or struck
+    bad_lease = await node.lease()
+    bad = msgspec.structs.replace(node.rollouts(bad_lease), policy_version=99)
+    bad_wire = node.sealed(bad)
+    refused = decode(await call(swarm.coord.peer_id, rpc.SUBMIT, bad_wire, timeout=30))
+    assert isinstance(refused, Reject) and refused.code is ReasonCode.VERSION_MISMATCH, refused
+    again = decode(await call(swarm.coord.peer_id, rpc.SUBMIT, bad_wire, timeout=30))
+    assert again == refused  # not `replayed`: the stored verdict
+    nxt = await node.lease()  # one strike only: not banned
     assert isinstance(await node.submit(node.rollouts(nxt)), Ack)
     assert unpack_tokens(nxt.prompts[0].token_ids)
+    status = await swarm.trainer.status()
+    assert node.identity.fingerprint not in status["nodes_banned"]  # type: ignore[operator]
+
+
+# --- boundary tokens: an honest node with another CPU's rounding ------------------------------
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def tied_swarm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm]:
+    """A coordinator sampling at T 1.3, top-k 5, top-p 0.8 on weights whose token embeddings
+    8..13 are equal (their logits tie at every position, straddling the cuts), every lease
+    re-scored."""
+    tmp = tmp_path_factory.mktemp("boundary")
+    trainer_id = Identity.generate()
+    config = coordinator_toml(
+        tmp,
+        trainer_id,
+        sampling={"temperature": 1.3, "top_k": 5, "top_p": 0.8, "max_new_tokens": 8},
+        intake={"spot_check_fraction": 1.0, "spot_check_max_samples": 64},
+    )
+    coord = await launch_coordinator(tmp, config)
+    trainer = Trainer(coord, trainer_id, tmp)
+    try:
+        await trainer.start()
+        await trainer.publish(1, state_dict=_twins()[0].state_dict())
+        yield Swarm(coord, trainer)
+    finally:
+        try:
+            await trainer.stop()
+        finally:
+            coord.proc.stop()
+
+
+@functools.cache
+def _twins() -> tuple[Any, Any]:
+    from policy.testing import rounding_twins
+
+    return rounding_twins()
+
+
+async def test_an_honest_node_is_never_struck_for_its_rounding(tied_swarm: Swarm) -> None:
+    """Two honest nodes, one computing exactly the coordinator's logits, one ~1e-6 off (another
+    CPU): where tied tokens straddle the top-k cut or the top-p mass the second keeps other token
+    sets, and its log-probs of that position differ by the flipped tokens' mass. Every lease of
+    both is accepted, no strike; the receipts show the boundary tokens admitted."""
+    from node.backends.hf import HFBackend
+
+    reference, other_cpu = _twins()
+    nodes = {"same CPU": reference, "another CPU": other_cpu}
+    for name, model in nodes.items():
+        node = await tied_swarm.node()
+        backend = HFBackend(model=model, device="cpu")
+        for _ in range(6):
+            lease = await node.lease(max_prompts=4)
+            requests = lease_requests(lease)
+            outs = backend.generate(requests, to_sampling_config(lease))
+            sub = build_submission(
+                lease, requests, outs, set(backend.eos_token_ids), backend="hf",
+                dtype="float32", timings=_timings(),
+            )  # fmt: skip
+            verdict = await node.submit(sub)
+            assert isinstance(verdict, Ack), (name, verdict)
+    status = await tied_swarm.trainer.status()
+    assert not status["nodes_banned"] and not status.get("rejected_by_reason")
+    entries = load_entries(tied_swarm.coord.state / "state.sqlite")
+    assert verify_chain(entries).ok
+    verdicts = [e.data() for e in entries if e.kind == "verdict"]
+    boundary = sum(v["checks"]["figures"]["boundary_tokens"] for v in verdicts)
+    checked = sum(v["checks"]["figures"]["tokens"] for v in verdicts)
+    print(
+        f"\n{len(verdicts)} leases re-scored, {checked:.0f} tokens, {boundary:.0f} boundary "
+        "tokens admitted, 0 strikes"
+    )
+    assert len(verdicts) == 12 and boundary > 0

@@ -175,8 +175,8 @@ async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
         attacker = await start_loopback_peer([coord.maddr])
         entry = trainer.broadcast.store.manifest(1)
         assert entry is not None
-        # The node key every malformed payload is signed with is registered, so the coordinator
-        # takes its payloads as authenticated (strikes, then a ban: refusals all the same).
+        # The node key every malformed payload is signed with is registered, so its payloads are
+        # authenticated; decode errors still cost no strike (docs/operations.md §6.2).
         node = TestNode(P2PTransport(attacker.p2p), coord.peer_id)
         await node.register()
         keys = Keys(node.identity, trainer_id, attacker.peer_id, entry[1])

@@ -30,7 +30,7 @@ from test_process_faults import (
 )
 
 from protocol.identity import Identity
-from protocol.manifest import verify_chunk, verify_manifest
+from protocol.manifest import part_indices, verify_chunk, verify_manifest
 from swarm.chunks import ChunkStore
 
 # Three trainer runs of 2 ranks each (every rank imports torch and transformers), a coordinator
@@ -107,11 +107,13 @@ async def test_sharded_trainer_fails_cleanly_resumes_and_publishes(
     entry = store.manifest(last["version"])
     assert entry is not None
     manifest = verify_manifest(entry[0], coord.public_key, time.time())
-    published = store.load_files(last["version"])
-    for c in manifest.chunks:
-        verify_chunk(manifest, c.index, published[c.file][c.offset : c.offset + c.size])
+    published = store.load_files(last["version"])  # the full checkpoint (a delta's rebuilt)
+    for part in ("full", "delta"):  # a delta version's signed delta chunks verify too
+        data = published if part == "full" else store.load_files(last["version"], part)
+        for c in (manifest.chunks[i] for i in part_indices(manifest, part)):
+            verify_chunk(manifest, c.index, data[c.file][c.offset : c.offset + c.size])
     from node.backends import make_backend
-    from swarm.checkpoint_io import files_to_state_dict
+    from swarm.checkpoint_io import cast_floats, files_to_state_dict
     from trainer.config import TrainerConfig
     from trainer.recipe import Trainer
 
@@ -122,8 +124,13 @@ async def test_sharded_trainer_fails_cleanly_resumes_and_publishes(
     torch.set_num_threads(1)
     single = Trainer.setup(TrainerConfig(out_dir=str(copy)))
     assert single.step == int(last_name.split("-")[1])
-    for name, value in single.state_dict_for_publish().items():
-        assert torch.equal(backend.model.state_dict()[name], value), name
+    # the trainer publishes its weights cast to publish_dtype (bf16 by default) through
+    # SwarmPublisher's VersionBuilder (keyframe or delta; every tensor's digest signed)
+    assert manifest.tensors is not None, "not built by swarm.publication.VersionBuilder"
+    assert re.search(r"published policy v\d+ as (a delta|a keyframe)", text0), text0[-3000:]
+    loaded_sd = backend.model.state_dict()
+    for name, value in cast_floats(single.state_dict_for_publish(), "bfloat16").items():
+        assert torch.equal(loaded_sd[name].to(value.dtype), value), name
     assert set(loaded_versions(node.text())) & set(published_versions(text0)), "no node loaded"
 
     # --- run 1: resumes from that checkpoint on 2 ranks, publishes newer versions; SIGTERM

@@ -50,7 +50,9 @@ def config(tmp_path: Path, **overrides: Any) -> CoordinatorConfig:
         "staleness_bound": 2,
         "sampling": {"max_new_tokens": 4},
         "leases": {"min_deadline_s": 30.0, "max_prompts_per_lease": 3, "target_lease_s": 1000.0},
-        "intake": {"spot_check_fraction": 0.0},
+        # fixed check rates (spot_check_fraction) unless a test asks for adaptive ones
+        "intake": {"spot_check_fraction": 0.0, "new_node_check_rate": 0.0},
+        "reward_audit": {"fraction": 0.0},
         "capacity": {"activation": False},
         "reputation": {"strikes_to_ban": 100},
     }
@@ -68,6 +70,7 @@ class Harness:
         tmp_path: Path,
         clock: FakeClock | None = None,
         verifier: LogprobVerifier | None = None,
+        signer: Identity | None = None,
         **overrides: Any,
     ) -> None:
         self.tmp_path = tmp_path
@@ -75,6 +78,7 @@ class Harness:
         self.cfg = config(tmp_path, **overrides)
         self.publisher = Identity.generate()
         self.verifier = verifier
+        self.signer = signer  # the coordinator key sealing the receipt log (None: no seals)
         self.core = self.reopen()
 
     def reopen(self) -> Coordinator:
@@ -87,6 +91,7 @@ class Harness:
             clock=self.clock,
             verifier=self.verifier,
             publisher_key=self.publisher.public_key,
+            signer=self.signer,
         )
         return self.core
 
@@ -104,9 +109,18 @@ class Harness:
         )
         self.core.publish_version(sign_manifest(manifest, self.publisher, now))
 
-    def node(self, *, price: float | None = None, rollouts_per_s: float = 0.0) -> Identity:
+    def node(
+        self,
+        *,
+        price: float | None = None,
+        rollouts_per_s: float = 0.0,
+        backend: str = "hf",
+        dtype: str = "float32",
+    ) -> Identity:
         ident = Identity.generate()
-        self.core.register(ident.public_key, advert(ident, self.clock(), price, rollouts_per_s))
+        self.core.register(
+            ident.public_key, advert(ident, self.clock(), price, rollouts_per_s, backend, dtype)
+        )
         return ident
 
     def lease(self, ident: Identity, max_prompts: int = 3) -> Lease:
@@ -119,15 +133,20 @@ class Harness:
 
 
 def advert(
-    ident: Identity, now: float, price: float | None = None, rollouts_per_s: float = 0.0
+    ident: Identity,
+    now: float,
+    price: float | None = None,
+    rollouts_per_s: float = 0.0,
+    backend: str = "hf",
+    dtype: str = "float32",
 ) -> CapabilityAdvert:
     return CapabilityAdvert(
         peer_id="peer",
         node_key=ident.public_key,
         gpus=[],
         cpu=CpuInfo(cores=2, memory_bytes=1 << 30),
-        backend="hf",
-        dtype="float32",
+        backend=backend,
+        dtype=dtype,  # type: ignore[arg-type]
         tokens_per_s=100.0,
         rollouts_per_s=rollouts_per_s,
         price_per_hour=price,
@@ -187,18 +206,23 @@ def sampled(
     *,
     greedy: bool = False,
     seed_offset: int = 0,
+    backend: str = "hf",
+    dtype: str = "float32",
+    report_model: Any = None,
 ) -> RolloutSubmission:
     """The honest submission of ``lease`` sampled with the ``hf`` backend on ``model``, built as
     the node worker builds it. ``greedy`` decodes with top-k 1 and ``seed_offset`` draws from
     other seeds; both then report the honest log-probs of the lease's sampling distribution,
-    so only the sampling audit can tell (what a careful cheat would do)."""
+    so only the sampling audit can tell (what a careful cheat would do). ``backend``/``dtype``
+    are the labels the submission carries; ``report_model`` (default ``model``) is the model
+    whose log-probs are reported for re-drawn samples."""
     import dataclasses
 
     from node.backends.hf import HFBackend
     from node.byzantine import report_logprobs_of
     from node.rollouts import build_submission, lease_requests, to_sampling_config
 
-    backend = HFBackend(model=model, device="cpu")
+    hf = HFBackend(model=model, device="cpu")
     requests = lease_requests(lease)
     honest_requests = requests
     if seed_offset:
@@ -206,15 +230,16 @@ def sampled(
     sampling = to_sampling_config(lease)
     if greedy:
         sampling = dataclasses.replace(sampling, top_k=1)
-    outs = backend.generate(requests, sampling)
+    outs = hf.generate(requests, sampling)
     if greedy or seed_offset:
-        report_logprobs_of(model, requests, outs, to_sampling_config(lease))
+        reporter = report_model if report_model is not None else model
+        report_logprobs_of(reporter, requests, outs, to_sampling_config(lease))
     return build_submission(
         lease,
         honest_requests,
         outs,
-        set(backend.eos_token_ids),
-        backend="hf",
-        dtype="float32",
+        set(hf.eos_token_ids),
+        backend=backend,
+        dtype=dtype,
         timings=Timings(started_at=0.0, finished_at=1.0, generate_s=1.0),
     )

@@ -223,30 +223,62 @@ def test_deviation_metrics() -> None:
     rel = deviation("median_rel", [[-1.0, -1.0, -1.0]], [[-1.0, -1.05, -1.2]])
     assert rel == pytest.approx(2.718281828**0.05 - 1)
     assert deviation("max_abs", [[-1.0]], [[float("-inf")]]) == float("inf")
+    # against an admissible interval [lo, hi]: 0 inside, the distance outside
+    assert deviation("max_abs", [[-1.0, -3.0]], [[-1.2, -2.0]], [[-0.9, -1.5]]) == 1.0
 
 
-def test_malformed_payload_from_a_registered_node_is_a_strike(h: Harness) -> None:
-    """The signature verifies, so the signer really sent the garbage: refused *and* struck.
-    A forged envelope (bad signature) is refused without striking the claimed signer."""
+def test_decode_errors_cost_no_strike_even_when_signed(h: Harness) -> None:
+    """docs/operations.md §6.2: decode codes (unknown_field, schema, too_long, not_finite, ...)
+    cost no strike, even when the signature verifies: three lease requests with one unknown
+    field (a client one protocol revision ahead) leave the key unbanned and unstruck. A forged
+    envelope (bad signature) strikes nobody either."""
     import os
 
     from protocol.envelope import signed_bytes
+    from protocol.messages import LeaseRequest
 
-    node = h.node()
-    lease = h.lease(node)
-    good = msgspec.msgpack.decode(encode(submission(lease)))
-    good["reward"] = 1.0  # a field the wire format does not have: nodes never send rewards
-    payload = msgspec.msgpack.encode(good)
-    nonce, ts = os.urandom(16), h.clock()
-    sig = node.sign(signed_bytes(node.public_key, nonce, ts, payload))
-    env = seal(node, submission(lease), now=ts)
-    bad = msgspec.structs.replace(env, nonce=nonce, ts=ts, payload=payload, signature=sig)
+    h2 = Harness(h.tmp_path / "three", reputation={"strikes_to_ban": 3})
+    h2.publish(1)
+    node = h2.node()
+
+    def signed(payload: bytes) -> object:
+        nonce, ts = os.urandom(16), h2.clock()
+        sig = node.sign(signed_bytes(node.public_key, nonce, ts, payload))
+        env = seal(node, LeaseRequest(peer_id="peer", policy_version=1, max_prompts=1), now=ts)
+        return msgspec.structs.replace(env, nonce=nonce, ts=ts, payload=payload, signature=sig)
+
+    ahead = msgspec.msgpack.decode(
+        encode(LeaseRequest(peer_id="peer", policy_version=1, max_prompts=1))
+    )
+    ahead["priority"] = 1  # a field of a later protocol revision
+    for _ in range(3):
+        with pytest.raises(ProtocolError) as e:
+            h2.core.open(signed(msgspec.msgpack.encode(ahead)), LeaseRequest)
+        assert e.value.code is ReasonCode.UNKNOWN_FIELD
+    not_finite = msgspec.msgpack.decode(encode(submission(h2.lease(node))))
+    not_finite["timings"]["generate_s"] = float("nan")
     with pytest.raises(ProtocolError) as e:
-        h.core.open(bad, RolloutSubmission)
-    assert e.value.code is ReasonCode.UNKNOWN_FIELD
-    assert h.core.reputation.strikes(node.public_key) == {"unknown_field": 1}
-    forged = msgspec.structs.replace(bad, nonce=os.urandom(16))  # signature no longer matches
+        h2.core.open(signed(msgspec.msgpack.encode(not_finite)), RolloutSubmission)
+    assert e.value.code is ReasonCode.NOT_FINITE
+    assert h2.core.reputation.strikes(node.public_key) == {}
+    assert h2.core.reputation.banned(node.public_key, h2.clock()) is None
+    assert h2.lease(node).lease_id  # still served
+    forged = msgspec.structs.replace(signed(msgspec.msgpack.encode(ahead)), nonce=os.urandom(16))
     with pytest.raises(ProtocolError) as e:
-        h.core.open(forged, RolloutSubmission)
+        h2.core.open(forged, LeaseRequest)
     assert e.value.code is ReasonCode.BAD_SIGNATURE
-    assert h.core.reputation.strikes(node.public_key) == {"unknown_field": 1}
+    assert h2.core.reputation.strikes(node.public_key) == {}
+
+
+async def test_verification_failures_still_strike_and_ban(tmp_path: Path) -> None:
+    """The other half of the policy: a verification failure (here out-of-vocabulary tokens) is a
+    strike, and three ban the key (docs/operations.md §6.2, codes marked strike)."""
+    h = Harness(tmp_path, reputation={"strikes_to_ban": 3})
+    h.publish(1)
+    node = h.node()
+    for _ in range(3):
+        lease = h.lease(node, max_prompts=1)
+        oov = submission(lease, completions=[[[TOK.vocab_size], [TOK.vocab_size]]])
+        assert await rejected(h, node, oov) is ReasonCode.TOKEN_OUT_OF_VOCAB
+    assert h.core.reputation.strikes(node.public_key) == {"token_out_of_vocab": 3}
+    assert h.core.reputation.banned(node.public_key, h.clock()) is not None

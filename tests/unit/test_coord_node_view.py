@@ -100,7 +100,11 @@ async def test_census_counts_registered_nodes_holding_every_chunk() -> None:
     await mem.publish(5, "QmStranger", full, 60)  # never registered: not counted
     await mem.publish(4, "QmA", full, 60)
     await mem.publish(4, "QmB", full, 60)
-    census = HolderCensus(directory, lambda: [(4, 10), (5, 10), (6, 10)], lambda: {"QmA", "QmB"})
+    census = HolderCensus(
+        directory,
+        lambda: [(4, 10, range(10)), (5, 10, range(10)), (6, 10, range(10))],
+        lambda: {"QmA", "QmB"},
+    )
     await census.refresh()
     assert census.counts == {4: 2, 5: 1, 6: 0}
     assert census.by_peer == {"QmA": [4, 5], "QmB": [4]}

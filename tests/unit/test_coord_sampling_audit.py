@@ -69,9 +69,9 @@ async def test_greedy_decoding_is_a_sampling_mismatch(tmp_path: Path, model: Any
 async def test_greedy_decoding_is_caught_by_the_statistic_without_replay(
     tmp_path: Path, model: Any
 ) -> None:
-    """A backend without the reference sampler (vLLM) is not replayed: the statistic alone
-    still refuses greedy decoding (tokens far likelier than sampling gives)."""
-    h = harness(tmp_path, model, intake={"replay_backends": []})
+    """The statistic alone refuses greedy decoding (tokens far likelier than sampling gives),
+    before the seeded replay is consulted."""
+    h = harness(tmp_path, model)
     node = h.node()
     lease = h.lease(node)
     got = await verdict(h, node, sampled(lease, model, greedy=True))

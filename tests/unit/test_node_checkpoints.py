@@ -44,9 +44,13 @@ class RecordingBackend:
     def __init__(self) -> None:
         self.loaded_version: int | None = None
         self.loads: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.changed: list[frozenset[str] | None] = []
 
-    def load_state_dict(self, version: int, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(
+        self, version: int, state_dict: Mapping[str, Any], changed: Any = None
+    ) -> None:
         self.loads.append((version, dict(state_dict)))
+        self.changed.append(None if changed is None else frozenset(changed))
         self.loaded_version = version
 
 

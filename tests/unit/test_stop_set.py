@@ -67,8 +67,9 @@ def _coordinator(tmp_path: Path, model_dir: Path) -> Coordinator:
 
 
 def register_node(core: Coordinator) -> Identity:
+    """A node registered with the fake backend (what its submissions then name)."""
     ident = Identity.generate()
-    core.register(ident.public_key, advert(ident, core.clock()))
+    core.register(ident.public_key, advert(ident, core.clock(), backend="fake"))
     return ident
 
 

@@ -1,0 +1,175 @@
+"""Top-k / top-p boundary tokens: what another machine's rounding may legitimately change.
+
+Two honest machines compute logits that differ by rounding. Away from the top-k / top-p
+boundaries that only moves a log-prob a little (the tolerance of the spot check absorbs it). At a
+boundary it can flip whether a token is kept at all: a tie at the k-th logit, or a token whose
+higher-ranked mass sits within rounding of ``top_p``. The node then renormalises over another set
+and every log-prob of that position shifts by the flipped token's mass (0.17 in a test run on a
+different CPU), and its inverse-CDF draws move with it.
+
+So the verifier does not compute one kept set but two, for a *logit margin* ``m`` (raw logits of
+two honest machines differ by at most ``m``, calibrated per dtype: bench/calibrate_verifier.py):
+
+* ``inner``: tokens kept whatever the rounding within ``m`` (surely kept);
+* ``outer``: tokens kept for some rounding within ``m`` (possibly kept), ``inner ⊆ outer``.
+
+Any honest node's kept set ``S`` lies between them. Then for a token ``t`` the admissible
+log-prob is the interval :func:`logprob_interval` over those sets, and ``t`` is an admissible
+inverse-CDF draw at ``u`` if it is for some such ``S`` (:func:`replay_admissible`). Where
+``inner == outer`` (nearly everywhere) both reduce to the exact single-set answers. With
+``x = logits / T`` and ``d = 2m / T`` (both machines may move by ``m``):
+
+* top-k: ``i ∈ outer_k`` iff ``#{j : x_j > x_i + d} < k``; ``i ∈ inner_k`` iff
+  ``#{j ≠ i : x_j ≥ x_i − d} < k`` (ties at the k-th logit are kept, so they count as above);
+* top-p, with ``e_j = exp(x_j − max x)``: ``i ∈ outer`` iff ``i ∈ outer_k`` and
+  ``e^{−d} · Σ_{j ∈ inner_k, x_j > x_i + d} e_j / Σ_{j ∈ outer_k} e_j < top_p``
+  (a lower bound of the mass ranked above ``i`` on any honest machine); ``i ∈ inner`` iff
+  ``i ∈ inner_k`` and ``N / (N + R) < top_p`` with ``N = e^{d} · Σ_{j ∈ outer_k, j ≠ i,
+  x_j ≥ x_i − d} e_j`` and ``R = e_i + Σ_{j ∈ inner_k, x_j < x_i − d} e_j`` (an upper bound).
+
+Everything is vectorised over leading dimensions (one sort and a few prefix sums per position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DEFAULT_LOGIT_MARGIN",
+    "KeptBounds",
+    "kept_bounds",
+    "logprob_interval",
+    "replay_admissible",
+]
+
+#: Default logit margin per dtype (raw-logit difference two honest machines may show), from
+#: honest runs (bench/calibrate_verifier.py; docs/reliability.md "Calibration"). The coordinator's
+#: ``intake.tolerances`` default to these; tests compare across code paths with them.
+DEFAULT_LOGIT_MARGIN: dict[str, float] = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.05}
+
+
+@dataclass(frozen=True)
+class KeptBounds:
+    """The two kept sets of every position (``[..., V]``) and the values they are built on."""
+
+    #: ``logits / temperature`` in fp32 (or the logits' dtype if wider)
+    x: torch.Tensor
+    #: ``exp(x − max x)`` per position
+    e: torch.Tensor
+    #: surely kept (whatever the rounding within the margin)
+    inner: torch.Tensor
+    #: possibly kept (for some rounding within the margin); ``inner ⊆ outer``
+    outer: torch.Tensor
+
+
+def _masked_sums_above(
+    asc: torch.Tensor, e_asc: torch.Tensor, mask_asc: torch.Tensor, c: torch.Tensor, strict: bool
+) -> torch.Tensor:
+    """``Σ_{j ∈ mask, x_j > c}`` (``strict``) or ``x_j ≥ c`` of ``e_j``, for every entry of
+    ``c [..., V]``; ``asc`` are the values sorted ascending with ``e_asc``/``mask_asc`` aligned."""
+    w = torch.where(mask_asc, e_asc, torch.zeros_like(e_asc))
+    suffix = torch.flip(torch.cumsum(torch.flip(w, [-1]), -1), [-1])  # suffix[i] = Σ_{j ≥ i}
+    suffix = torch.cat([suffix, torch.zeros_like(suffix[..., :1])], -1)
+    idx = torch.searchsorted(asc, c.contiguous(), right=strict)
+    return suffix.gather(-1, idx)
+
+
+def kept_bounds(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    margin: float = 0.0,
+) -> KeptBounds:
+    """The surely-kept and possibly-kept sets of every position of raw ``logits [..., V]`` for
+    the processing ``temperature → top-k → top-p`` when logits may differ by ``margin``."""
+    x = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
+    if temperature != 1.0:
+        x = x / temperature
+    d = 2.0 * margin / temperature
+    vocab = x.shape[-1]
+    e = torch.exp(x - x.max(-1, keepdim=True).values)
+    asc, order = torch.sort(x, -1)
+    asc = asc.contiguous()
+    everything = torch.ones_like(x, dtype=torch.bool)
+    if 0 < top_k < vocab:
+        above_out = vocab - torch.searchsorted(asc, (x + d).contiguous(), right=True)
+        above_in = vocab - torch.searchsorted(asc, (x - d).contiguous(), right=False) - 1
+        outer_k, inner_k = above_out < top_k, above_in < top_k
+    else:
+        outer_k, inner_k = everything, everything
+    if top_p >= 1.0:
+        return KeptBounds(x, e, inner_k, outer_k)
+    e_asc = e.gather(-1, order)
+    in_asc, out_asc = inner_k.gather(-1, order), outer_k.gather(-1, order)
+    z_out = torch.where(outer_k, e, torch.zeros_like(e)).sum(-1, keepdim=True)
+    z_in = torch.where(inner_k, e, torch.zeros_like(e)).sum(-1, keepdim=True)
+    grow, shrink = (
+        torch.exp(torch.tensor(d, dtype=x.dtype)),
+        torch.exp(torch.tensor(-d, dtype=x.dtype)),
+    )
+    # lower bound of the mass above i on any honest machine -> possibly kept
+    surely_above = _masked_sums_above(asc, e_asc, in_asc, x + d, strict=True)
+    outer = outer_k & (shrink * surely_above / z_out < top_p)
+    # upper bound of the mass above i -> surely kept
+    maybe_above = _masked_sums_above(asc, e_asc, out_asc, x - d, strict=False) - e
+    n_hi = grow * maybe_above.clamp_min(0.0)
+    below_in = z_in - _masked_sums_above(asc, e_asc, in_asc, x - d, strict=False)
+    r_lo = e + below_in.clamp_min(0.0)
+    inner = inner_k & (n_hi / (n_hi + r_lo) < top_p)
+    return KeptBounds(x, e, inner & outer, outer)
+
+
+def logprob_interval(
+    bounds: KeptBounds, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lo, hi)`` of the log-prob of ``targets [...]`` over every kept set between ``inner``
+    and ``outer``: ``lo = x_t − log Σ_outer e^x`` (largest set), ``hi = x_t − log Σ_{inner ∪ {t}}
+    e^x`` (smallest set holding ``t``). Both are ``-inf`` when ``t`` is not even possibly kept."""
+    t = targets.unsqueeze(-1)
+    e_t = bounds.e.gather(-1, t).squeeze(-1)
+    x_t = bounds.x.gather(-1, t).squeeze(-1)
+    zero = torch.zeros_like(bounds.e)
+    z_out = torch.where(bounds.outer, bounds.e, zero).sum(-1)
+    in_t = bounds.inner.gather(-1, t).squeeze(-1)
+    z_in = torch.where(bounds.inner, bounds.e, zero).sum(-1) + torch.where(in_t, 0.0, e_t)
+    shift = bounds.x.max(-1).values
+    lo = x_t - shift - torch.log(z_out)
+    hi = x_t - shift - torch.log(z_in)
+    possible = bounds.outer.gather(-1, t).squeeze(-1)
+    ninf = torch.full_like(lo, float("-inf"))
+    return torch.where(possible, lo, ninf), torch.where(possible, hi, ninf)
+
+
+def replay_admissible(
+    bounds: KeptBounds, targets: torch.Tensor, u: torch.Tensor, slack: float
+) -> torch.Tensor:
+    """Whether each of ``targets [...]`` is the inverse-CDF draw at ``u [...]`` for some kept
+    set ``S`` between ``inner`` and ``outer`` (each bound widened by ``slack`` probability mass).
+
+    With ``S`` fixed the draw is ``t`` iff ``0 ≤ f(S) < e_t`` where ``f(S) = u·Σ_S e −
+    Σ_{j ∈ S, j < t} e_j`` (``cdf(t−1) ≤ u < cdf(t)``). ``f`` grows with the optional tokens above
+    ``t`` in id order and shrinks with those below, so over all ``S`` it ranges over
+    ``[f_min, f_max]``; the draw is admissible iff ``f_max ≥ −slack·Z`` and ``f_min < e_t +
+    slack·Z`` (``Z = Σ_outer e``)."""
+    t = targets.unsqueeze(-1)
+    zero = torch.zeros_like(bounds.e)
+    e_in = torch.where(bounds.inner, bounds.e, zero)
+    e_out = torch.where(bounds.outer, bounds.e, zero)
+    cum_in, cum_out = e_in.cumsum(-1), e_out.cumsum(-1)
+    e_t = bounds.e.gather(-1, t).squeeze(-1)
+    tot_in, tot_out = cum_in[..., -1], cum_out[..., -1]
+    upto_in = cum_in.gather(-1, t).squeeze(-1)  # Σ_{j ≤ t}
+    upto_out = cum_out.gather(-1, t).squeeze(-1)
+    in_t = bounds.inner.gather(-1, t).squeeze(-1)
+    out_t = bounds.outer.gather(-1, t).squeeze(-1)
+    below_in = upto_in - torch.where(in_t, e_t, torch.zeros_like(e_t))
+    below_out = upto_out - torch.where(out_t, e_t, torch.zeros_like(e_t))
+    above_in, above_out = tot_in - upto_in, tot_out - upto_out
+    uf = u.to(e_t.dtype)
+    f_max = uf * e_t + uf * above_out - (1.0 - uf) * below_in
+    f_min = uf * e_t + uf * above_in - (1.0 - uf) * below_out
+    z = tot_out
+    return out_t & (f_max >= -slack * z) & (f_min < e_t + slack * z)

@@ -1,0 +1,100 @@
+"""policy.boundary: the kept sets another machine's rounding may give, and what they admit.
+
+For random logits (with exact ties, the case that broke a test on another CPU) and random
+settings, a second machine is simulated by moving every logit by less than the margin: its kept
+set must lie between ``inner`` and ``outer``, its log-prob inside the admissible interval (up to
+the value change the tolerance absorbs) and its inverse-CDF draw admissible. With no margin and
+no ties, both sets are exactly the processed distribution's."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policy.boundary import kept_bounds, logprob_interval, replay_admissible
+from policy.draw import draw_tokens, processed_logprobs
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[torch.Tensor, float, float, int, int]:
+    vocab = draw(st.integers(2, 40))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(vocab, generator=gen, dtype=torch.float64) * 2
+    ties = draw(st.integers(0, min(4, vocab - 1)))
+    for i in range(ties):  # exact ties, as tied embeddings or rounding produce
+        logits[i + 1] = logits[0]
+    temperature = draw(st.floats(0.3, 2.0))
+    top_p = draw(st.floats(0.01, 1.0))
+    top_k = draw(st.integers(0, vocab))
+    return logits, temperature, top_p, top_k, seed
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases(), st.floats(1e-6, 0.2))
+def test_another_machines_kept_set_lies_between_the_bounds(
+    case: tuple[torch.Tensor, float, float, int, int], margin: float
+) -> None:
+    logits, t, p, k, seed = case
+    gen = torch.Generator().manual_seed(seed + 1)
+    moved = logits + (torch.rand(logits.shape, generator=gen, dtype=torch.float64) * 2 - 1) * (
+        margin * 0.999
+    )
+    bounds = kept_bounds(logits[None], t, p, k, margin)
+    kept = torch.isfinite(processed_logprobs(moved[None], t, p, k))
+    assert bool((kept <= bounds.outer).all()), "a token the other machine keeps is not admissible"
+    assert bool((bounds.inner <= kept).all()), "a surely-kept token was dropped elsewhere"
+    u = torch.rand(1, generator=gen)
+    tok, lp = draw_tokens(moved[None], u, temperature=t, top_p=p, top_k=k)
+    # moving every logit by < m moves each CDF value by < expm1(2m/T) of the mass: the slack
+    # a replay needs to admit such a machine's draws (the per-dtype replay_slack is calibrated)
+    slack = math.expm1(2 * margin / t) + 1e-6
+    assert bool(replay_admissible(bounds, tok, u, slack=slack).all())
+    lo, hi = logprob_interval(bounds, tok)
+    value_change = 2 * margin / t + 1e-4  # what the tolerance, not the interval, absorbs
+    assert lo.item() - value_change <= lp.item() <= hi.item() + value_change
+
+
+@settings(max_examples=200, deadline=None)
+@given(cases())
+def test_without_margin_and_ties_the_bounds_are_the_processed_set(
+    case: tuple[torch.Tensor, float, float, int, int],
+) -> None:
+    logits, t, p, k, _ = case
+    if len(set(logits.tolist())) < logits.numel():
+        logits = logits + torch.arange(logits.numel(), dtype=logits.dtype) * 1e-3  # untie
+    bounds = kept_bounds(logits[None], t, p, k, 0.0)
+    logp = processed_logprobs(logits[None], t, p, k)
+    kept = torch.isfinite(logp)
+    assert torch.equal(bounds.inner, kept) and torch.equal(bounds.outer, kept)
+    targets = torch.tensor([int(torch.argmax(logits))])
+    lo, hi = logprob_interval(bounds, targets)
+    assert lo.item() == hi.item()
+    assert math.isclose(lo.item(), logp[0, targets[0]].item(), abs_tol=1e-5)
+
+
+def test_a_tie_at_the_kth_logit_admits_either_set() -> None:
+    """Logits (3, 2, 1, 1) with top-3 keep both 1s (ties at the k-th logit are kept); a machine
+    that rounds one of them down keeps one. Both renormalisations are admissible: the interval
+    runs from the largest set to the surely-kept one (a conservative bound: it also admits the
+    set without either 1)."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 1.0]])
+    bounds = kept_bounds(logits, top_k=3, margin=1e-6)
+    assert bounds.inner.tolist() == [[True, True, False, False]]
+    assert bounds.outer.tolist() == [[True, True, True, True]]
+    lo, hi = logprob_interval(bounds, torch.tensor([0]))
+    both = math.log(math.exp(3) / (math.exp(3) + math.exp(2) + 2 * math.e))
+    one = math.log(math.exp(3) / (math.exp(3) + math.exp(2) + math.e))
+    surely = math.log(math.exp(3) / (math.exp(3) + math.exp(2)))
+    assert math.isclose(lo.item(), both, rel_tol=1e-6)
+    assert math.isclose(hi.item(), surely, rel_tol=1e-6)
+    assert lo.item() < one < hi.item()
+    out_lo, _ = logprob_interval(bounds, torch.tensor([1]))
+    assert math.isfinite(out_lo.item())
+    # a token no machine keeps stays inadmissible
+    far = kept_bounds(torch.tensor([[3.0, 2.0, 1.0, -5.0]]), top_k=3, margin=1e-3)
+    lo, hi = logprob_interval(far, torch.tensor([3]))
+    assert lo.item() == hi.item() == -math.inf
