@@ -15,7 +15,7 @@ import json
 import secrets
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ CREATE TABLE IF NOT EXISTS leases (
     state TEXT NOT NULL CHECK (state IN ('active', 'completed', 'expired', 'released')),
     closed_at REAL, tokens INTEGER NOT NULL DEFAULT 0, samples INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS leases_by_state ON leases (state, deadline);
+CREATE INDEX IF NOT EXISTS leases_by_node ON leases (node_key, state);
 CREATE TABLE IF NOT EXISTS prompts (
     prompt_index INTEGER PRIMARY KEY,
     state TEXT NOT NULL CHECK (state IN ('leased', 'pending', 'done')),
@@ -261,6 +262,25 @@ class Store:
         return [
             node_from_row(r) for r in self._all(f"SELECT {NODE_COLS} FROM nodes ORDER BY node_key")
         ]
+
+    def touch_nodes(self, seen: Iterable[tuple[bytes, float]]) -> None:
+        """Raise ``last_seen`` of many nodes in one transaction (never lowers it)."""
+        with self.transaction():
+            self._many(
+                "UPDATE nodes SET last_seen = MAX(last_seen, ?) WHERE node_key = ?",
+                [(at, key) for key, at in seen],
+            )
+
+    def live_nodes(self, seen_after: float, now: float) -> list[NodeRecord]:
+        """Nodes heard from at or after ``seen_after`` with no ban in force at ``now``, ordered by
+        key, without their adverts (the capacity planner's input: one query, no blobs)."""
+        cols = NODE_COLS.replace("advert", "NULL")
+        sql = (
+            f"SELECT {cols} FROM nodes WHERE last_seen >= ?"
+            " AND node_key NOT IN (SELECT node_key FROM bans WHERE banned_until > ?)"
+            " ORDER BY node_key"
+        )
+        return [node_from_row(r) for r in self._all(sql, (seen_after, now))]
 
     def node_count(self) -> int:
         return int(self._all("SELECT COUNT(*) FROM nodes")[0][0])
