@@ -473,6 +473,12 @@ def _attach_stats(trainer: Any, source: CoordinatorSource) -> None:
                 "dropped_stale": record["dropped_stale"],
                 "mismatch_kl": record["mismatch_kl"],
                 "ess_frac": record["ess_frac"],
+                # stability monitors (trainer/monitors.py) and their warning line ("" = healthy)
+                "clip_frac": record["clip_frac"],
+                "mask_frac": record["mask_frac"],
+                "weight_modified_frac": record["weight_modified_frac"],
+                "grad_norm": record["grad_norm"],
+                "stability_warning": record["stability_warning"],
                 "idle_frac": record["idle_frac"],
                 "step_time_s": record["step_time_s"],
                 "rollout_cursor": trainer.cursor,
