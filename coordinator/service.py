@@ -71,6 +71,7 @@ from swarm.chunks import ChunkStore
 from swarm.dht import PeerConfig, SwarmPeer
 from swarm.holders import DhtHolderDirectory
 from swarm.ratelimit import TokenBucket
+from swarm.reachability import DialbackServer
 from swarm.records import publish_coordinator_address, publish_policy_version
 from swarm.transport import P2PTransport, Transport
 
@@ -131,6 +132,8 @@ class CoordinatorService:
         self._seeders: dict[int, str] = {}
         #: running mean of publish call -> version held here (seconds; T_bcast's main part)
         self._hold_s: float | None = None
+        self.dialback: DialbackServer | None = None
+        self._peer_ids: dict[str, str] = {}  # node fingerprint -> libp2p peer id (register, hb)
         self._upkeep: asyncio.Task[None] | None = None
         self._started_at = time.time()
 
@@ -214,6 +217,9 @@ class CoordinatorService:
         self._resume_versions()
         await self._warm_verifier()
         await self.register_handlers(self.transport)
+        # nodes measure whether they can be dialled by asking for a dial-back from here
+        self.dialback = DialbackServer(self.transport, host=cfg.network.host)
+        await self.dialback.start()
         self.multiaddrs = await self.peer.visible_maddrs()
         self.http = StatusHttpServer(
             cfg.network.http_host,
@@ -264,6 +270,9 @@ class CoordinatorService:
                 await self._upkeep
         for task in [*self._version_tasks.values(), *self._preload_tasks]:
             task.cancel()
+        if self.dialback is not None:
+            with contextlib.suppress(Exception):
+                await self.dialback.stop()
         if self.census is not None:
             await self.census.stop()
         if self.broadcast is not None:
@@ -325,9 +334,20 @@ class CoordinatorService:
             census=self.census,
         )
         status["versions_loaded"] = self.loaded_versions()  # ready for log-prob spot checks
+        status["node_reachability"] = self.node_reachability(status.get("node_states") or {})
         if self.setup is not None:  # the trainer checks its positions against these
             status["longest_prompt_tokens"] = self.setup.report.longest_prompt
         return status
+
+    def node_reachability(self, nodes: dict[str, Any]) -> dict[str, str]:
+        """``{fingerprint: "public" | "private" | "unknown"}``, as measured by this coordinator's
+        dial-back of each node (not as the node claims)."""
+        out: dict[str, str] = {}
+        for fp in nodes:
+            peer_id = self._peer_ids.get(fp)
+            found = self.dialback.reachability_of(peer_id) if self.dialback and peer_id else None
+            out[fp] = found or "unknown"
+        return out
 
     # --- handlers --------------------------------------------------------------------------------
     def _open(self, request: bytes, type_: type[M]) -> tuple[bytes, M]:
@@ -354,12 +374,16 @@ class CoordinatorService:
         node_key, msg = self._open(request, Register)
         if msg.advert.peer_id != caller:
             raise Rejection(ReasonCode.SCHEMA, "advert.peer_id is not the calling libp2p peer")
-        return encode(self.core.register(node_key, msg.advert))
+        ack = self.core.register(node_key, msg.advert)
+        self._peer_ids[fingerprint_of(node_key)] = caller
+        return encode(ack)
 
     async def _on_heartbeat(self, caller: str, request: bytes) -> bytes:
         assert self.core is not None
         node_key, msg = self._open(request, Heartbeat)
-        return encode(self.core.heartbeat(node_key, msg))
+        ack = self.core.heartbeat(node_key, msg)
+        self._peer_ids[fingerprint_of(node_key)] = caller
+        return encode(ack)
 
     async def _on_lease(self, caller: str, request: bytes) -> bytes:
         assert self.core is not None

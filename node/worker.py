@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from policy.model import Tokenizer
     from swarm.dht import SwarmPeer
     from swarm.holders import HolderDirectory
+    from swarm.reachability import ReachabilityMonitor
     from swarm.transport import Transport
 
 __all__ = ["NodeWorker"]
@@ -126,6 +127,7 @@ class NodeWorker:
         self.heartbeat_interval_s = config.heartbeat_interval_s or 10.0
         self.coordinator_peer_id: str = config.coordinator_peer_id
         self.broadcast: Any = None
+        self.reachability: ReachabilityMonitor | None = None
         self.checkpoints: CheckpointManager | None = None
         self.client: CoordinatorClient | None = None
         self.backoff = Backoff(config.backoff_initial_s, config.backoff_max_s, self.rng)
@@ -172,6 +174,8 @@ class NodeWorker:
                 deadline=cfg.download_timeout_s, reserve_bytes=cfg.min_free_disk_mb << 20
             ),
         )
+        if self.peer is not None:  # a real network: holdings announced only once measured
+            self.broadcast.dialable = False
         await self.broadcast.start()
         self.checkpoints = CheckpointManager(
             self.broadcast,
@@ -199,6 +203,7 @@ class NodeWorker:
         self._spawn("status", self._status_loop())
         if self.peer is not None:
             self._spawn("advert", self._advert_loop())
+            self._spawn("reachability", self._reachability_loop())
 
     async def _start_peer(self, state: Path) -> None:
         from swarm.adverts import swarm_validators
@@ -278,6 +283,7 @@ class NodeWorker:
             peer_id=self.peer_id,
             tokens_per_s=self.stats.tokens_per_s,
             now=self.clock(),
+            reachability=self.reachability.state if self.reachability else "unknown",
         )
 
     async def _register_with_retries(self, budget_s: float) -> None:
@@ -334,6 +340,27 @@ class NodeWorker:
             self._advert_dirty.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._advert_dirty.wait(), self.config.advert_period_s)
+
+    async def _reachability_loop(self) -> None:
+        """Measure (dial-back by the coordinator) whether other peers can dial this node; only
+        then does it announce the chunks it holds (a NATed node stays download-only)."""
+        from swarm.reachability import ReachabilityMonitor
+
+        peer = self.peer
+        assert peer is not None and self._transport is not None
+
+        def changed(state: str) -> None:
+            self.broadcast.dialable = state == "public"
+            self._advert_dirty.set()
+
+        self.reachability = ReachabilityMonitor(
+            self._transport,
+            peer.visible_maddrs,
+            lambda: self.coordinator_peer_id,
+            on_change=changed,
+            interval=self.config.reachability_interval_s,
+        )
+        await self.reachability.run()
 
     # ------------------------------------------------------------------ heartbeat, status
     async def _heartbeat_loop(self) -> None:
@@ -398,7 +425,9 @@ class NodeWorker:
         return (
             f"status: {state} v={'-' if v is None else v} leases={s.leases_done} "
             f"tok/s={tps} accepted={s.leases_accepted} rejected={s.leases_rejected} "
-            f"released={s.leases_released}" + (f" problem: {problem}" if problem else "")
+            f"released={s.leases_released} "
+            f"reach={self.reachability.state if self.reachability else 'unknown'}"
+            + (f" problem: {problem}" if problem else "")
         )
 
     async def _status_loop(self) -> None:

@@ -139,7 +139,7 @@ class CapabilityAdvert(MessageBase):
     rollouts_per_s: Finite  # measured completed samples per second, >= 0
     price_per_hour: Finite | None  # asking price (USD/h, >= 0); None = unpriced/free
     policy_version: U64 | None  # checkpoint version loaded; None = none yet
-    reachability: Reachability  # "public" (dialable), "relayed" (via relay), "unknown"
+    reachability: Reachability  # "public" / "private": measured (dial-back); "relayed"; "unknown"
     software_version: Name  # rollout-swarm version string of the node
     expires_at: Finite  # advert not valid after this time, Unix seconds
 

@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 
 BYZANTINE_MODES = ("forge_logprobs", "inflate_reward", "wrong_version", "oov_tokens", "greedy")
 STARTUP_TIMEOUT_S = 90.0
+#: trainer figures recorded in curve.jsonl next to reward and exact match
+MONITOR_FIGURES = (
+    "ess_frac", "mismatch_kl", "clip_frac", "mask_frac", "grad_norm", "stability_warning",
+)  # fmt: skip
 STOP_TIMEOUT_S = 20.0
 
 
@@ -439,6 +443,8 @@ class Demo:
             "staleness": self.status.get("trainer_staleness_mean"),
             "accepted": self.status.get("rollouts_accepted"),
             "rejected": sum((self.status.get("rejected_by_reason") or {}).values()),
+            # the trainer's stability monitors (trainer/monitors.py)
+            **{k: self.status.get(f"trainer_{k}") for k in MONITOR_FIGURES},
         }
         if not self.curve or self.curve[-1]["step"] != row["step"]:
             self.curve.append(row)

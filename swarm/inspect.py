@@ -38,6 +38,8 @@ from swarm.display import (
 
 def _advert_row(fp: str, advert: CapabilityAdvert, status: dict[str, Any]) -> dict[str, Any]:
     states = status.get("node_states") or {}
+    # the coordinator's own dial-back result when it has one, else what the node advertises
+    measured = (status.get("node_reachability") or {}).get(fp)
     return {
         "fingerprint": fp,
         "peer_id": advert.peer_id,
@@ -61,7 +63,7 @@ def _advert_row(fp: str, advert: CapabilityAdvert, status: dict[str, Any]) -> di
         "rollouts_per_s": advert.rollouts_per_s,
         "price_per_hour": advert.price_per_hour,
         "policy_version": advert.policy_version,
-        "reachability": advert.reachability,
+        "reachability": measured if measured in ("public", "private") else advert.reachability,
         "software_version": advert.software_version,
         "state": states.get(fp, "unregistered"),
         # what the node said when it last gave a lease back (e.g. a generation failure)
@@ -175,6 +177,8 @@ def render(view: dict[str, Any], width: int = 80) -> Any:
     nodes.add_column("$/h", justify="right", no_wrap=True)
     nodes.add_column("ver", justify="right", no_wrap=True)
     nodes.add_column("state", no_wrap=True)
+    if wide:  # measured by the coordinator's dial-back (also in --json at any width)
+        nodes.add_column("reach", no_wrap=True)
     nodes.add_column("seen", justify="right", no_wrap=True)
     if wide:
         nodes.add_column("software", no_wrap=True)
@@ -192,6 +196,7 @@ def render(view: dict[str, Any], width: int = 80) -> Any:
             "free" if price is None else f"{price:.2f}",
             _version(n["policy_version"]),
             n["state"],
+            *([n["reachability"]] if wide else []),
             fmt_duration(n["last_seen_s"]),
         ]
         if wide:

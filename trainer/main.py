@@ -45,6 +45,7 @@ from protocol.messages import (
     tokens_array,
 )
 from swarm.errors import TransportError
+from swarm.tasks import cancel_and_wait
 from swarm.transport import Transport
 from trainer.batch import Rollout
 from trainer.recipe import VersionNotNewer
@@ -361,6 +362,7 @@ async def run_trainer(
     )
     await peer.start()
     broadcast: BroadcastNode | None = None
+    reach: asyncio.Task[None] | None = None
     try:
         transport = P2PTransport(peer.p2p)
         # The pinned key is a fingerprint; the raw key comes from the coordinator's signed
@@ -373,7 +375,11 @@ async def run_trainer(
             DhtHolderDirectory(peer),
             pinned_key,
         )
+        broadcast.dialable = False  # announced as a holder only once a dial-back says so
         await broadcast.start()
+        reach = asyncio.create_task(
+            _watch_reachability(transport, peer, coordinator_peer, broadcast), name="reachability"
+        )
         spec = ModelSpec(path=config.model_path, dtype=config.dtype)
         publisher = SwarmPublisher(
             transport,
@@ -422,9 +428,27 @@ async def run_trainer(
         await source.report()  # the last step's figures reach /status before we leave
         return 0
     finally:
+        if reach is not None:
+            await cancel_and_wait([reach])
         if broadcast is not None:  # on failures too: its announcer must not outlive the peer
             await broadcast.stop()
         await peer.stop()
+
+
+async def _watch_reachability(
+    transport: Any, peer: Any, coordinator_peer: str, broadcast: Any
+) -> None:
+    """Measure (a dial-back by the coordinator) whether nodes can dial this trainer; only then
+    is it announced as a holder (the coordinator reaches it over its own connection anyway)."""
+    from swarm.reachability import ReachabilityMonitor
+
+    def changed(state: str) -> None:
+        broadcast.dialable = state == "public"
+
+    monitor = ReachabilityMonitor(
+        transport, peer.visible_maddrs, lambda: coordinator_peer, on_change=changed
+    )
+    await monitor.run()
 
 
 async def _coordinator_public_key(peer: Any, fingerprint: str) -> bytes:
@@ -482,6 +506,12 @@ def _attach_stats(
                 "dropped_stale": record["dropped_stale"],
                 "mismatch_kl": record["mismatch_kl"],
                 "ess_frac": record["ess_frac"],
+                # stability monitors (trainer/monitors.py) and their warning line ("" = healthy)
+                "clip_frac": record["clip_frac"],
+                "mask_frac": record["mask_frac"],
+                "weight_modified_frac": record["weight_modified_frac"],
+                "grad_norm": record["grad_norm"],
+                "stability_warning": record["stability_warning"],
                 "idle_frac": record["idle_frac"],
                 "step_time_s": record["step_time_s"],
                 "rollout_cursor": trainer.cursor,

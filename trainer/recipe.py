@@ -48,14 +48,17 @@ from trainer.loss import (
     behaviour_weights,
     effective_sample_size,
     entropy_bonus,
+    ess_lr_scale,
     group_advantages,
     policy_loss,
+    sequence_ratio_sums,
     token_logprobs,
     token_logprobs_and_entropy,
     weight_stats,
 )
 from trainer.metrics import IdleClock, MetricsWriter
 from trainer.microbatch import MicroBatch, plan_micro_batches
+from trainer.monitors import GradSpikeGuard, monitor_from_config
 from trainer.pipeline import PublicationSlot, RolloutFeed
 
 log = logging.getLogger(__name__)
@@ -63,6 +66,11 @@ T = TypeVar("T")
 
 CHECKPOINT_DIR = "checkpoints"
 PUBLISHED_FILE = "published.json"
+#: :class:`~trainer.loss.WeightStats` sums accumulated over a step's minibatches.
+_WEIGHT_SUMS = (
+    "kl_sum", "kl_k1_sum", "m2_sum", "modified", "zeroed_tokens", "w_sum", "w_sq_sum", "units",
+    "tokens",
+)  # fmt: skip
 
 
 class RolloutSource(Protocol):
@@ -179,6 +187,7 @@ class Trainer:
             [p for p in model.parameters() if p.requires_grad],
             lr=config.lr,
             weight_decay=config.weight_decay,
+            betas=(0.9, config.adam_beta2),
         )
         self.out_dir = Path(config.out_dir)
         self.metrics = metrics
@@ -205,6 +214,9 @@ class Trainer:
         self.publish_s: float | None = None
         #: publications deferred because the previous one was still in flight
         self.publish_deferred = 0
+        #: rolling stability checks; each step's record carries its ``stability_warning``.
+        self.monitor = monitor_from_config(config)
+        self.spike_guard = GradSpikeGuard(config.grad_spike_factor)
         #: called with each step's metrics record (after it is written), e.g. to report upstream.
         self.on_step: list[Callable[[dict[str, Any]], None]] = []
 
@@ -565,6 +577,7 @@ class Trainer:
             step_time if self.t_train_s is None else 0.8 * self.t_train_s + 0.2 * step_time
         )
         record = self._record(flat, staleness, admitted, sums, updates, step_time)
+        record["stability_warning"] = self.monitor.observe(record)
         if self.metrics is not None:
             self.metrics.write(record)
         for callback in self.on_step:
@@ -668,9 +681,11 @@ class Trainer:
             mode=cfg.weight_mode,
             level=cfg.weight_level,
             decay=cfg.staleness_decay,
+            cap_low=cfg.weight_cap_low,
+            m2_threshold=cfg.m2_threshold,
         )
         st = weight_stats(prox, mb.behaviour_logprobs, mb.completion_mask, bw, cfg.weight_level)
-        for key in ("kl_sum", "kl_k1_sum", "modified", "w_sum", "w_sq_sum", "units", "tokens"):
+        for key in _WEIGHT_SUMS:
             sums[key] += getattr(st, key)
         return bw.weights
 
@@ -683,7 +698,8 @@ class Trainer:
         sums: defaultdict[str, float],
     ) -> int:
         """One optimizer update on a (global) minibatch, gradients accumulated over its
-        micro-batches (reduced over ranks by the engine); returns 1 if an update was applied."""
+        micro-batches (reduced over ranks by the engine); returns 1 if an update was attempted
+        (applied, or skipped by the gradient-spike guard: counted in ``skipped_updates``)."""
         cfg = self.config
         local_tokens = float(mb.completion_mask.sum()) if mb is not None else 0.0
         (global_tokens,) = self.dist.sum_floats([local_tokens])
@@ -716,11 +732,32 @@ class Trainer:
             sums["entropy_sum"] += float((ent.detach() * part.completion_mask).sum())
             sums["clipped"] += float(pl.clipped_tokens)
             sums["update_tokens"] += float(part.completion_mask.sum())
-        if cfg.max_grad_norm is not None:
-            norm = self.engine.clip_grad_norm(self.model, cfg.max_grad_norm)
+        if cfg.max_grad_norm is not None or cfg.grad_spike_factor is not None:
+            # the norm is the global one on every rank, so every rank skips the same updates
+            clip_to = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
+            norm = self.engine.clip_grad_norm(self.model, clip_to)
             sums["grad_norm"] += norm / max(1, self.dist.world_size)
+            if self.spike_guard.skip(norm):
+                sums["skipped_updates"] += 1.0 / max(1, self.dist.world_size)
+                self.optimizer.zero_grad(set_to_none=True)
+                return 1
+        scale = 1.0
+        if cfg.ess_lr_scaling:  # otherwise the optimizer's learning rate is left as it is
+            scale = self._ess_lr_scale(mb, prox)
+            for group in self.optimizer.param_groups:
+                group["lr"] = cfg.lr * scale
+        sums["lr_scale"] += scale
         self.optimizer.step()
         return 1
+
+    def _ess_lr_scale(self, mb: TrainBatch | None, prox: Tensor | None) -> float:
+        """VCPO's factor from the (global) minibatch's sequence-level ESS; identical on every
+        rank because the sums are all-reduced."""
+        local = (0.0, 0.0, 0.0)
+        if mb is not None and prox is not None:
+            local = sequence_ratio_sums(prox, mb.behaviour_logprobs, mb.completion_mask)
+        w_sum, w_sq_sum, n = self.dist.sum_floats(list(local))
+        return ess_lr_scale(w_sum, w_sq_sum, n)
 
     def _record(
         self,
@@ -732,8 +769,8 @@ class Trainer:
         step_time: float,
     ) -> dict[str, Any]:
         keys = [
-            "kl_sum", "kl_k1_sum", "modified", "w_sum", "w_sq_sum", "units", "tokens",
-            "loss", "entropy_sum", "clipped", "update_tokens", "grad_norm",
+            *_WEIGHT_SUMS, "loss", "entropy_sum", "clipped", "update_tokens", "grad_norm",
+            "lr_scale", "skipped_updates",
         ]  # fmt: skip
         g = dict(zip(keys, self.dist.sum_floats([sums[k] for k in keys]), strict=True))
         rewards = [float(r.reward) for r in flat]
@@ -759,10 +796,17 @@ class Trainer:
             "clip_frac": g["clipped"] / max(1.0, g["update_tokens"]),
             "mismatch_kl": g["kl_sum"] / tokens,
             "mismatch_kl_k1": g["kl_k1_sum"] / tokens,
+            "mismatch_m2": g["m2_sum"] / tokens,
             "weight_modified_frac": g["modified"] / max(1.0, g["units"]),
+            "mask_frac": g["zeroed_tokens"] / tokens,
             "ess": ess,
             "ess_frac": ess / g["units"] if g["units"] > 0 else 0.0,
             "grad_norm": g["grad_norm"] / max(1, updates),
+            # mean learning-rate factor of the applied updates (< 1 only with ess_lr_scaling);
+            # every rank applies the same factor, so the sum counts it world_size times
+            "lr_scale": g["lr_scale"]
+            / max(1, (updates - round(g["skipped_updates"])) * self.dist.world_size),
+            "skipped_updates": round(g["skipped_updates"]),
             "updates": updates,
             "step_time_s": step_time,
             "t_train_s": self.t_train_s,
@@ -873,7 +917,7 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint`. The version becomes
         ``max(saved version, last published version)`` so it never goes back. The optimizer's
-        moments come back; its learning rate and weight decay are this run's config's.
+        moments come back; its learning rate, weight decay and β2 are this run's config's.
 
         Any number of ranks loads any checkpoint: a sharded one is resharded by
         ``torch.distributed.checkpoint``; a single-process one is split over the ranks."""
@@ -893,6 +937,7 @@ class Trainer:
         for group in self.optimizer.param_groups:  # the config wins over the saved values
             group["lr"] = self.config.lr
             group["weight_decay"] = self.config.weight_decay
+            group["betas"] = (group["betas"][0], self.config.adam_beta2)
         self.step = int(state["step"])
         published = state.get("published_version")
         logged = self._logged_published()
