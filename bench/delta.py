@@ -463,8 +463,8 @@ def report(
         lines += [
             "",
             "The delta run's t_last is dominated by applying and verifying on each receiver, not "
-            "by the link. Real links (network namespaces, kernel-shaped egress): see the broadcast "
-            "section measured on branch `net`.",
+            "by the link. Real links (network namespaces, kernel-shaped egress): see the "
+            "`broadcast-netns` sections (`bench/broadcast.py --suite record`).",
         ]
     return "\n".join(lines)
 

@@ -7,7 +7,8 @@ then reads what the run left behind:
 * rollouts/s: accepted samples over the span from the first to the last acceptance (SQLite);
 * generated tokens/s: completion tokens of those samples over the same span;
 * learner step time: ``step_time_s`` of the trainer's ``metrics.jsonl`` (median, max);
-* checkpoint bytes per version: the trainer's ``published policy vN (B bytes in C chunks)`` line;
+* checkpoint bytes per version: the trainer's ``published policy vN as ...; full checkpoint B
+  bytes`` line;
 * the reward curve: mean reward and exact-match rate per learner step with its wall time, and the
   mean of the first and second half of the steps (does the reward rise?).
 
@@ -65,7 +66,9 @@ def figures(run_dir: Path, seed: int, wall: float) -> dict[str, Any]:
     ).fetchone()
     db.close()
     log = (run_dir / "logs" / "trainer.log").read_text(errors="replace")
-    published = [int(b) for b in re.findall(r"published policy v\d+ \((\d+) bytes", log)]
+    published = [
+        int(b) for b in re.findall(r"published policy v\d+ .*?full checkpoint (\d+) bytes", log)
+    ]
     span = (last - first) if n and last > first else None
     if wall != wall:  # --from-runs: the demo's own figure
         summary = (run_dir / "summary.md").read_text()

@@ -1,146 +1,216 @@
-"""Learning benchmark: GRPO on the embedded task with rollouts from policies S versions stale.
+"""Learning benchmark: GRPO with rollouts from policies S versions stale, per staleness correction.
 
-Not a test. For each setting the learner trains on batches sampled (by the ``hf`` backend) from the
-weights ``lag`` versions back (``--lag fixed``: always S, the worst case admission allows;
-``--lag uniform``: uniform in 0..S per batch), keeping a queue of the last S+1 weight versions.
-Every ``--eval-every`` steps the *current* policy is sampled on fresh prompts (temperature 1) and
-its exact-match rate recorded; "steps to 0.9" is the first evaluation at ≥ 0.9.
+Not a test. One *run* = one task × staleness S × correction option × seed, in process (no swarm):
+the learner trains on batches sampled (by the ``hf`` backend) from the weights ``lag`` versions
+back (``--lag fixed``: always S, the worst case admission allows; ``uniform``: 0..S per batch),
+keeping the last S+1 versions. Every ``--eval-every`` steps the *current* policy is sampled on
+fresh prompts (256 samples) and its exact-match rate recorded. A run ends ``--post-steps`` steps
+after it first reaches ``--target`` (so that a collapse after the target is seen) or at the task's
+step cap. A run *collapses* when its exact match falls by more than 0.3 below an earlier
+evaluation that was at least 0.7.
 
-    python bench/staleness.py                # S = 0, 2, 4 staleness-aware, S = 4 weighting off
-    python bench/staleness.py --seeds 0 1 2  # more seeds
+    nice -n 5 python bench/staleness.py --jobs 2                       # the full matrix
+    python bench/staleness.py --tasks reverse3 --S 0 4 --options tis off --seeds 0 1 --no-write
 
-Writes docs/staleness.png and the ``bench:staleness`` section of docs/benchmarks.md.
+Finished runs are appended to a results file (``--results``, JSONL, one run per line keyed by its
+settings) and skipped when the command runs again: an interrupted matrix continues where it
+stopped. ``--report-only`` rebuilds the tables and figures from that file. Writes the
+``bench:staleness`` section of docs/benchmarks.md, docs/staleness.png (steps to target against S)
+and docs/staleness_curves.png (exact-match curves at S = 4 and 8).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
+import json
+import os
 import random
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-from _report import write_section  # noqa: E402
-
-from coordinator.tasks import ReverseTask  # noqa: E402
-from node.backends.base import GenerationRequest, SamplingConfig  # noqa: E402
-from node.backends.hf import HFBackend  # noqa: E402
-from policy.model import CharTokenizer, ModelSpec, build_model  # noqa: E402
-from trainer.batch import Rollout  # noqa: E402
-from trainer.config import TrainerConfig  # noqa: E402
-from trainer.recipe import Trainer  # noqa: E402
+sys.path.insert(0, str(ROOT / "bench"))
 
 SECTION = "staleness"
 
+#: The corrections compared (TrainerConfig overrides); docs/trainer.md gives each one's source.
+OPTIONS: dict[str, dict[str, Any]] = {
+    # token-level truncated IS, min(π_prox/μ, 2) (TIS; AReaL's decoupled PPO)
+    "tis": {"weight_mode": "truncate", "weight_level": "token", "weight_cap": 2.0},
+    # sequence-level masked IS: the product ratio, the sequence dropped outside [1/2, 2] (MIS)
+    "mis": {"weight_mode": "mask", "weight_level": "sequence", "weight_cap": 2.0},
+    # geometric-mean rejection sampling, no IS weight: sequence kept iff ratio in [1/C, C]
+    "geo-rs": {"weight_mode": "reject", "weight_level": "geometric", "weight_cap": 1.5},
+    # IcePop: token ratio kept (weighted) inside [0.5, 5], masked outside
+    "icepop": {
+        "weight_mode": "mask",
+        "weight_level": "token",
+        "weight_cap": 5.0,
+        "weight_cap_low": 0.5,
+    },
+    # M2PO: untruncated token weights thinned by the second-moment mask τ = 0.04
+    "m2po": {"weight_mode": "raw", "weight_level": "token", "m2_threshold": 0.04},
+    # TIS plus the gradient-spike guard (skip an update whose gradient norm is > 5× the median)
+    "tis-guard": {
+        "weight_mode": "truncate",
+        "weight_level": "token",
+        "weight_cap": 2.0,
+        "grad_spike_factor": 5.0,
+    },
+    # TIS plus VCPO's learning-rate scaling by the sequence-level ESS (its baseline is not built)
+    "vcpo-ess": {
+        "weight_mode": "truncate",
+        "weight_level": "token",
+        "weight_cap": 2.0,
+        "ess_lr_scaling": True,
+    },
+    # no correction (w = 1); the PPO clip against π_prox stays
+    "off": {"weight_mode": "off"},
+}
 
-@dataclass
-class Setting:
-    label: str
+#: Per task: step cap, post-target window.
+TASKS: dict[str, dict[str, int]] = {
+    "reverse3": {"max_steps": 500, "post_steps": 50},
+    "reverse4": {"max_steps": 1200, "post_steps": 50},
+}
+#: Order in which a matrix is worked through: the comparisons that matter most come first, so
+#: that an interrupted matrix has them.
+S_PRIORITY = (0, 4, 8, 2, 1, 6)
+FIRST_SEEDS = 3
+
+COLLAPSE_FROM = 0.7
+COLLAPSE_DROP = 0.3
+#: Step metrics kept per step of a run (the stability monitors).
+MONITORS = (
+    "mismatch_kl",
+    "mismatch_m2",
+    "ess_frac",
+    "clip_frac",
+    "mask_frac",
+    "weight_modified_frac",
+    "grad_norm",
+    "entropy",
+    "reward_mean",
+)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One run's settings (its key in the results file)."""
+
+    task: str
     staleness: int
-    overrides: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Result:
-    setting: Setting
+    option: str
+    overrides: dict[str, Any]
     seed: int
-    steps_to_target: int | None
-    seconds_to_target: float | None
-    curve_steps: list[int]
-    curve_exact: list[float]
-    batch_reward: list[float]
-    final_exact: float
-    mean_kl: float
-    mean_modified: float
-    mean_ess_frac: float
+    max_steps: int
+    post_steps: int
+    eval_every: int
+    target: float
+    lag: str
+    base: dict[str, Any]
+
+    def key(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _sample(
-    backend: HFBackend,
-    task: ReverseTask,
-    tok: CharTokenizer,
-    indices: list[int],
-    group: int,
-    seed: int,
-    max_new: int,
-) -> list[tuple[list[int], list[int], list[float], float, bool]]:
-    """(prompt ids, completion ids, log-probs, reward, exact) for ``group`` samples per index."""
-    problems = [task.problem(i) for i in indices]
-    prompts = [tok.encode_prompt(p.prompt) for p in problems]
-    reqs = [
-        GenerationRequest(p, group, seed * 1_000_003 + i)
-        for p, i in zip(prompts, indices, strict=True)
-    ]
-    outs = backend.generate(reqs, SamplingConfig(max_new_tokens=max_new))
-    rows = []
-    for prob, prompt, samples in zip(problems, prompts, outs, strict=True):
-        for s in samples:
-            finished = s.finish_reason == "stop"
-            text = tok.decode(s.token_ids)
-            rows.append(
-                (
-                    prompt,
-                    list(s.token_ids),
-                    list(s.logprobs),
-                    task.reward(prob, text, finished),
-                    task.exact(prob, text, finished),
-                )
-            )
-    return rows
+def collapse_of(steps: list[int], exact: list[float]) -> dict[str, Any] | None:
+    """The first fall of more than COLLAPSE_DROP below an earlier evaluation ≥ COLLAPSE_FROM:
+    ``{peak_step, peak, trough_step, trough}``, or None."""
+    best_i = None
+    for i, e in enumerate(exact):
+        if best_i is not None and e < exact[best_i] - COLLAPSE_DROP:
+            return {
+                "peak_step": steps[best_i],
+                "peak": exact[best_i],
+                "trough_step": steps[i],
+                "trough": e,
+            }
+        if e >= COLLAPSE_FROM and (best_i is None or e > exact[best_i]):
+            best_i = i
+    return None
 
 
-def run_setting(
-    setting: Setting,
-    seed: int,
-    *,
-    max_steps: int,
-    eval_every: int,
-    target: float,
-    lag_mode: str,
-    out_dir: Path,
-) -> Result:
-    task = ReverseTask(3)
+def run_one(spec: Spec) -> dict[str, Any]:
+    """Train one run; returns its record (JSON-ready)."""
+    import torch
+
+    from coordinator.tasks import make_task
+    from node.backends.base import GenerationRequest, SamplingConfig
+    from node.backends.hf import HFBackend
+    from policy.model import CharTokenizer, ModelSpec, build_model
+    from trainer.batch import Rollout
+    from trainer.config import TrainerConfig
+    from trainer.recipe import Trainer
+
+    torch.set_num_threads(1)
+    task = make_task(spec.task)
     tok = CharTokenizer()
+    max_new = int(spec.task.removeprefix("reverse")) + 2
     cfg = TrainerConfig(
-        max_staleness=setting.staleness,
-        seed=seed,
-        out_dir=str(out_dir / f"{setting.label}-{seed}".replace(" ", "_")),
+        max_staleness=spec.staleness,
+        seed=spec.seed,
+        out_dir="/nonexistent-unused",
         resume=False,
-        **setting.overrides,
+        **{**spec.base, **spec.overrides},
     )
-    model = build_model(ModelSpec(), seed=seed)
+    model = build_model(ModelSpec(), seed=spec.seed)
     trainer = Trainer(cfg, model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    behaviour = HFBackend(ModelSpec(), device="cpu", model=build_model(ModelSpec(), seed=seed))
-    evaluator = HFBackend(ModelSpec(), device="cpu", model=build_model(ModelSpec(), seed=seed))
-    history: deque[tuple[int, dict[str, torch.Tensor]]] = deque(maxlen=setting.staleness + 1)
+    behaviour = HFBackend(ModelSpec(), device="cpu", model=build_model(ModelSpec(), seed=spec.seed))
+    evaluator = HFBackend(ModelSpec(), device="cpu", model=build_model(ModelSpec(), seed=spec.seed))
+
+    def sample(backend: HFBackend, indices: list[int], group: int, seed: int) -> list[Any]:
+        problems = [task.problem(i) for i in indices]
+        prompts = [tok.encode_prompt(p.prompt) for p in problems]
+        reqs = [
+            GenerationRequest(p, group, seed * 1_000_003 + i)
+            for p, i in zip(prompts, indices, strict=True)
+        ]
+        outs = backend.generate(reqs, SamplingConfig(max_new_tokens=max_new))
+        rows = []
+        for prob, prompt, samples in zip(problems, prompts, outs, strict=True):
+            for s in samples:
+                done = s.finish_reason == "stop"
+                text = tok.decode(s.token_ids)
+                rows.append(
+                    (
+                        prompt,
+                        list(s.token_ids),
+                        list(s.logprobs),
+                        task.reward(prob, text, done),
+                        task.exact(prob, text, done),
+                    )
+                )
+        return rows
+
+    history: deque[tuple[int, dict[str, torch.Tensor]]] = deque(maxlen=spec.staleness + 1)
     history.append((0, trainer.state_dict_for_publish()))
-    rng = random.Random(seed)
-    max_new = task.length + 2
-    steps_at: int | None = None
-    secs_at: float | None = None
+    rng = random.Random(spec.seed)
+    monitors: dict[str, list[float | None]] = {k: [] for k in MONITORS}
     curve_s: list[int] = []
     curve_e: list[float] = []
-    rewards: list[float] = []
-    kls: list[float] = []
-    mods: list[float] = []
-    esss: list[float] = []
-    t_start = time.monotonic()
+    curve_r: list[float] = []
+    reached: int | None = None
+    secs: float | None = None
+    t0 = time.monotonic()
     prompt_index = 0
-    for step in range(max_steps):
-        lag = setting.staleness if lag_mode == "fixed" else rng.randint(0, setting.staleness)
+    step = 0
+    while step < spec.max_steps and (reached is None or step < reached + spec.post_steps):
+        lag = spec.staleness if spec.lag == "fixed" else rng.randint(0, spec.staleness)
         version, weights = history[max(0, len(history) - 1 - lag)]
         behaviour.load_state_dict(version, weights)
         idx = list(range(prompt_index, prompt_index + cfg.batch_prompts))
         prompt_index += cfg.batch_prompts
-        rows = _sample(behaviour, task, tok, idx, cfg.group_size, seed + 7919 * step, max_new)
+        rows = sample(behaviour, idx, cfg.group_size, spec.seed + 7919 * step)
         rollouts = [
             Rollout(
                 group_id=f"g{idx[k // cfg.group_size]}",
@@ -154,159 +224,189 @@ def run_setting(
         ]
         m = trainer.train_step(rollouts)
         history.append((trainer.version, trainer.state_dict_for_publish()))
-        rewards.append(m["reward_mean"])
-        kls.append(m["mismatch_kl"])
-        mods.append(m["weight_modified_frac"])
-        esss.append(m["ess_frac"])
-        if (step + 1) % eval_every == 0:
+        for k in MONITORS:
+            v = m.get(k)
+            monitors[k].append(round(float(v), 6) if isinstance(v, int | float) else None)
+        step += 1
+        if step % spec.eval_every == 0:
             evaluator.load_state_dict(trainer.version, history[-1][1])
-            eval_idx = [10_000_000 + 256 * step + i for i in range(64)]
-            ev = _sample(evaluator, task, tok, eval_idx, 4, 99 + step, max_new)
+            ev = sample(evaluator, [10_000_000 + 256 * step + i for i in range(64)], 4, 99 + step)
             exact = sum(1 for row in ev if row[4]) / len(ev)
-            curve_s.append(step + 1)
+            curve_s.append(step)
             curve_e.append(exact)
-            if exact >= target and steps_at is None:
-                steps_at = step + 1
-                secs_at = time.monotonic() - t_start
-                if len(curve_e) >= 1:
-                    break
-    return Result(
-        setting=setting,
-        seed=seed,
-        steps_to_target=steps_at,
-        seconds_to_target=secs_at,
-        curve_steps=curve_s,
-        curve_exact=curve_e,
-        batch_reward=rewards,
-        final_exact=curve_e[-1] if curve_e else 0.0,
-        mean_kl=sum(kls) / max(1, len(kls)),
-        mean_modified=sum(mods) / max(1, len(mods)),
-        mean_ess_frac=sum(esss) / max(1, len(esss)),
-    )
+            curve_r.append(round(sum(row[3] for row in ev) / len(ev), 4))
+            if exact >= spec.target and reached is None:
+                reached, secs = step, time.monotonic() - t0
+    tail = curve_e[-3:] or [0.0]
+    tail_r = curve_r[-3:] or [0.0]
+    return {
+        "key": spec.key(),
+        "spec": asdict(spec),
+        "steps_to_target": reached,
+        "seconds_to_target": secs,
+        "steps_run": step,
+        "seconds": round(time.monotonic() - t0, 1),
+        "final_exact": sum(tail) / len(tail),
+        "final_reward": sum(tail_r) / len(tail_r),
+        "collapse": collapse_of(curve_s, curve_e),
+        "curve_steps": curve_s,
+        "curve_exact": curve_e,
+        "curve_reward": curve_r,
+        "monitors": monitors,
+    }
 
 
-def default_settings() -> list[Setting]:
-    return [
-        Setting("S=0", 0),
-        Setting("S=2", 2),
-        Setting("S=4", 4),
-        Setting("S=4 weighting off", 4, {"weight_mode": "off"}),
-    ]
+def _worker(spec: Spec, nice: int) -> dict[str, Any]:
+    if nice:
+        with contextlib.suppress(OSError):
+            os.nice(nice)
+    return run_one(spec)
 
 
-def plot(results: list[Result], path: Path, target: float) -> None:
-    import matplotlib
+def load_results(path: Path) -> dict[str, dict[str, Any]]:
+    """Finished runs by key (a torn last line, from a kill mid-write, is ignored)."""
+    out: dict[str, dict[str, Any]] = {}
+    if not path.is_file():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        out[rec["key"]] = rec
+    return out
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    colors: dict[str, str] = {}
-    for res in results:
-        label = res.setting.label
-        color = colors.setdefault(label, f"C{len(colors)}")
-        kw = {"label": label} if res.seed == results[0].seed else {}
-        ax1.plot(res.curve_steps, res.curve_exact, color=color, alpha=0.8, **kw)
-        ax2.plot(
-            range(1, len(res.batch_reward) + 1), res.batch_reward, color=color, alpha=0.6, **kw
-        )
-    ax1.axhline(target, color="grey", lw=0.8, ls="--")
-    ax1.set(xlabel="learner step", ylabel="exact match (current policy)", ylim=(0, 1.02))
-    ax2.set(xlabel="learner step", ylabel="mean reward of the (stale) batch", ylim=(0, 1.02))
-    ax1.legend()
-    ax1.set_title("reverse3, 32 prompts × 8, rollouts S versions stale")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def build_specs(args: argparse.Namespace, base: dict[str, Any]) -> list[Spec]:
+    specs = []
+    for task in args.tasks:
+        caps = TASKS.get(task, {"max_steps": args.max_steps or 1000, "post_steps": 100})
+        max_steps = args.max_steps or caps["max_steps"]
+        post = args.post_steps if args.post_steps is not None else caps["post_steps"]
+        for s in args.S:
+            # At S = 0 the behaviour policy is π_prox itself: every option gives w ≡ 1 (up to
+            # rounding), so S = 0 is run once per seed, with the first option named.
+            options = args.options[:1] if s == 0 and not args.s0_all else args.options
+            for opt in options:
+                for seed in args.seeds:
+                    specs.append(
+                        Spec(
+                            task=task,
+                            staleness=s,
+                            option=opt,
+                            overrides=dict(OPTIONS[opt]),
+                            seed=seed,
+                            max_steps=max_steps,
+                            post_steps=post,
+                            eval_every=args.eval_every,
+                            target=args.target,
+                            lag=args.lag,
+                            base=base,
+                        )
+                    )
+    return specs
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--max-steps", type=int, default=600)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS))
+    parser.add_argument("--S", type=int, nargs="+", default=[0, 1, 2, 4, 6, 8])
+    parser.add_argument("--options", nargs="+", default=list(OPTIONS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--max-steps", type=int, default=None, help="override the task's cap")
+    parser.add_argument("--post-steps", type=int, default=None, help="override the task's")
     parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument(
+        "--s0-all", action="store_true", help="run every option at S = 0 (e.g. optimizer variants)"
+    )
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--lag", choices=["fixed", "uniform"], default="fixed")
-    parser.add_argument("--only", nargs="*", help="labels to run (default: all)")
-    parser.add_argument("--set", nargs="*", default=[], help="config overrides key=value (all)")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes (at most 2 here)")
+    parser.add_argument("--nice", type=int, default=0, help="raise the workers' niceness by this")
+    parser.add_argument("--set", nargs="*", default=[], help="TrainerConfig key=value for all runs")
+    parser.add_argument(
+        "--define",
+        nargs="*",
+        default=[],
+        help="extra options NAME:key=value,key=value (pilot variants)",
+    )
+    parser.add_argument("--results", default="runs/bench-staleness/results.jsonl")
+    parser.add_argument("--report-only", action="store_true", help="no runs; report the file")
     parser.add_argument("--no-write", action="store_true", help="print only")
-    parser.add_argument("--out", default="runs/bench-staleness")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    extra: dict[str, Any] = {}
-    for kv in args.set:
-        key, value = kv.split("=", 1)
-        extra[key] = _parse_value(value)
-    settings = [s for s in default_settings() if not args.only or s.label in args.only]
-    results: list[Result] = []
-    for s in settings:
-        s.overrides = {**extra, **s.overrides}
-        for seed in args.seeds:
-            res = run_setting(
-                s,
-                seed,
-                max_steps=args.max_steps,
-                eval_every=args.eval_every,
-                target=args.target,
-                lag_mode=args.lag,
-                out_dir=ROOT / args.out,
-            )
-            results.append(res)
-            print(
-                f"{s.label:>20} seed {seed}: steps to {args.target}: {res.steps_to_target} "
-                f"({_fmt(res.seconds_to_target)} s), final exact {res.final_exact:.2f}, "
-                f"KL {res.mean_kl:.4f}, modified {res.mean_modified:.3f}, "
-                f"ESS/n {res.mean_ess_frac:.3f}",
-                flush=True,
-            )
-    if args.no_write:
-        return
-    docs = ROOT / "docs"
-    docs.mkdir(exist_ok=True)
-    plot(results, docs / "staleness.png", args.target)
-    write_section(SECTION, report(results, args), docs / "benchmarks.md")
+    for d in args.define:
+        name, _, body = d.partition(":")
+        OPTIONS[name] = dict(_kv(kv) for kv in body.split(",") if kv)
+    unknown = [o for o in args.options if o not in OPTIONS]
+    if unknown:
+        parser.error(f"unknown option(s) {unknown}; known: {sorted(OPTIONS)}")
+    base = dict(_kv(kv) for kv in args.set)
+    path = ROOT / args.results if not Path(args.results).is_absolute() else Path(args.results)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    specs = build_specs(args, base)
+    done = load_results(path)
+    todo = [s for s in specs if s.key() not in done]
+    print(
+        f"{len(specs)} runs, {len(specs) - len(todo)} already in {path}, {len(todo)} to do",
+        flush=True,
+    )
+    if todo and not args.report_only:
+        _run_pool(todo, path, done, args)
+    from _staleness_report import write_report
+
+    results = [done[s.key()] for s in specs if s.key() in done]
+    write_report(results, args, write=not args.no_write)
 
 
-def report(results: list[Result], args: argparse.Namespace) -> str:
-    cfg = TrainerConfig()
-    lines = [
-        "## Learning under staleness (`bench/staleness.py`)",
-        "",
-        f"Task reverse3 (embedded model, random init), {cfg.batch_prompts} prompts × "
-        f"{cfg.group_size} samples per step, rollouts sampled by the `hf` backend from the weights "
-        f"S versions back ({args.lag} lag), trainer defaults otherwise (weight_mode="
-        f"{cfg.weight_mode}, C={cfg.weight_cap}, minibatches={cfg.minibatches}, "
-        f"ε={cfg.clip_eps}, entropy {cfg.entropy_coef}, AdamW lr {cfg.lr}). Exact match of the "
-        f"current policy on 256 fresh samples every {args.eval_every} steps; cap "
-        f"{args.max_steps} steps. Wall time is on a shared 2-core machine, one thread.",
-        "",
-        f"| setting | seed | steps to exact ≥ {args.target} | seconds | last exact | "
-        "mean KL(μ‖π_prox) | mean frac. modified | mean ESS/n |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        lines.append(
-            f"| {r.setting.label} | {r.seed} | {r.steps_to_target or 'not reached'} | "
-            f"{_fmt(r.seconds_to_target)} | {r.final_exact:.2f} | {r.mean_kl:.4f} | "
-            f"{r.mean_modified:.3f} | {r.mean_ess_frac:.3f} |"
-        )
-    lines += ["", "![staleness curves](staleness.png)", ""]
-    return "\n".join(lines)
+def _run_pool(
+    todo: list[Spec], path: Path, done: dict[str, dict[str, Any]], args: argparse.Namespace
+) -> None:
+    """Run ``todo`` on ``--jobs`` processes, longest-expected first; append each result."""
+
+    def rank(s: Spec) -> tuple[int, bool, int, int]:
+        # three seeds of every (S, option) cell, S in S_PRIORITY order, before the other seeds
+        prio = S_PRIORITY.index(s.staleness) if s.staleness in S_PRIORITY else len(S_PRIORITY)
+        task = list(TASKS).index(s.task) if s.task in TASKS else len(TASKS)
+        return (task, s.seed >= FIRST_SEEDS, prio, s.seed)
+
+    todo = sorted(todo, key=rank)
+    t0 = time.monotonic()
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        running: dict[Future[dict[str, Any]], Spec] = {}
+        queue = list(todo)
+        while queue or running:
+            while queue and len(running) < max(1, args.jobs):
+                spec = queue.pop(0)
+                running[pool.submit(_worker, spec, args.nice)] = spec
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                spec = running.pop(fut)
+                rec = fut.result()
+                with path.open("a") as fh:
+                    fh.write(json.dumps(rec) + "\n")
+                done[rec["key"]] = rec
+                n = len(todo) - len(queue) - len(running)
+                col = rec["collapse"]
+                print(
+                    f"[{time.monotonic() - t0:7.0f}s {n}/{len(todo)}] {spec.task} "
+                    f"S={spec.staleness} {spec.option} seed {spec.seed}: target at "
+                    f"{rec['steps_to_target']} "
+                    f"({rec['steps_run']} steps, {rec['seconds']:.0f}s), final exact "
+                    f"{rec['final_exact']:.2f}{' COLLAPSE ' + json.dumps(col) if col else ''}",
+                    flush=True,
+                )
 
 
-def _fmt(x: float | None) -> str:
-    return "–" if x is None else f"{x:.1f}"
-
-
-def _parse_value(text: str) -> Any:
+def _kv(text: str) -> tuple[str, Any]:
+    key, _, value = text.partition("=")
     for conv in (int, float):
         try:
-            return conv(text)
+            return key, conv(value)
         except ValueError:
             pass
-    if text in ("true", "false"):
-        return text == "true"
-    return None if text == "none" else text
+    if value in ("true", "false"):
+        return key, value == "true"
+    return key, None if value == "none" else value
 
 
 if __name__ == "__main__":

@@ -20,7 +20,10 @@ Modules (transport-independent core; the network service is built on :class:`cor
 - :mod:`coordinator.receipts`   the hash-chained, signed verdict log and its verification
 - :mod:`coordinator.audit_cli`  ``swarm audit``: verify the log, trace one rollout
 - :mod:`coordinator.reputation` strikes and bans with growing back-off
-- :mod:`coordinator.capacity`   overlap rule, staleness feasibility, cost-aware activation (pure)
+- :mod:`coordinator.capacity`   the capacity rule (admissible rate per node, predicted learner
+                                idle) and cost-aware activation (pure; docs/capacity.md)
+- :mod:`coordinator.throughput` ``ThroughputBook``: each node's generation rate, lease time,
+                                round trips and version-load delay, measured lease by lease
 
 The network process on top of it:
 
@@ -34,4 +37,5 @@ The network process on top of it:
                                 ``/api/history`` and ``/metrics``
 - :mod:`coordinator.launch`     ``swarm coordinator launch``: flag checks, port test-binds,
                                 state-dir lock, signal handling
+- :mod:`coordinator.planning_cli` ``swarm coordinator plan``: the rule for a config and a pool
 """

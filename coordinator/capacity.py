@@ -1,14 +1,34 @@
-"""Capacity model and cost-aware activation (DESIGN.md §9). Pure functions, no I/O.
+"""Capacity model and cost-aware activation (docs/capacity.md). Pure functions, no I/O.
 
-Symbols: B rollouts per learner step, T_train seconds per step, κ steps between published
-versions, T_bcast dissemination time, μ_i rollouts/s of node i (discounted by its reliability),
-c_i price per hour.
+The model is the one this pipeline runs: leases name a version the coordinator already holds,
+nodes keep generating while the next version travels (and prefetch it), and a rollout stays
+usable until the learner is S versions past it. Symbols (docs/capacity.md has the derivation):
 
-* Overlap rule: Σ_{i∈A} μ_i ≥ κ·B / (κ·T_train − T_bcast), feasible only when T_bcast < κ·T_train.
-* Staleness feasibility: κ + ⌈(T_bcast + t_gen) / T_train⌉ ≤ S.
-* Activation: the cheapest set meeting the rule with headroom; exact search for pools of at most
-  :data:`EXACT_LIMIT` nodes, otherwise greedy by c_i/μ_i followed by a prune. Nodes without a price
-  are free volunteers (price 0).
+* B rollouts per learner step, T_train seconds per step (when it does not wait), κ steps between
+  published versions, S the staleness bound, T_bcast seconds from a version's weights existing to
+  the coordinator leasing it;
+* per node i: μ_i rollouts per second *of generation*, r_i reliability, g_i generation seconds of
+  one lease, o_i seconds per lease spent on round trips (not generating, not loading), d_i the
+  node's own version-load delay (seconds it cannot generate when it switches to a new version),
+  c_i price per hour.
+
+With the learner stepping every T seconds, node i delivers admissible rollouts at
+
+    ρ_i(T) = μ_i · r_i · g_i/(g_i + o_i) · (1 − d_i / max(κ·T, g_i + o_i + d_i)) · a_i(T)
+    a_i(T) = clamp(((S + 1)·T − T_train − T_bcast − g_i − o_i) / (κ·T), 0, 1)
+
+(a_i: the share of a version's leases whose results arrive before the learner is S versions
+past it). The learner is busy when Σ ρ_i(T_train) ≥ B / T_train; otherwise it steps every
+T* > T_train with T*·Σ ρ_i(T*) = B and its predicted idle fraction is 1 − T_train / T*.
+
+Activation: the cheapest set meeting the rule with headroom (ρ_i at T = T_train); exact search
+for pools of at most :data:`EXACT_LIMIT` paid nodes, otherwise greedy by c_i/ρ_i followed by a
+prune. Nodes without a price are free volunteers (always active).
+
+Public API (kept stable for ``swarm simulate`` and ``swarm coordinator plan``):
+:class:`NodeCapacity`, :class:`Pipeline`, :class:`Plan`, :func:`node_rate`, :func:`supply`,
+:func:`step_period`, :func:`predicted_idle`, :func:`required_rate`,
+:func:`admissible_fraction`, :func:`choose_active`, :func:`plan_activation`.
 """
 
 from __future__ import annotations
@@ -28,78 +48,175 @@ class NodeCapacity:
     """What the planner knows about one node."""
 
     node_id: str
-    #: μ_i: measured rollouts (samples) per second.
+    #: μ_i: rollouts (samples) per second of generation.
     rollouts_per_s: float
     #: c_i: price per hour; None = free volunteer (counts as 0).
     price_per_hour: float | None = None
     #: Fraction of leases the node completes in time, in [0, 1]; scales μ_i.
     reliability: float = 1.0
-
-    @property
-    def effective_rate(self) -> float:
-        return max(0.0, self.rollouts_per_s) * min(1.0, max(0.0, self.reliability))
+    #: o_i: seconds per lease the node spends on round trips (asking, submitting, the verdict).
+    overhead_s: float = 0.0
+    #: g_i: generation seconds of one of its leases; None = unknown (the plan's t_gen is used).
+    lease_s: float | None = None
+    #: d_i: seconds it cannot generate when it switches to a new version (its version-load delay).
+    load_s: float = 0.0
 
     @property
     def price(self) -> float:
         return 0.0 if self.price_per_hour is None else self.price_per_hour
+
+    @property
+    def effective_rate(self) -> float:
+        """μ_i · r_i: rollouts/s while generating, discounted by reliability (0 when the figure
+        is not a finite number: it comes from a peer)."""
+        rate, rel = self.rollouts_per_s, self.reliability
+        if not (math.isfinite(rate) and math.isfinite(rel)):
+            return 0.0
+        return max(0.0, rate) * min(1.0, max(0.0, rel))
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The learner's side of the rule."""
+
+    #: B: rollouts per learner step.
+    batch: int
+    #: T_train: seconds per learner step when it does not wait.
+    t_train: float
+    #: κ: learner steps between published versions (a mean may be fractional).
+    kappa: float
+    #: T_bcast: seconds from a version's weights existing to the coordinator leasing it.
+    t_bcast: float = 0.0
+    #: S: staleness bound; None = no admissibility check.
+    staleness_bound: int | None = None
+    #: generation seconds of one lease for nodes that do not know theirs (0 = negligible).
+    t_gen: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.batch <= 0 or not self.t_train > 0 or self.kappa <= 0 or not self.t_bcast >= 0:
+            raise ValueError("Pipeline: batch, t_train, kappa must be > 0 and t_bcast >= 0")
+
+
+def _lease_figures(node: NodeCapacity, pipe: Pipeline) -> tuple[float, float, float] | None:
+    """(g_i, o_i, d_i) of ``node``, or None when one is not a finite number (a node that never
+    finishes a lease or a load delivers nothing)."""
+    g = node.lease_s if node.lease_s is not None and node.lease_s > 0 else pipe.t_gen
+    o, d = node.overhead_s, node.load_s
+    if not (math.isfinite(g) and math.isfinite(o) and math.isfinite(d)) or g < 0:
+        return None
+    return g, max(0.0, o), max(0.0, d)
+
+
+def admissible_fraction(node: NodeCapacity, pipe: Pipeline, period: float) -> float:
+    """a_i(T): the share of a version's leases on ``node`` whose results still arrive within S
+    versions when the learner steps every ``period`` seconds (1 when S is not given)."""
+    if pipe.staleness_bound is None:
+        return 1.0
+    figures = _lease_figures(node, pipe)
+    if figures is None:
+        return 0.0
+    g, o, _ = figures
+    # A result of version u is used if it arrives before the learner, at version u + S, starts
+    # training: (S + 1)·T − T_train after u was made (the step's wait for rollouts counts).
+    deadline = (pipe.staleness_bound + 1) * period - pipe.t_train
+    slack = deadline - pipe.t_bcast - g - o
+    return min(1.0, max(0.0, slack / (pipe.kappa * period)))
+
+
+def node_rate(node: NodeCapacity, pipe: Pipeline, period: float | None = None) -> float:
+    """ρ_i(T): admissible rollouts/s of ``node`` when the learner steps every ``period`` seconds
+    (default T_train: the learner busy)."""
+    period = pipe.t_train if period is None else period
+    rate = node.effective_rate
+    figures = _lease_figures(node, pipe)
+    if rate <= 0 or figures is None:
+        return 0.0
+    g, o, d = figures
+    duty = g / (g + o) if g + o > 0 else 1.0  # share of a lease cycle spent generating
+    loading = d / max(pipe.kappa * period, g + o + d) if d > 0 else 0.0
+    return rate * duty * (1.0 - loading) * admissible_fraction(node, pipe, period)
+
+
+def supply(nodes: Sequence[NodeCapacity], pipe: Pipeline, period: float | None = None) -> float:
+    """Σ ρ_i(T): admissible rollouts/s of ``nodes``."""
+    return sum(node_rate(n, pipe, period) for n in nodes)
+
+
+def required_rate(batch: int, t_train: float) -> float:
+    """B / T_train: rollouts/s that keep the learner busy."""
+    if batch <= 0 or not t_train > 0:
+        raise ValueError("required_rate: batch and t_train must be > 0")
+    return batch / t_train
+
+
+def step_period(nodes: Sequence[NodeCapacity], pipe: Pipeline) -> float:
+    """T*: the learner's predicted seconds per step with ``nodes`` (T_train when they keep up;
+    ``math.inf`` when they deliver no admissible rollout at any pace)."""
+    if supply(nodes, pipe) * pipe.t_train >= pipe.batch * (1 - 1e-9):
+        return pipe.t_train
+    lo, hi = pipe.t_train, 2 * pipe.t_train
+    # T · Σρ(T) grows with T (slower steps: fewer switches, fresher results): bracket, bisect.
+    while supply(nodes, pipe, hi) * hi < pipe.batch:
+        lo, hi = hi, 2 * hi
+        if hi > pipe.t_train * 2**60:
+            return math.inf
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if supply(nodes, pipe, mid) * mid >= pipe.batch:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-9 * hi:
+            break
+    return hi
+
+
+def predicted_idle(nodes: Sequence[NodeCapacity], pipe: Pipeline) -> float:
+    """1 − T_train / T*: the learner's predicted idle fraction with ``nodes``."""
+    period = step_period(nodes, pipe)
+    return 1.0 if math.isinf(period) else max(0.0, 1.0 - pipe.t_train / period)
 
 
 @dataclass(frozen=True)
 class Plan:
     """Result of :func:`plan_activation`."""
 
-    #: Σμ the overlap rule needs (rollouts/s), before headroom; inf when infeasible.
+    #: B / T_train: admissible rollouts/s that keep the learner busy (before headroom).
     required: float
-    #: Effective Σμ of the whole pool.
+    #: Σρ_i(T_train) of the whole pool.
     available: float
-    #: Effective Σμ of the active set.
+    #: Σρ_i(T_train) of the active set.
     active_rate: float
     active: tuple[str, ...]
     standby: tuple[str, ...]
     #: Total price per hour of the active set.
     cost_per_hour: float
-    #: True when the overlap rule (with headroom) holds for the active set.
+    #: True when the active set meets the rule with headroom.
     meets_rule: bool
-    #: True when κ + ⌈(T_bcast + t_gen)/T_train⌉ ≤ S (None when S or t_gen was not given).
+    #: True when every active node's results all arrive within S at T_train (None: S not given);
+    #: informative only: the late share is already left out of each node's rate.
     staleness_ok: bool | None
     explanation: str
-
-
-def required_rate(batch: int, t_train: float, kappa: int, t_bcast: float) -> float:
-    """κ·B / (κ·T_train − T_bcast) rollouts/s; ``math.inf`` when T_bcast ≥ κ·T_train."""
-    if batch <= 0 or t_train <= 0 or kappa <= 0 or t_bcast < 0:
-        raise ValueError("required_rate: batch, t_train, kappa must be > 0 and t_bcast >= 0")
-    window = kappa * t_train - t_bcast
-    if window <= 0:
-        return math.inf
-    return kappa * batch / window
-
-
-def staleness_lag(kappa: int, t_bcast: float, t_gen: float, t_train: float) -> float:
-    """κ + ⌈(T_bcast + t_gen) / T_train⌉: versions a result can lag behind the learner.
-
-    An integer, or ``math.inf`` when the quotient is not finite: the figures come from peers (a
-    node advertising 5e-324 tokens/s has an infinite t_gen), and planning must not crash on them.
-    """
-    steps = (t_bcast + t_gen) / t_train - _EPS
-    if not math.isfinite(steps):
-        return math.inf
-    return kappa + math.ceil(steps)
-
-
-def staleness_feasible(kappa: int, t_bcast: float, t_gen: float, t_train: float, s: int) -> bool:
-    return staleness_lag(kappa, t_bcast, t_gen, t_train) <= s
+    #: Predicted learner idle fraction with the active set, and with the whole pool.
+    predicted_idle: float = 0.0
+    pool_idle: float = 0.0
+    #: Predicted seconds per learner step with the active set.
+    step_period: float = 0.0
 
 
 def _meets(rate: float, target: float) -> bool:
+    if not math.isfinite(target):  # an impossible demand (a T_train of 5e-324 s) is never met
+        return False
     return rate + _EPS * max(1.0, target) >= target
 
 
-def _exact(nodes: Sequence[NodeCapacity], target: float) -> tuple[NodeCapacity, ...] | None:
+def _exact(
+    nodes: Sequence[NodeCapacity], rates: dict[str, float], target: float
+) -> tuple[NodeCapacity, ...] | None:
     best: tuple[tuple[float, int, float, tuple[str, ...]], tuple[NodeCapacity, ...]] | None = None
     for r in range(len(nodes) + 1):
         for combo in itertools.combinations(nodes, r):
-            rate = sum(n.effective_rate for n in combo)
+            rate = sum(rates[n.node_id] for n in combo)
             if not _meets(rate, target):
                 continue
             key = (sum(n.price for n in combo), r, -rate, tuple(n.node_id for n in combo))
@@ -108,33 +225,41 @@ def _exact(nodes: Sequence[NodeCapacity], target: float) -> tuple[NodeCapacity, 
     return None if best is None else best[1]
 
 
-def _greedy(nodes: Sequence[NodeCapacity], target: float) -> tuple[NodeCapacity, ...] | None:
-    usable = [n for n in nodes if n.effective_rate > 0]
-    order = sorted(usable, key=lambda n: (n.price / n.effective_rate, -n.effective_rate, n.node_id))
+def _greedy(
+    nodes: Sequence[NodeCapacity], rates: dict[str, float], target: float
+) -> tuple[NodeCapacity, ...] | None:
+    usable = [n for n in nodes if rates[n.node_id] > 0]
+    order = sorted(usable, key=lambda n: (n.price / rates[n.node_id], -rates[n.node_id], n.node_id))
     chosen: list[NodeCapacity] = []
     rate = 0.0
     for node in order:
         if _meets(rate, target):
             break
         chosen.append(node)
-        rate += node.effective_rate
+        rate += rates[node.node_id]
     if not _meets(rate, target):
         return None
     # Prune: drop the most expensive members (then the slowest) while the rule still holds.
-    for node in sorted(chosen, key=lambda n: (-n.price, n.effective_rate, n.node_id)):
-        if _meets(rate - node.effective_rate, target):
+    for node in sorted(chosen, key=lambda n: (-n.price, rates[n.node_id], n.node_id)):
+        if _meets(rate - rates[node.node_id], target):
             chosen.remove(node)
-            rate -= node.effective_rate
+            rate -= rates[node.node_id]
     return tuple(chosen)
 
 
 def choose_active(
-    nodes: Sequence[NodeCapacity], target: float, *, exact_limit: int = EXACT_LIMIT
+    nodes: Sequence[NodeCapacity],
+    target: float,
+    *,
+    exact_limit: int = EXACT_LIMIT,
+    rates: dict[str, float] | None = None,
 ) -> tuple[NodeCapacity, ...] | None:
-    """Cheapest subset whose effective rate reaches ``target``; None when all nodes fall short."""
+    """Cheapest subset whose rate (``rates[id]``, default each node's ``effective_rate``) reaches
+    ``target``; None when all nodes together fall short."""
+    rates = rates if rates is not None else {n.node_id: n.effective_rate for n in nodes}
     if len(nodes) <= exact_limit:
-        return _exact(nodes, target)
-    return _greedy(nodes, target)
+        return _exact(nodes, rates, target)
+    return _greedy(nodes, rates, target)
 
 
 def plan_activation(
@@ -142,53 +267,72 @@ def plan_activation(
     *,
     batch: int,
     t_train: float,
-    kappa: int,
+    kappa: float,
     t_bcast: float,
     headroom: float = 0.2,
     staleness_bound: int | None = None,
     t_gen: float | None = None,
     exact_limit: int = EXACT_LIMIT,
 ) -> Plan:
-    """Choose the active set: cheapest nodes meeting the overlap rule with ``headroom``."""
+    """Choose the active set: the cheapest nodes whose admissible rate at T_train meets
+    B / T_train with ``headroom``; predict the learner's idle fraction with it and with all.
+
+    ``t_gen`` is the generation time of one lease for nodes whose ``lease_s`` is unknown."""
+    pipe = Pipeline(batch, t_train, kappa, t_bcast, staleness_bound, t_gen or 0.0)
     ids = sorted(n.node_id for n in nodes)
-    available = sum(n.effective_rate for n in nodes)
-    staleness_ok = None
-    if staleness_bound is not None and t_gen is not None:
-        staleness_ok = staleness_feasible(kappa, t_bcast, t_gen, t_train, staleness_bound)
-    required = required_rate(batch, t_train, kappa, t_bcast)
-    if math.isinf(required):
-        return _all_active(
-            nodes,
-            required,
-            staleness_ok,
-            f"infeasible: T_bcast={t_bcast:g}s >= κ·T_train={kappa * t_train:g}s, no rate can keep "
-            "the learner busy; publish less often (raise κ) or speed up dissemination; "
-            "all nodes kept active",
-        )
+    rates = {n.node_id: node_rate(n, pipe) for n in nodes}
+    available = sum(rates.values())
+    required = required_rate(batch, t_train)
     target = required * (1.0 + headroom)
+    pool_idle = predicted_idle(nodes, pipe)
     # Free volunteers (price 0 or unpriced) are always active: standing one down saves nothing and
     # only adds staleness. The paid nodes cover what the free ones leave of the target.
     free = tuple(n for n in nodes if n.price <= 0.0 and n.effective_rate > 0)
     free_ids = {n.node_id for n in free}  # sets: these lines run on every tick for every node
     paid = [n for n in nodes if n.node_id not in free_ids]
-    residual = target - sum(n.effective_rate for n in free)
-    picked = () if _meets(0.0, residual) else choose_active(paid, residual, exact_limit=exact_limit)
-    chosen = None if picked is None else free + picked
+    residual = target - sum(rates[n.node_id] for n in free)
+    picked = (
+        ()
+        if _meets(0.0, residual)
+        else choose_active(paid, residual, exact_limit=exact_limit, rates=rates)
+    )
     method = "exact search" if len(paid) <= exact_limit else "greedy by price/rate + prune"
-    if chosen is None:
-        return _all_active(
-            nodes,
-            required,
-            staleness_ok,
-            f"short of capacity: need {target:.3g} rollouts/s (rule {required:.3g} + "
-            f"{headroom:.0%} headroom), the whole pool gives {available:.3g}; all nodes active",
+    if picked is None:
+        chosen: tuple[NodeCapacity, ...] = tuple(nodes)
+        meets = False
+        why = (
+            f"short of capacity: need {target:.3g} admissible rollouts/s (B/T_train "
+            f"{required:.3g} + {headroom:.0%} headroom), the whole pool gives {available:.3g}; "
+            f"all nodes active, predicted learner idle {pool_idle:.0%}"
         )
+    else:
+        chosen = free + picked
+        meets = True
+        why = ""
     active = tuple(sorted(n.node_id for n in chosen))
-    rate = sum(n.effective_rate for n in chosen)
     active_ids = set(active)
     standby = tuple(i for i in ids if i not in active_ids)
-    cost = _cost(chosen)
-    note = "" if staleness_ok is not False else "; WARNING: staleness bound S cannot be met"
+    rate = sum(rates[n.node_id] for n in chosen)
+    period = step_period(chosen, pipe)
+    idle = 1.0 if math.isinf(period) else max(0.0, 1.0 - t_train / period)
+    staleness_ok = None
+    if staleness_bound is not None:
+        staleness_ok = all(admissible_fraction(n, pipe, t_train) >= 1.0 for n in chosen)
+    cost = sum(n.price for n in chosen)
+    if meets:
+        late = sum(1 for n in chosen if admissible_fraction(n, pipe, t_train) < 1.0)
+        note = (
+            f"; {late} active node(s) deliver some results more than S versions late "
+            "(only the rest is counted)"
+            if late
+            else ""
+        )
+        why = (
+            f"need {target:.3g} admissible rollouts/s (B/T_train {required:.3g} + "
+            f"{headroom:.0%} headroom); {len(active)} of {len(ids)} nodes active give "
+            f"{rate:.3g} at {cost:.3g}/h ({method}); {len(standby)} on standby; predicted "
+            f"learner idle {idle:.0%}{note}"
+        )
     return Plan(
         required=required,
         available=available,
@@ -196,31 +340,10 @@ def plan_activation(
         active=active,
         standby=standby,
         cost_per_hour=cost,
-        meets_rule=True,
-        staleness_ok=staleness_ok,
-        explanation=f"need {target:.3g} rollouts/s (rule {required:.3g} + {headroom:.0%} "
-        "headroom); "
-        f"{len(active)} of {len(ids)} nodes active give {rate:.3g} at {cost:.3g}/h ({method}); "
-        f"{len(standby)} on standby{note}",
-    )
-
-
-def _all_active(
-    nodes: Sequence[NodeCapacity], required: float, staleness_ok: bool | None, why: str
-) -> Plan:
-    rate = sum(n.effective_rate for n in nodes)
-    return Plan(
-        required=required,
-        available=rate,
-        active_rate=rate,
-        active=tuple(sorted(n.node_id for n in nodes)),
-        standby=(),
-        cost_per_hour=_cost(nodes),
-        meets_rule=False,
+        meets_rule=meets,
         staleness_ok=staleness_ok,
         explanation=why,
+        predicted_idle=idle,
+        pool_idle=pool_idle,
+        step_period=period,
     )
-
-
-def _cost(nodes: Sequence[NodeCapacity]) -> float:
-    return sum(n.price for n in nodes)

@@ -288,6 +288,12 @@ class CapacitySection(_Section):
     activation: bool = Field(
         default=True, description="Put nodes beyond the cheapest sufficient set on standby"
     )
+    replan_interval_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="Re-plan the active set at most this often on the upkeep tick (seconds; a "
+        "re-plan reads every live node); a returning or re-priced node re-plans at once",
+    )
 
 
 class NetworkSection(_Section):

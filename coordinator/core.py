@@ -6,9 +6,14 @@ envelope) and return protocol messages. Refusals raise :class:`~coordinator.erro
 (the service answers ``Reject(code, detail)``), except :meth:`submit`, which returns the verdict
 (``Ack`` or ``Reject``) because verdicts are stored and replayed to an identical re-send.
 
-Every state change is committed to SQLite before the method returns. Time comes from the injected
-``clock`` (Unix seconds), so tests drive leases and bans without sleeping. Call :meth:`tick`
-periodically (expiry, re-planning, sealing the receipt log).
+Every state change is committed to SQLite before the method returns, except liveness: the
+``last_seen`` of a heartbeat or lease request is soft state, kept in memory and written for all
+nodes in one transaction by :meth:`flush_liveness` (every :meth:`tick`, before any query that reads
+it). A durable commit per heartbeat would cost an fsync each (~4 ms on ext4 with
+``synchronous=FULL``): 10,000 nodes send ~2,000 such messages per second. A crash loses at most
+one tick of ``last_seen``, far inside the liveness horizon. Time comes from the injected ``clock``
+(Unix seconds), so tests drive leases and bans without sleeping. Call :meth:`tick` periodically
+(flush, expiry, and a re-plan every ``capacity.replan_interval_s``).
 
 Verification is held to the node's registration (its backend and dtype, recorded in each lease),
 at the node's adaptive check rate (:mod:`coordinator.trust`); reward audits re-issue a keyed-random
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -38,6 +44,7 @@ from coordinator.problems import Task
 from coordinator.receipts import ReceiptLog
 from coordinator.reputation import Reputation
 from coordinator.store import ACK, LeaseRecord, NodeRecord, RolloutRow, Store, Verdict
+from coordinator.throughput import ThroughputBook
 from coordinator.trust import Trust
 from policy.model import Tokenizer
 from policy.prompts import PromptRenderer
@@ -154,11 +161,25 @@ class Coordinator:
         self._g_version = Gauge(
             "swarm_policy_version", "Latest published version", registry=self.registry
         )
+        #: T_bcast: weights ready at the trainer -> leases name them (seconds); measured by the
+        #: service from the configured starting value
         self.t_bcast_s = config.capacity.t_bcast_s
         #: T_train estimate: the configured value until the trainer reports its step time.
         self.t_train_s = config.capacity.t_train_s
+        #: B and κ: configured until the trainer reports its own (the learner's figures win)
+        self.batch_rollouts = config.capacity.batch_rollouts
+        self.kappa = config.kappa
+        #: versions per publication as observed (a trainer whose publication outlasts κ steps
+        #: publishes less often: the window a version is the newest grows); running mean
+        self.published_kappa: float | None = None
+        self._last_published: int | None = None
+        #: per-node μ_i, g_i, o_i, d_i measured from accepted leases (coordinator.throughput)
+        self.throughput = ThroughputBook(config.leases.throughput_ewma)
         self.plan: Plan | None = None
         self._standby: frozenset[str] = frozenset()
+        self._planned_at = -math.inf
+        #: node_key -> last_seen not yet written to the store (see the module docstring)
+        self._seen: dict[bytes, float] = {}
         self.leases.expire_due()
         outstanding = self.leases.outstanding()
         if outstanding:
@@ -241,9 +262,11 @@ class Coordinator:
         # Re-planning scans the whole swarm: only when the plan's inputs changed (a new or
         # returning node, another price or throughput), so repeated re-registrations stay cheap.
         horizon = now - self.config.heartbeat_interval_s * self.config.heartbeat_misses
-        if (
-            old is None
-            or old.last_seen < horizon
+        # A node never seen before has no measured rate, so it cannot change the plan (unmeasured
+        # nodes are always active); re-planning for each of 10,000 joining nodes would scan the
+        # swarm 10,000 times. Its gauge count follows at the next tick.
+        if old is not None and (
+            max(old.last_seen, self._seen.get(node_key, -math.inf)) < horizon
             or old.price_per_hour != record.price_per_hour
             or old.tokens_per_s != record.tokens_per_s
         ):
@@ -282,6 +305,7 @@ class Coordinator:
         cap = self.config.max_nodes
         if self.store.node_count() < cap:
             return
+        self.flush_liveness()
         horizon = self.config.heartbeat_interval_s * self.config.heartbeat_misses
         victim = self.store.evictable_node(now - horizon, now)
         if victim is None:
@@ -292,12 +316,13 @@ class Coordinator:
                 retry_after_s=horizon,
             )
         self.store.delete_node(victim)
+        self._seen.pop(victim, None)
         log.info("node table full (%d): forgot %s, gone the longest", cap, fingerprint_of(victim))
 
     def heartbeat(self, node_key: bytes, hb: Heartbeat) -> HeartbeatAck:
         self._admit(node_key)
         now = self.clock()
-        self.store.update_node(node_key, last_seen=now)
+        self._seen[node_key] = now
         return HeartbeatAck(
             server_time=now,
             current_policy_version=self.store.latest_version(),
@@ -307,8 +332,7 @@ class Coordinator:
     # --- leases ----------------------------------------------------------------------------------
     def request_lease(self, node_key: bytes, req: LeaseRequest) -> Lease | Standby:
         node = self._admit(node_key)
-        self.store.update_node(node_key, last_seen=self.clock())
-        self.leases.expire_due()
+        self._seen[node_key] = self.clock()
         version = self.lease_version()
         if version is None:
             return Standby(retry_after_s=1.0, reason="no policy version available yet")
@@ -317,6 +341,8 @@ class Coordinator:
                 retry_after_s=self.config.heartbeat_interval_s,
                 reason="standby: the active set covers the learner's demand",
             )
+        # Standby answers (most lease requests of a large swarm) need no expiry pass; a lease does.
+        self.leases.expire_due()
         held, cap = self.store.active_lease_count(node_key), self.config.leases.max_active_per_node
         if held >= cap:  # no hoarding of prompts (and no unbounded lease rows) by one node
             return Standby(
@@ -456,6 +482,16 @@ class Coordinator:
             prompts = sorted({a.prompt_index for a in rows})
             tokens = sum(len(a.completion_tokens) for a in rows)
             self.leases.record_result(lease, prompts, tokens=tokens, samples=len(rows))
+            t = sub.timings
+            self.throughput.record(
+                node_key,
+                samples=sum(len(g.samples) for g in sub.groups),  # what it generated
+                version=lease.version,
+                generate_s=t.generate_s,
+                load_s=t.load_s,
+                overhead_s=t.overhead_s,
+                observed_s=now - lease.issued_at,
+            )
             skipped = len(sub.groups) - len(prompts)
             verdict = Verdict(
                 ACK, f"{len(rows)} samples of {len(prompts)} prompts accepted; {skipped} groups "
@@ -578,11 +614,11 @@ class Coordinator:
     def fetch_rollouts(
         self, after_seq: int, max_rollouts: int, min_policy_version: int | None = None
     ) -> RolloutBatch:
-        """Accepted rollouts with ``seq > after_seq`` in arrival order (the trainer's feed)."""
-        rows = self.store.rollouts_after(after_seq, max_rollouts)
+        """Accepted rollouts with ``seq > after_seq`` in arrival order (the trainer's feed); with
+        ``min_policy_version``, older ones are skipped in the query (a stale backlog costs the
+        learner nothing: it never travels)."""
+        rows = self.store.rollouts_after(after_seq, max_rollouts, min_policy_version)
         last = rows[-1].seq if rows else after_seq
-        if min_policy_version is not None:
-            rows = [r for r in rows if r.version >= min_policy_version]
         return RolloutBatch(
             rollouts=[
                 AcceptedRollout(
@@ -620,6 +656,12 @@ class Coordinator:
             self._check_delta_base(manifest)
             self.store.put_version(manifest.version, encode(manifest_env), self.clock())
         fault_point("publish.after_commit")
+        step = manifest.version - (self._last_published or 0)
+        # a jump far beyond κ is a restarted trainer renumbering, not its publication pace
+        if self._last_published is not None and 0 < step <= 8 * self.kappa:
+            old = self.published_kappa
+            self.published_kappa = step if old is None else 0.7 * old + 0.3 * step
+        self._last_published = manifest.version
         self._g_version.set(manifest.version)
         log.info("published policy version %d", manifest.version)
         return manifest
@@ -639,43 +681,64 @@ class Coordinator:
             )
 
     # --- capacity --------------------------------------------------------------------------------
+    def flush_liveness(self) -> None:
+        """Write the ``last_seen`` of every node heard from since the last flush (one commit)."""
+        if self._seen:
+            seen, self._seen = self._seen, {}
+            self.store.touch_nodes(seen.items())
+
     def alive_nodes(self) -> list[NodeRecord]:
-        """Registered, heard from within the heartbeat horizon, not banned (two queries)."""
+        """Registered, heard from within the heartbeat horizon, not banned (one query; the
+        adverts are not loaded)."""
+        self.flush_liveness()
         now = self.clock()
         horizon = now - self.config.heartbeat_interval_s * self.config.heartbeat_misses
-        banned = self.store.banned_keys(now)
-        return [
-            n for n in self.store.nodes() if n.last_seen >= horizon and n.node_key not in banned
-        ]
+        return self.store.live_nodes(horizon, now)
+
+    def node_capacity(self, node: NodeRecord) -> NodeCapacity | None:
+        """What the planner knows of ``node``: its lease-by-lease figures (generation rate, lease
+        time, round-trip overhead, version-load delay); before any, the durable end-to-end rate;
+        None when it has not completed a lease yet."""
+        fig = self.throughput.get(node.node_key)
+        if fig is not None:
+            return NodeCapacity(
+                node.node_key.hex(), fig.gen_rate, node.price_per_hour, node.reliability,
+                overhead_s=fig.overhead_s, lease_s=fig.lease_s, load_s=fig.load_s or 0.0,
+            )  # fmt: skip
+        if not node.rollouts_per_s:
+            return None
+        return NodeCapacity(node.node_key.hex(), node.rollouts_per_s, node.price_per_hour,
+                            node.reliability)  # fmt: skip
 
     def replan(self) -> Plan:
         """Recompute the active set (call when nodes join/leave or their μ changes)."""
         cap = self.config.capacity
         nodes = self.alive_nodes()
-        measured = [n for n in nodes if n.rollouts_per_s]
+        measured = [c for c in map(self.node_capacity, nodes) if c is not None]
         t_gen = max(
             (self.config.group_size * self.config.sampling.max_new_tokens / n.tokens_per_s
              for n in nodes if n.tokens_per_s), default=0.0,
         )  # fmt: skip
         plan = plan_activation(
-            [
-                NodeCapacity(
-                    n.node_key.hex(), n.rollouts_per_s or 0.0, n.price_per_hour, n.reliability
-                )
-                for n in measured
-            ],
-            batch=cap.batch_rollouts,
+            measured,
+            batch=self.batch_rollouts,
             t_train=self.t_train_s,
-            kappa=self.config.kappa,
+            kappa=self.effective_kappa,
             t_bcast=self.t_bcast_s,
             headroom=cap.headroom,
             staleness_bound=self.config.staleness_bound,
             t_gen=t_gen,
         )
         self.plan = plan
+        self._planned_at = self.clock()
         self._standby = frozenset(plan.standby)
         self._g_active.set(len(plan.active) + len(nodes) - len(measured))
         return plan
+
+    @property
+    def effective_kappa(self) -> float:
+        """κ of the rule: the learner's, or the observed versions per publication if larger."""
+        return max(float(self.kappa), self.published_kappa or 0.0)
 
     def is_active(self, node_key: bytes) -> bool:
         """Unmeasured nodes are always active (they must run a lease to be measured)."""
@@ -684,9 +747,13 @@ class Coordinator:
         return node_key.hex() not in self._standby
 
     def tick(self) -> None:
-        """Periodic upkeep: expire overdue leases, re-plan the active set, seal new receipts."""
+        """Periodic upkeep: write liveness, expire overdue leases, seal new receipts, and re-plan
+        the active set when ``capacity.replan_interval_s`` has passed since the last plan (a
+        re-plan reads every live node: ~0.1 s of CPU at 10,000 nodes, too much for every tick)."""
+        self.flush_liveness()
         self.leases.expire_due()
-        self.replan()
+        if self.clock() - self._planned_at >= self.config.capacity.replan_interval_s:
+            self.replan()
         self.receipts.seal(self.clock())
 
     def close(self) -> None:
@@ -694,12 +761,14 @@ class Coordinator:
         closer = getattr(self.task, "close", None)
         if callable(closer):
             closer()
+        self.flush_liveness()
         self.receipts.seal(self.clock(), force=True)
         self.store.close()
 
     def status(self) -> dict[str, Any]:
         """Snapshot for ``/status`` (scalars, lists and flat maps only)."""
         by_state = self.store.lease_counts()  # every tick: never load the whole lease history
+        self.flush_liveness()
         nodes = self.store.nodes()
         banned_keys = self.store.banned_keys(self.clock())
         banned = [n.fingerprint for n in nodes if n.node_key in banned_keys]
@@ -722,6 +791,13 @@ class Coordinator:
             "stop_token_ids": list(self.stop_token_ids),
             "plan": self.plan.explanation if self.plan else None,
             "plan_required_rollouts_per_s": self.plan.required if self.plan else None,
+            "plan_predicted_idle_frac": self.plan.predicted_idle if self.plan else None,
+            "plan_pool_idle_frac": self.plan.pool_idle if self.plan else None,
+            "plan_step_period_s": self.plan.step_period if self.plan else None,
+            "plan_t_train_s": self.t_train_s,
+            "plan_t_bcast_s": self.t_bcast_s,
+            "plan_batch_rollouts": self.batch_rollouts,
+            "plan_kappa": self.effective_kappa,
             "plan_standby": [
                 fingerprint_of(bytes.fromhex(k)) for k in (self.plan.standby if self.plan else ())
             ],

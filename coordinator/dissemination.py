@@ -1,7 +1,9 @@
 """How far each recent policy version has spread: which registered nodes hold it in full.
 
 :class:`HolderCensus` reads the chunk-holder bitmaps of the last ``S + 1`` versions from the DHT
-(:mod:`swarm.holders`: every peer announces, per version, a bitmap of the chunks it has verified)
+(:mod:`swarm.holders`: every peer that others can dial announces, per version, a bitmap of the
+chunks it has verified; a node measured ``private`` (behind NAT) announces nothing, so it is not
+counted: it cannot serve other nodes)
 every ``period`` seconds and keeps, for the dashboard and ``/status``:
 
 * :attr:`HolderCensus.counts`   -- version -> registered nodes holding its full checkpoint;

@@ -36,8 +36,9 @@ import hashlib
 import hmac
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -51,6 +52,9 @@ from protocol.errors import ReasonCode
 from protocol.messages import RolloutSubmission, Sample, unpack_logprobs, unpack_tokens
 
 log = logging.getLogger(__name__)
+
+#: ``asyncio.to_thread``-like: ``await offload(fn, *args)`` returns ``fn(*args)``.
+Offload = Callable[..., Awaitable[Any]]
 
 #: A behaviour log-prob may exceed 0 by float32 rounding only.
 LOGPROB_EPS = 1e-4
@@ -323,6 +327,9 @@ class Intake:
         self.secret = secret
         self.max_samples = spot_check_max_samples
         self.metrics = metrics or IntakeMetrics()
+        #: Runs blocking scoring (math-verify) off the event loop; injectable like the clock (the
+        #: simulation runs it inline, so a submission completes without an event loop).
+        self.offload: Offload = asyncio.to_thread
 
     def _u(self, label: str) -> float:
         mac = hmac.new(self.secret, label.encode(), hashlib.sha256).digest()
@@ -357,7 +364,7 @@ class Intake:
         accepted: list[AcceptedSample] = []
         for slot, group_rows in todo:
             texts = [(tokens, finish) for tokens, _, finish, _ in group_rows]
-            scores = await asyncio.to_thread(score_rewards, self.task, self.tokenizer, slot, texts)
+            scores = await self.offload(score_rewards, self.task, self.tokenizer, slot, texts)
             for j, ((tokens, logprobs, finish, seed), (reward, exact)) in enumerate(
                 zip(group_rows, scores, strict=True)
             ):

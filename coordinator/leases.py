@@ -70,6 +70,9 @@ class LeaseManager:
         self.clock = clock
         self.group_size = group_size
         self.max_new_tokens = max_new_tokens
+        #: Random hex suffix of lease ids (``secrets.token_hex``); injectable like the clock, so a
+        #: simulation is reproducible from its seed.
+        self.nonce: Callable[[int], str] = secrets.token_hex
 
     # --- sizing ----------------------------------------------------------------------------------
     def _tps(self, tokens_per_s: float | None) -> float:
@@ -126,7 +129,7 @@ class LeaseManager:
                 self.store.set_meta(CURSOR, str(cursor + fresh))
             epoch = self.store.next_counter(EPOCH)
             lease = LeaseRecord(
-                lease_id=f"L{epoch:08d}-{secrets.token_hex(6)}",
+                lease_id=f"L{epoch:08d}-{self.nonce(6)}",
                 node_key=node_key,
                 epoch=epoch,
                 version=version,
@@ -148,8 +151,13 @@ class LeaseManager:
         return lease
 
     def expire_due(self) -> list[LeaseRecord]:
-        """Expire active leases past their deadline; their unfinished prompts are re-queued."""
+        """Expire active leases past their deadline; their unfinished prompts are re-queued.
+
+        Runs on every lease request and submission: when nothing is due (the common case) it is
+        one indexed read, without opening a write transaction."""
         now = self.clock()
+        if not self.store.due_leases(now):
+            return []
         with self.store.transaction():
             due = self.store.due_leases(now)
             for lease in due:

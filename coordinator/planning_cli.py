@@ -1,22 +1,21 @@
-"""``swarm coordinator plan``: the capacity rule (DESIGN.md §9) worked out for a config and a pool.
+"""``swarm coordinator plan``: the capacity rule (docs/capacity.md) for a config and a pool.
 
 Reads the coordinator config (B, T_train, κ, S, T_bcast, headroom, G), an optional JSON pool of
 nodes, applies the ``--t-train`` / ``--t-bcast`` overrides, runs
-:func:`coordinator.capacity.plan_activation` and prints every number of the rule, so an operator
-can check by hand what the coordinator does at run time
+:func:`coordinator.capacity.plan_activation` and prints every number of the rule — each node's
+admissible rate, the active set, and the learner's predicted idle fraction with it and with the
+whole pool — so an operator can check by hand what the coordinator does at run time
 (:meth:`~coordinator.core.Coordinator.replan`).
 
-Pool file: a JSON list of objects ``{"id": str, "rollouts_per_s": number >= 0, "price_per_hour":
-number >= 0 or null (free volunteer, optional), "reliability": number in [0, 1] (default 1)}``.
-Unknown keys are an error, as in the TOML configs.
+Pool file: a JSON list of objects ``{"id": str, "rollouts_per_s": number >= 0 (μ: rollouts per
+second of generation), "price_per_hour": number >= 0 or null (free volunteer, optional),
+"reliability": number in [0, 1] (default 1), "lease_s": seconds of generation per lease
+(optional), "overhead_s": round-trip seconds per lease (default 0), "load_s": the node's
+version-load delay in seconds (default 0)}``. Unknown keys are an error, as in the TOML configs.
 
-t_gen (one group's generation time, for the staleness check) is estimated as the coordinator does,
-from the slowest node of the pool: G / μ_min (here from rollouts/s; the coordinator uses
-G · max_new_tokens / tokens_per_s, the same quantity when completions run to the length cap).
-
-Exit status: 0 the plan works (overlap rule met with headroom, or feasible when no pool is given,
-and the staleness bound holds), 1 it does not (T_bcast ≥ κ·T_train, the whole pool is too slow, or
-κ + ⌈(T_bcast + t_gen)/T_train⌉ > S), 2 bad input (one line on stderr).
+Exit status: 0 the plan works (the active set meets B/T_train with headroom, counting only the
+results that arrive within S; without a pool: S·T_train > T_bcast), 1 it does not, 2 bad input
+(one line on stderr).
 """
 
 from __future__ import annotations
@@ -30,15 +29,19 @@ from typing import Any
 
 from coordinator.capacity import (
     NodeCapacity,
+    Pipeline,
     Plan,
+    admissible_fraction,
+    node_rate,
     plan_activation,
     required_rate,
-    staleness_lag,
 )
 from coordinator.config import CoordinatorConfig, load_config, parse_config
 from coordinator.errors import ConfigError
 
-_POOL_KEYS = frozenset({"id", "rollouts_per_s", "price_per_hour", "reliability"})
+_POOL_KEYS = frozenset(
+    {"id", "rollouts_per_s", "price_per_hour", "reliability", "lease_s", "overhead_s", "load_s"}
+)
 
 
 class PoolError(ValueError):
@@ -112,11 +115,18 @@ def _pool_entry(path: Path, index: int, entry: object, seen: set[str]) -> NodeCa
     assert rate is not None
     price = _field(where, entry, "price_per_hour", required=False, low=0.0, high=math.inf)
     reliability = _field(where, entry, "reliability", required=False, low=0.0, high=1.0)
+    lease_s, overhead_s, load_s = (
+        _field(where, entry, key, required=False, low=0.0, high=math.inf)
+        for key in ("lease_s", "overhead_s", "load_s")
+    )
     return NodeCapacity(
         node_id=node_id,
         rollouts_per_s=rate,
         price_per_hour=price,
         reliability=1.0 if reliability is None else reliability,
+        overhead_s=overhead_s or 0.0,
+        lease_s=lease_s or None,
+        load_s=load_s or 0.0,
     )
 
 
@@ -169,80 +179,42 @@ def _inputs(cfg: CoordinatorConfig) -> PlanInputs:
     )
 
 
-def slowest_group_time(nodes: list[NodeCapacity], group_size: int) -> tuple[float, str] | None:
-    """t_gen = G / μ_min over nodes with μ > 0, and the slowest node's id; None if none."""
-    usable = [n for n in nodes if n.rollouts_per_s > 0]
-    if not usable:
-        return None
-    slowest = min(usable, key=lambda n: (n.rollouts_per_s, n.node_id))
-    return group_size / slowest.rollouts_per_s, slowest.node_id
-
-
 def render(inp: PlanInputs, nodes: list[NodeCapacity] | None) -> tuple[list[str], bool]:
-    """The report lines, and whether both the overlap rule and the staleness bound hold."""
+    """The report lines, and whether the plan works (the active set meets the rule with
+    headroom)."""
     out: list[str] = []
     kappa_note = "(publish_every unset: S − 1)" if inp.kappa_from_default else "(publish_every)"
     out += [
-        "capacity rule (DESIGN.md §9)",
-        f"  B        rollouts per learner step     {inp.batch}",
-        f"  T_train  seconds per learner step      {_num(inp.t_train)} s",
-        f"  κ        steps per published version   {inp.kappa} {kappa_note}",
-        f"  S        staleness bound               {inp.staleness_bound}",
-        f"  T_bcast  checkpoint dissemination      {_num(inp.t_bcast)} s",
-        f"  G        samples per prompt            {inp.group_size}",
-        f"  headroom                               {inp.headroom:.0%}",
+        "capacity rule (docs/capacity.md)",
+        f"  B        rollouts per learner step        {inp.batch}",
+        f"  T_train  seconds per learner step         {_num(inp.t_train)} s",
+        f"  κ        steps per published version      {inp.kappa} {kappa_note}",
+        f"  S        staleness bound                  {inp.staleness_bound}",
+        f"  T_bcast  weights ready -> leases name it  {_num(inp.t_bcast)} s",
+        f"  G        samples per prompt               {inp.group_size}",
+        f"  headroom                                  {inp.headroom:.0%}",
     ]
-    window = inp.kappa * inp.t_train - inp.t_bcast
-    required = required_rate(inp.batch, inp.t_train, inp.kappa, inp.t_bcast)
-    out.append("overlap rule: Σμ ≥ κ·B / (κ·T_train − T_bcast), needs T_bcast < κ·T_train")
-    feasible = not math.isinf(required)
-    if feasible:
+    required = required_rate(inp.batch, inp.t_train)
+    target = required * (1.0 + inp.headroom)
+    out.append(
+        f"demand: B / T_train = {inp.batch} / {_num(inp.t_train)} = {_num(required)} admissible "
+        f"rollouts/s; with {inp.headroom:.0%} headroom {_num(target)}"
+    )
+    out.append(
+        "per node at T = T_train: ρ = μ·r · g/(g+o) · (1 − d/max(κ·T, g+o+d)) · a, "
+        "a = clamp(((S+1)·T − T_train − T_bcast − g − o)/(κ·T), 0, 1)"
+    )
+    slack = inp.staleness_bound * inp.t_train - inp.t_bcast
+    if slack <= 0:
         out.append(
-            f"  = {inp.kappa}·{inp.batch} / ({inp.kappa}·{_num(inp.t_train)} − "
-            f"{_num(inp.t_bcast)}) = {inp.kappa * inp.batch} / {_num(window)} "
-            f"= {_num(required)} rollouts/s"
-        )
-        target = required * (1.0 + inp.headroom)
-        out.append(f"  with {inp.headroom:.0%} headroom: Σμ ≥ {_num(target)} rollouts/s")
-    else:
-        out.append(
-            f"  INFEASIBLE: T_bcast = {_num(inp.t_bcast)} s ≥ κ·T_train = "
-            f"{_num(inp.kappa * inp.t_train)} s, no rate keeps the learner busy; raise κ "
-            "(publish_every, needs a larger S) or speed up dissemination"
-        )
-    t_gen = slowest_group_time(nodes, inp.group_size) if nodes else None
-    out.append("staleness: κ + ⌈(T_bcast + t_gen)/T_train⌉ ≤ S")
-    if t_gen is None:
-        floor = staleness_lag(inp.kappa, inp.t_bcast, 0.0, inp.t_train)
-        stale_ok = floor <= inp.staleness_bound
-        verdict = "ok so far" if stale_ok else "VIOLATED whatever t_gen is"
-        why = "give --pool" if nodes is None else "no node in the pool has rollouts_per_s > 0"
-        out.append(
-            f"  t_gen unknown ({why}); with t_gen = 0: {inp.kappa} + "
-            f"⌈{_num(inp.t_bcast)}/{_num(inp.t_train)}⌉ = {floor} vs S = {inp.staleness_bound}: "
-            f"{verdict}"
-        )
-    else:
-        tg, slowest = t_gen
-        lag = staleness_lag(inp.kappa, inp.t_bcast, tg, inp.t_train)
-        ok = stale_ok = lag <= inp.staleness_bound
-        slow = next(n for n in nodes or [] if n.node_id == slowest)
-        out.append(
-            f"  t_gen = G/μ_min = {inp.group_size}/{_num(slow.rollouts_per_s)} = {_num(tg)} s "
-            f"(one group on the slowest node, {slowest})"
-        )
-        out.append(
-            f"  {inp.kappa} + ⌈({_num(inp.t_bcast)} + {_num(tg)})/{_num(inp.t_train)}⌉"
-            f" = {lag} {'≤' if ok else '>'} S = {inp.staleness_bound}: "
-            + (
-                "ok"
-                if ok
-                else "VIOLATED, results would arrive too stale (raise S, lower κ, or cut T_bcast)"
-            )
+            f"  STALENESS: S·T_train = {_num(inp.staleness_bound * inp.t_train)} s ≤ T_bcast = "
+            f"{_num(inp.t_bcast)} s: at full speed no result arrives within S versions; the "
+            "learner slows down until they do (raise S or cut T_bcast)"
         )
     if nodes is None:
         out.append("no --pool given: pass a JSON list of nodes to choose the active set")
-        return out, feasible and stale_ok
+        return out, slack > 0
+    pipe = Pipeline(inp.batch, inp.t_train, inp.kappa, inp.t_bcast, inp.staleness_bound)
     plan = plan_activation(
         nodes,
         batch=inp.batch,
@@ -251,32 +223,41 @@ def render(inp: PlanInputs, nodes: list[NodeCapacity] | None) -> tuple[list[str]
         t_bcast=inp.t_bcast,
         headroom=inp.headroom,
         staleness_bound=inp.staleness_bound,
-        t_gen=None if t_gen is None else t_gen[0],
     )
-    out += _sets(plan, nodes)
+    out += _sets(plan, nodes, pipe)
     if not inp.activation:
         out.append(
             "note: capacity.activation = false, so the coordinator keeps every node active; "
             "the standby set above is what activation would choose"
         )
+    out.append(
+        f"predicted learner idle: {plan.predicted_idle:.1%} with the active set (a step every "
+        f"{plan.step_period:.4g} s), {plan.pool_idle:.1%} with the whole pool"
+    )
     out.append(f"plan: {plan.explanation}")
-    return out, plan.meets_rule and stale_ok
+    return out, plan.meets_rule
 
 
-def _sets(plan: Plan, nodes: list[NodeCapacity]) -> list[str]:
+def _sets(plan: Plan, nodes: list[NodeCapacity], pipe: Pipeline) -> list[str]:
     by_id = {n.node_id: n for n in nodes}
-    out = [f"pool: {len(nodes)} nodes, effective Σμ = {_num(plan.available)} rollouts/s"]
-    header = f"    {'id':<20} {'μ/s':>9} {'reliab.':>8} {'μ_eff/s':>9} {'price/h':>8}"
+    out = [f"pool: {len(nodes)} nodes, Σρ = {plan.available:.4g} rollouts/s at T_train"]
+    header = (
+        f"    {'id':<18} {'μ/s':>7} {'reliab.':>7} {'g s':>6} {'o s':>6} {'d s':>6} "
+        f"{'a':>5} {'ρ/s':>8} {'price/h':>7}"
+    )
 
     def row(node: NodeCapacity) -> str:
         price = "free" if node.price_per_hour is None else _num(node.price)
+        g = "-" if node.lease_s is None else _num(node.lease_s)
+        a = admissible_fraction(node, pipe, pipe.t_train)
         return (
-            f"    {node.node_id:<20} {_num(node.rollouts_per_s):>9} {_num(node.reliability):>8} "
-            f"{_num(node.effective_rate):>9} {price:>8}"
+            f"    {node.node_id:<18} {_num(node.rollouts_per_s):>7} "
+            f"{_num(node.reliability):>7} {g:>6} {_num(node.overhead_s):>6} "
+            f"{_num(node.load_s):>6} {a:>5.2f} {node_rate(node, pipe):>8.4g} {price:>7}"
         )
 
     out.append(
-        f"active ({len(plan.active)}): Σμ_eff = {_num(plan.active_rate)} rollouts/s, "
+        f"active ({len(plan.active)}): Σρ = {plan.active_rate:.4g} rollouts/s, "
         f"cost {_num(plan.cost_per_hour)} per hour"
     )
     if plan.active:

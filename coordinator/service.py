@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -70,6 +71,7 @@ from swarm.chunks import ChunkStore
 from swarm.dht import PeerConfig, SwarmPeer
 from swarm.holders import DhtHolderDirectory
 from swarm.ratelimit import TokenBucket
+from swarm.reachability import DialbackServer
 from swarm.records import publish_coordinator_address, publish_policy_version
 from swarm.transport import P2PTransport, Transport
 
@@ -82,6 +84,10 @@ FETCH_WAIT_CAP_S = 30.0
 VERSION_FETCH_TIMEOUT_S = 60.0
 #: a submission waits at most this long for the coordinator to hold its version (spot checks)
 SPOT_CHECK_WAIT_S = 5.0
+#: cap of the back-off while the trainer starts seeding a version just published
+HOLD_RETRY_MAX_S = 0.25
+#: a learner batch or κ above this in the trainer's report is not believed
+MAX_LEARNER_BATCH = 1 << 24
 
 
 class CoordinatorService:
@@ -124,6 +130,10 @@ class CoordinatorService:
         self.verifier: InProcessLogprobVerifier | None = None
         self._preload_tasks: set[asyncio.Task[None]] = set()
         self._seeders: dict[int, str] = {}
+        #: running mean of publish call -> version held here (seconds; T_bcast's main part)
+        self._hold_s: float | None = None
+        self.dialback: DialbackServer | None = None
+        self._peer_ids: dict[str, str] = {}  # node fingerprint -> libp2p peer id (register, hb)
         self._upkeep: asyncio.Task[None] | None = None
         self._started_at = time.time()
 
@@ -207,6 +217,9 @@ class CoordinatorService:
         self._resume_versions()
         await self._warm_verifier()
         await self.register_handlers(self.transport)
+        # nodes measure whether they can be dialled by asking for a dial-back from here
+        self.dialback = DialbackServer(self.transport, host=cfg.network.host)
+        await self.dialback.start()
         self.multiaddrs = await self.peer.visible_maddrs()
         self.http = StatusHttpServer(
             cfg.network.http_host,
@@ -257,6 +270,9 @@ class CoordinatorService:
                 await self._upkeep
         for task in [*self._version_tasks.values(), *self._preload_tasks]:
             task.cancel()
+        if self.dialback is not None:
+            with contextlib.suppress(Exception):
+                await self.dialback.stop()
         if self.census is not None:
             await self.census.stop()
         if self.broadcast is not None:
@@ -318,9 +334,20 @@ class CoordinatorService:
             census=self.census,
         )
         status["versions_loaded"] = self.loaded_versions()  # ready for log-prob spot checks
+        status["node_reachability"] = self.node_reachability(status.get("node_states") or {})
         if self.setup is not None:  # the trainer checks its positions against these
             status["longest_prompt_tokens"] = self.setup.report.longest_prompt
         return status
+
+    def node_reachability(self, nodes: dict[str, Any]) -> dict[str, str]:
+        """``{fingerprint: "public" | "private" | "unknown"}``, as measured by this coordinator's
+        dial-back of each node (not as the node claims)."""
+        out: dict[str, str] = {}
+        for fp in nodes:
+            peer_id = self._peer_ids.get(fp)
+            found = self.dialback.reachability_of(peer_id) if self.dialback and peer_id else None
+            out[fp] = found or "unknown"
+        return out
 
     # --- handlers --------------------------------------------------------------------------------
     def _open(self, request: bytes, type_: type[M]) -> tuple[bytes, M]:
@@ -347,12 +374,16 @@ class CoordinatorService:
         node_key, msg = self._open(request, Register)
         if msg.advert.peer_id != caller:
             raise Rejection(ReasonCode.SCHEMA, "advert.peer_id is not the calling libp2p peer")
-        return encode(self.core.register(node_key, msg.advert))
+        ack = self.core.register(node_key, msg.advert)
+        self._peer_ids[fingerprint_of(node_key)] = caller
+        return encode(ack)
 
     async def _on_heartbeat(self, caller: str, request: bytes) -> bytes:
         assert self.core is not None
         node_key, msg = self._open(request, Heartbeat)
-        return encode(self.core.heartbeat(node_key, msg))
+        ack = self.core.heartbeat(node_key, msg)
+        self._peer_ids[fingerprint_of(node_key)] = caller
+        return encode(ack)
 
     async def _on_lease(self, caller: str, request: bytes) -> bytes:
         assert self.core is not None
@@ -433,7 +464,7 @@ class CoordinatorService:
         assert self.broadcast is not None and self.core is not None
         t0 = time.monotonic()
         deadline = t0 + VERSION_FETCH_TIMEOUT_S
-        delay = 0.05
+        delay = 0.02
         while True:
             try:
                 await self.broadcast.download(version, [seeder] if seeder else [])
@@ -443,10 +474,13 @@ class CoordinatorService:
                     log.error("could not fetch v%d from the trainer: %s", version, exc)
                     return
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                # The trainer starts seeding right after our answer: a short cap, so the back-off
+                # does not add to the time the version takes to reach the leases.
+                delay = min(delay * 2, HOLD_RETRY_MAX_S)
         elapsed = time.monotonic() - t0
-        # T_bcast estimate for the capacity rule: a running mean of what a fetch takes here.
-        self.core.t_bcast_s = 0.7 * self.core.t_bcast_s + 0.3 * elapsed
+        if seeder is not None:  # a resumed fetch after a restart says nothing about T_bcast
+            self._hold_s = elapsed if self._hold_s is None else 0.7 * self._hold_s + 0.3 * elapsed
+            self._update_t_bcast()
         log.info("holding policy v%d (fetched in %.2fs)", version, elapsed)
         # Its own task: submissions waiting for this one (see _on_submit) need the weights on
         # disk, not the model built.
@@ -456,6 +490,15 @@ class CoordinatorService:
         for old in [v for v in self._version_tasks if v < version - self.config.staleness_bound]:
             self._version_tasks.pop(old, None)
             self._seeders.pop(old, None)
+
+    def _update_t_bcast(self) -> None:
+        """T_bcast of the capacity rule (docs/capacity.md): the trainer's serialise-and-hash time
+        of its last publication plus the running mean of publish call -> version held here
+        (from then on leases name it; each node's own load delay is measured separately)."""
+        assert self.core is not None
+        prepare_s = _positive(self.trainer_stats.get("publish_prepare_s")) or 0.0
+        if self._hold_s is not None:
+            self.core.t_bcast_s = prepare_s + self._hold_s
 
     def _holds(self, version: int) -> bool:
         """Every chunk of ``version`` is here: nodes can fetch it (leases name such versions)."""
@@ -512,13 +555,11 @@ class CoordinatorService:
         if msg.trainer_stats:
             self.trainer_stats = dict(msg.trainer_stats)
             self.history.record_trainer(self.trainer_stats)
-            step_time = self.trainer_stats.get("step_time_s")
-            step_s = 0.0
-            if isinstance(step_time, int | float) and step_time > 0:  # measured T_train
-                step_s = float(step_time)
-                self.core.t_train_s = step_s
+            self._learner_figures(self.trainer_stats)
+            # receipts (ledger): which learner step consumed which rollouts, the last step's time
+            step_s = _positive(self.trainer_stats.get("step_time_s")) or 0.0
             step, cursor = self.trainer_stats.get("step"), self.trainer_stats.get("rollout_cursor")
-            if count_of(step) > 0:  # receipts: which learner step consumed which rollouts
+            if count_of(step) > 0:
                 self.core.learner_report(count_of(step), count_of(cursor), step_s)
             self._export_trainer_gauges()
         deadline = time.monotonic() + min(msg.wait_s, FETCH_WAIT_CAP_S)
@@ -532,6 +573,20 @@ class CoordinatorService:
                 return encode(batch)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._new_rollouts.wait(), left)
+
+    def _learner_figures(self, stats: dict[str, Any]) -> None:
+        """The capacity rule's learner inputs, as the trainer measured them: T_train (its smoothed
+        step time; the last step's from an older trainer), B, κ, and its publication time."""
+        assert self.core is not None
+        t_train = _positive(stats.get("t_train_s", stats.get("step_time_s")))
+        if t_train is not None:
+            self.core.t_train_s = t_train
+        batch, kappa = _count(stats.get("batch_rollouts")), _count(stats.get("kappa"))
+        if batch is not None:
+            self.core.batch_rollouts = batch
+        if kappa is not None:
+            self.core.kappa = kappa
+        self._update_t_bcast()
 
     def _export_trainer_gauges(self) -> None:
         """Learner figures on /metrics: one gauge per scalar, the staleness histogram by label."""
@@ -582,6 +637,21 @@ def _answering(
             )  # fmt: skip
 
     return wrapped
+
+
+def _positive(value: Any) -> float | None:
+    """``value`` if it is a finite number > 0, else None (the trainer's report is loosely typed)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
+
+
+def _count(value: Any) -> int | None:
+    """A whole number in [1, MAX_LEARNER_BATCH] from the trainer's report, else None."""
+    number = _positive(value)
+    if number is None or number > MAX_LEARNER_BATCH or number != int(number):
+        return None
+    return int(number)
 
 
 def _import_model_stack(spec: Any) -> None:

@@ -15,9 +15,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
+from coordinator.capacity import Pipeline, node_rate
 from coordinator.core import Coordinator
 from coordinator.dissemination import HolderCensus
 from coordinator.node_view import node_details
+from coordinator.store import NodeRecord
 from coordinator.trust import TrustState
 from protocol.limits import MAX_NAME_LEN, MAX_STATUS_KEYS
 from swarm.broadcast import BroadcastNode
@@ -107,6 +109,7 @@ def build_status(
     snap.update(
         node_details(core.store, nodes, census.by_peer if census else {}, now, suspects=suspects)
     )
+    snap.update(capacity_maps(core, nodes))
     snap["version_holders"] = {str(v): n for v, n in census.counts.items()} if census else {}
     snap["version_holders_age_s"] = (
         round(now - census.taken_at, 1) if census and census.taken_at else None
@@ -115,6 +118,38 @@ def build_status(
         snap[f"trainer_{key}"] = value
     finite: dict[str, Any] = _finite(snap)
     return finite
+
+
+#: Per-node capacity figures on /status (docs/capacity.md, "Measured inputs").
+CAPACITY_FIELDS = (
+    "node_reliability",
+    "node_gen_rollouts_per_s",
+    "node_lease_s",
+    "node_lease_overhead_s",
+    "node_load_delay_s",
+    "node_admissible_rollouts_per_s",
+)
+
+
+def capacity_maps(core: Coordinator, nodes: list[NodeRecord]) -> dict[str, dict[str, Any]]:
+    """What the planner knows of each node: r_i, μ_i (per second of generation), g_i, o_i, d_i,
+    and ρ_i at T_train (admissible rollouts/s it counts for); None where not measured yet."""
+    out: dict[str, dict[str, Any]] = {key: {} for key in CAPACITY_FIELDS}
+    pipe = Pipeline(
+        max(1, core.batch_rollouts), core.t_train_s, core.effective_kappa, core.t_bcast_s,
+        core.config.staleness_bound,
+    )  # fmt: skip
+    for n in nodes:
+        fp = n.fingerprint
+        fig = core.throughput.get(n.node_key)
+        out["node_reliability"][fp] = n.reliability
+        out["node_gen_rollouts_per_s"][fp] = fig.gen_rate if fig else None
+        out["node_lease_s"][fp] = fig.lease_s if fig else None
+        out["node_lease_overhead_s"][fp] = fig.overhead_s if fig else None
+        out["node_load_delay_s"][fp] = fig.load_s if fig else None
+        cap = core.node_capacity(n)
+        out["node_admissible_rollouts_per_s"][fp] = node_rate(cap, pipe) if cap else None
+    return out
 
 
 class TrainerGauges:

@@ -15,7 +15,7 @@ import json
 import secrets
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ CREATE TABLE IF NOT EXISTS leases (
     state TEXT NOT NULL CHECK (state IN ('active', 'completed', 'expired', 'released')),
     closed_at REAL, tokens INTEGER NOT NULL DEFAULT 0, samples INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS leases_by_state ON leases (state, deadline);
+CREATE INDEX IF NOT EXISTS leases_by_node ON leases (node_key, state);
 CREATE TABLE IF NOT EXISTS prompts (
     prompt_index INTEGER PRIMARY KEY,
     state TEXT NOT NULL CHECK (state IN ('leased', 'pending', 'done')),
@@ -262,6 +263,25 @@ class Store:
             node_from_row(r) for r in self._all(f"SELECT {NODE_COLS} FROM nodes ORDER BY node_key")
         ]
 
+    def touch_nodes(self, seen: Iterable[tuple[bytes, float]]) -> None:
+        """Raise ``last_seen`` of many nodes in one transaction (never lowers it)."""
+        with self.transaction():
+            self._many(
+                "UPDATE nodes SET last_seen = MAX(last_seen, ?) WHERE node_key = ?",
+                [(at, key) for key, at in seen],
+            )
+
+    def live_nodes(self, seen_after: float, now: float) -> list[NodeRecord]:
+        """Nodes heard from at or after ``seen_after`` with no ban in force at ``now``, ordered by
+        key, without their adverts (the capacity planner's input: one query, no blobs)."""
+        cols = NODE_COLS.replace("advert", "NULL")
+        sql = (
+            f"SELECT {cols} FROM nodes WHERE last_seen >= ?"
+            " AND node_key NOT IN (SELECT node_key FROM bans WHERE banned_until > ?)"
+            " ORDER BY node_key"
+        )
+        return [node_from_row(r) for r in self._all(sql, (seen_after, now))]
+
     def node_count(self) -> int:
         return int(self._all("SELECT COUNT(*) FROM nodes")[0][0])
 
@@ -398,10 +418,19 @@ class Store:
                 new += cur.rowcount
         return new
 
-    def rollouts_after(self, after_seq: int, limit: int) -> list[RolloutRow]:
-        """Accepted samples with ``seq > after_seq`` in arrival order (at most ``limit``)."""
-        sql = f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE seq > ? ORDER BY seq LIMIT ?"
-        return [rollout_from_row(r) for r in self._all(sql, (after_seq, limit))]
+    def rollouts_after(
+        self, after_seq: int, limit: int, min_version: int | None = None
+    ) -> list[RolloutRow]:
+        """Accepted samples with ``seq > after_seq`` (and ``version >= min_version``) in arrival
+        order (at most ``limit``)."""
+        if min_version is None:
+            sql = f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE seq > ? ORDER BY seq LIMIT ?"
+            return [rollout_from_row(r) for r in self._all(sql, (after_seq, limit))]
+        sql = (
+            f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE seq > ? AND version >= ? "
+            "ORDER BY seq LIMIT ?"
+        )
+        return [rollout_from_row(r) for r in self._all(sql, (after_seq, min_version, limit))]
 
     def max_rollout_seq(self) -> int:
         """Highest ``seq`` stored (0 when there is none)."""
@@ -478,9 +507,7 @@ class Store:
         """Per node with strikes: ``(strikes ever, latest reason, its detail, its time)`` (one
         query for the whole swarm; SQLite takes the bare columns from the row of ``MAX(at)``)."""
         sql = "SELECT node_key, COUNT(*), reason, detail, MAX(at) FROM strikes GROUP BY node_key"
-        return {
-            bytes(k): (int(n), str(r), str(d), float(at)) for k, n, r, d, at in self._all(sql)
-        }
+        return {bytes(k): (int(n), str(r), str(d), float(at)) for k, n, r, d, at in self._all(sql)}
 
     def bans(self) -> dict[bytes, tuple[int, float, str]]:
         """Every node with a ban on record: ``(bans so far, banned_until, reason)``."""

@@ -115,6 +115,12 @@ class NodeConfig(BaseModel):
     advert_period_s: float = Field(
         default=30.0, gt=0, description="Capability advert re-announced this often (seconds)"
     )
+    reachability_interval_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Re-measure whether other peers can dial this node (a dial-back by the "
+        "coordinator) this often (seconds)",
+    )
     status_interval_s: float = Field(
         default=10.0, gt=0, description="One-line status log this often (seconds)"
     )

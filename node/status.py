@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from protocol.messages import CapabilityAdvert, CpuInfo
+from protocol.schema import Reachability
 
 if TYPE_CHECKING:
     from node.backends.base import InferenceBackend
@@ -44,6 +45,7 @@ def make_advert(
     peer_id: str,
     tokens_per_s: float | None,
     now: float,
+    reachability: Reachability = "unknown",
 ) -> CapabilityAdvert:
     """The advert a node publishes: probe results, backend, price, loaded version, expiry."""
     fields: dict[str, Any]
@@ -65,7 +67,7 @@ def make_advert(
         node_key=identity.public_key,
         price_per_hour=config.price_per_hour,
         policy_version=backend.loaded_version,
-        reachability="public" if config.announce_maddrs else "unknown",
+        reachability=reachability,  # measured by a dial-back (swarm.reachability), not guessed
         software_version=software_version(),
         expires_at=now + 2 * config.advert_period_s,
         **fields,

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from policy.model import Tokenizer
     from swarm.dht import SwarmPeer
     from swarm.holders import HolderDirectory
+    from swarm.reachability import ReachabilityMonitor
     from swarm.transport import Transport
 
 __all__ = ["NodeWorker"]
@@ -117,11 +118,16 @@ class NodeWorker:
         self._current: Lease | None = None
         #: what the node is doing now, in a few words (the status page shows it)
         self.phase = "starting"
+        #: capacity figures (Timings.load_s / overhead_s): when the last generation ended
+        #: (monotonic) and the deliberate waits since then
+        self._gen_ended: float | None = None
+        self._waited_s = 0.0
         self._hb_seq = 0
         self.active = True
         self.heartbeat_interval_s = config.heartbeat_interval_s or 10.0
         self.coordinator_peer_id: str = config.coordinator_peer_id
         self.broadcast: Any = None
+        self.reachability: ReachabilityMonitor | None = None
         self.checkpoints: CheckpointManager | None = None
         self.client: CoordinatorClient | None = None
         self.backoff = Backoff(config.backoff_initial_s, config.backoff_max_s, self.rng)
@@ -168,6 +174,8 @@ class NodeWorker:
                 deadline=cfg.download_timeout_s, reserve_bytes=cfg.min_free_disk_mb << 20
             ),
         )
+        if self.peer is not None:  # a real network: holdings announced only once measured
+            self.broadcast.dialable = False
         await self.broadcast.start()
         self.checkpoints = CheckpointManager(
             self.broadcast,
@@ -195,6 +203,7 @@ class NodeWorker:
         self._spawn("status", self._status_loop())
         if self.peer is not None:
             self._spawn("advert", self._advert_loop())
+            self._spawn("reachability", self._reachability_loop())
 
     async def _start_peer(self, state: Path) -> None:
         from swarm.adverts import swarm_validators
@@ -274,6 +283,7 @@ class NodeWorker:
             peer_id=self.peer_id,
             tokens_per_s=self.stats.tokens_per_s,
             now=self.clock(),
+            reachability=self.reachability.state if self.reachability else "unknown",
         )
 
     async def _register_with_retries(self, budget_s: float) -> None:
@@ -330,6 +340,27 @@ class NodeWorker:
             self._advert_dirty.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._advert_dirty.wait(), self.config.advert_period_s)
+
+    async def _reachability_loop(self) -> None:
+        """Measure (dial-back by the coordinator) whether other peers can dial this node; only
+        then does it announce the chunks it holds (a NATed node stays download-only)."""
+        from swarm.reachability import ReachabilityMonitor
+
+        peer = self.peer
+        assert peer is not None and self._transport is not None
+
+        def changed(state: str) -> None:
+            self.broadcast.dialable = state == "public"
+            self._advert_dirty.set()
+
+        self.reachability = ReachabilityMonitor(
+            self._transport,
+            peer.visible_maddrs,
+            lambda: self.coordinator_peer_id,
+            on_change=changed,
+            interval=self.config.reachability_interval_s,
+        )
+        await self.reachability.run()
 
     # ------------------------------------------------------------------ heartbeat, status
     async def _heartbeat_loop(self) -> None:
@@ -394,7 +425,9 @@ class NodeWorker:
         return (
             f"status: {state} v={'-' if v is None else v} leases={s.leases_done} "
             f"tok/s={tps} accepted={s.leases_accepted} rejected={s.leases_rejected} "
-            f"released={s.leases_released}" + (f" problem: {problem}" if problem else "")
+            f"released={s.leases_released} "
+            f"reach={self.reachability.state if self.reachability else 'unknown'}"
+            + (f" problem: {problem}" if problem else "")
         )
 
     async def _status_loop(self) -> None:
@@ -413,9 +446,11 @@ class NodeWorker:
 
     # ------------------------------------------------------------------ the work loop
     async def _sleep(self, seconds: float) -> None:
-        """Sleep, but return at once when stopping."""
+        """Sleep, but return at once when stopping (a deliberate wait: not plumbing overhead)."""
+        t0 = time.monotonic()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), max(0.0, seconds))
+        self._waited_s += time.monotonic() - t0
 
     async def _unless_stopped(self, aw: Awaitable[T]) -> tuple[bool, T | None]:
         """Run ``aw`` unless a stop arrives first (then ``aw`` is cancelled: (False, None))."""
@@ -512,6 +547,7 @@ class NodeWorker:
             await self._release(lease, f"unsupported sampling parameters: {exc}")
             return
         self.phase = f"loading policy v{lease.policy_version}"
+        load_t0 = time.monotonic()
         try:
             ok, _ = await self._unless_stopped(self.checkpoints.ensure(lease.policy_version))
         except CheckpointError as exc:
@@ -527,6 +563,7 @@ class NodeWorker:
         requests = lease_requests(lease)
         started = self.clock()
         t0 = time.perf_counter()
+        load_s, overhead_s = self._lease_plumbing(load_t0)
         log.debug("generating lease %s", lease.lease_id)
         self.phase = f"generating {len(lease.prompts)} prompts × {lease.group_size}"
         generate: Callable[..., list[list[SampleOut]]] = self.backend.generate
@@ -553,8 +590,21 @@ class NodeWorker:
             return
         gen_s = time.perf_counter() - t0
         self.failures.reset()
-        sub = self._submission(lease, requests, outs, started, gen_s)
+        self._gen_ended, self._waited_s = time.monotonic(), 0.0
+        sub = self._submission(
+            lease, requests, outs, started, gen_s, load_s=load_s, overhead_s=overhead_s
+        )
         await self._submit(lease, sub)
+
+    def _lease_plumbing(self, load_t0: float) -> tuple[float, float]:
+        """(load_s, overhead_s) of the lease whose generation starts now (Timings): the wait for
+        its version since ``load_t0``, and the rest of the time since the previous generation
+        ended, deliberate waits (standby, back-off) excluded."""
+        now = time.monotonic()
+        load_s = max(0.0, now - load_t0)
+        if self._gen_ended is None:
+            return load_s, 0.0
+        return load_s, max(0.0, now - self._gen_ended - load_s - self._waited_s)
 
     def _submission(
         self,
@@ -563,6 +613,9 @@ class NodeWorker:
         outs: list[list[SampleOut]],
         started: float,
         gen_s: float,
+        *,
+        load_s: float = 0.0,
+        overhead_s: float = 0.0,
     ) -> RolloutSubmission:
         for req, samples in zip(requests, outs, strict=True):
             if len(samples) != lease.group_size:
@@ -575,7 +628,13 @@ class NodeWorker:
             set(self.backend.eos_token_ids),
             backend=self.backend.name,
             dtype=self.backend.dtype,
-            timings=Timings(started_at=started, finished_at=self.clock(), generate_s=gen_s),
+            timings=Timings(
+                started_at=started,
+                finished_at=self.clock(),
+                generate_s=gen_s,
+                load_s=load_s,
+                overhead_s=overhead_s,
+            ),
         )
         if self.config.misbehave:
             from node.byzantine import misbehave

@@ -39,8 +39,11 @@ _B32_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyz234567")
 _SHORT_LEN = 12
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def fingerprint_of(public_key: bytes) -> str:
-    """Fingerprint of a 32-byte raw Ed25519 public key: ``"ed25519:<52 base32 chars>"``."""
+    """Fingerprint of a 32-byte raw Ed25519 public key: ``"ed25519:<52 base32 chars>"``.
+
+    Memoised: the coordinator names a node's fingerprint on every rollout it hands the trainer."""
     if len(public_key) != 32:
         raise ValueError(f"an Ed25519 public key is 32 bytes, got {len(public_key)}")
     digest = hashlib.sha256(public_key).digest()

@@ -139,7 +139,7 @@ class CapabilityAdvert(MessageBase):
     rollouts_per_s: Finite  # measured completed samples per second, >= 0
     price_per_hour: Finite | None  # asking price (USD/h, >= 0); None = unpriced/free
     policy_version: U64 | None  # checkpoint version loaded; None = none yet
-    reachability: Reachability  # "public" (dialable), "relayed" (via relay), "unknown"
+    reachability: Reachability  # "public" / "private": measured (dial-back); "relayed"; "unknown"
     software_version: Name  # rollout-swarm version string of the node
     expires_at: Finite  # advert not valid after this time, Unix seconds
 
@@ -269,6 +269,15 @@ class Timings(WireStruct):
     started_at: Finite  # generation start, Unix seconds
     finished_at: Finite  # generation end, Unix seconds
     generate_s: Finite  # seconds spent inside the backend, >= 0
+    # seconds this lease waited for its policy version (download, verify, load), >= 0; 0 = loaded
+    load_s: Finite = 0.0
+    # seconds between the previous lease's generation and this one's spent on round trips
+    # (submitting it, asking for this lease), loads and deliberate waits excluded, >= 0
+    overhead_s: Finite = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("generate_s", "load_s", "overhead_s"):
+            check_range(name, getattr(self, name), 0.0, L.MAX_FLOAT)
 
 
 class RolloutSubmission(MessageBase):

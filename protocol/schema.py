@@ -39,7 +39,9 @@ SafetensorsDtype = Literal[
     "I32", "U32", "F32", "I64", "U64", "F64",
 ]  # fmt: skip
 FinishReason = Literal["eos", "stop", "length"]
-Reachability = Literal["public", "relayed", "unknown"]
+Reachability = Literal["public", "relayed", "private", "unknown"]
+"""public: dialable (measured); relayed: via a relay; private: measured not dialable (behind NAT,
+download-only); unknown: not measured."""
 Scalar = bool | int | Finite | Text | None
 StatusValue = (
     bool

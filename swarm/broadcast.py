@@ -1,7 +1,9 @@
 """Peer-assisted pipelined checkpoint broadcast (DESIGN.md §5).
 
-* :class:`ChunkServer` answers ``MANIFEST_RPC``, ``CHUNK_RPC`` and ``CHUNK_ANY_RPC`` (any one of
-  the wanted chunks, the least-sent first; ``busy`` if even that one was sent less than
+* :class:`ChunkServer` answers ``MANIFEST_RPC``, ``EXCHANGE_RPC`` (one of the wanted chunks, the
+  least-sent first, plus this peer's holder table; the asker's own holdings go into the
+  :class:`~swarm.holders.HolderBook`), and the older ``CHUNK_RPC`` and ``CHUNK_ANY_RPC`` (any one
+  of the wanted chunks, the least-sent first; ``busy`` if even that one was sent less than
   ``resend_after`` seconds ago, since its recipient is about to relay it) from the store;
   a chunk is servable the moment it is verified and stored, so a node relays chunk k while it still
   downloads k+1. Concurrent streams per caller are bounded; the upload rate is capped by the
@@ -10,12 +12,15 @@
   key), then chunks from several peers at once (:mod:`swarm.fetcher` holds the scheduling).
 * :class:`BroadcastNode` bundles server, holder announcer and downloader; the seed (coordinator or
   trainer) runs the same thing with every chunk present (:meth:`BroadcastNode.seed_version`).
+  :attr:`BroadcastNode.dialable` (set from a reachability measurement) decides whether this peer
+  announces itself as a holder: one that others cannot dial never is.
   Its :meth:`~BroadcastNode.download` goes through :class:`swarm.deltasync.VersionSync`: a delta
   version is fetched as its (small) delta when this peer holds the base.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import shutil
@@ -37,18 +42,19 @@ from protocol.messages import (
 from swarm import keys
 from swarm.chunks import ChunkStore
 from swarm.deltasync import Files, VersionSync
-from swarm.errors import ManifestUnavailable, NoDiskSpace, TransportError
+from swarm.errors import DialFailed, ManifestUnavailable, NoDiskSpace, TransportError
 from swarm.fetcher import DownloadConfig, ProgressFn, Transfer
-from swarm.holders import HolderAnnouncer, HolderDirectory
+from swarm.holders import HolderAnnouncer, HolderBook, HolderDirectory
 from swarm.scoring import PeerScores
 from swarm.transport import HandlerError, Transport
-from swarm.wire import ChunkAnyRequest
+from swarm.wire import ChunkAnyRequest, ExchangeReply, ExchangeRequest
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_RPC = "/rollout-swarm/manifest/1"
 CHUNK_RPC = "/rollout-swarm/chunk/1"
 CHUNK_ANY_RPC = "/rollout-swarm/chunk-any/1"
+EXCHANGE_RPC = "/rollout-swarm/exchange/1"
 
 
 class ChunkServer:
@@ -61,8 +67,12 @@ class ChunkServer:
         *,
         max_streams_per_peer: int = 4,
         resend_after: float = 0.0,
+        book: HolderBook | None = None,
+        dialable: Callable[[], bool] = lambda: True,
     ) -> None:
         self.store = store
+        self.book = book if book is not None else HolderBook()
+        self.dialable = dialable
         self.resend_after = resend_after
         self.transport = transport
         self.max_streams_per_peer = max_streams_per_peer
@@ -72,13 +82,17 @@ class ChunkServer:
 
     async def start(self) -> None:
         await self.transport.register(MANIFEST_RPC, self._on_manifest)
-        for name, handler in ((CHUNK_RPC, self._on_chunk), (CHUNK_ANY_RPC, self._on_chunk_any)):
+        for name, handler in (
+            (CHUNK_RPC, self._on_chunk),
+            (CHUNK_ANY_RPC, self._on_chunk_any),
+            (EXCHANGE_RPC, self._on_exchange),
+        ):
             await self.transport.register(
                 name, handler, max_streams_per_peer=self.max_streams_per_peer
             )
 
     async def stop(self) -> None:
-        for name in (MANIFEST_RPC, CHUNK_RPC, CHUNK_ANY_RPC):
+        for name in (MANIFEST_RPC, CHUNK_RPC, CHUNK_ANY_RPC, EXCHANGE_RPC):
             await self.transport.unregister(name)
 
     async def _on_manifest(self, peer_id: str, request: bytes) -> bytes:
@@ -97,17 +111,38 @@ class ChunkServer:
 
     async def _on_chunk_any(self, peer_id: str, request: bytes) -> bytes:
         req = decode(request, ChunkAnyRequest)
+        return self._serve(req.version, self._choose(req.version, req.wanted))
+
+    async def _on_exchange(self, peer_id: str, request: bytes) -> bytes:
+        req = decode(request, ExchangeRequest)
         entry = self.store.manifest(req.version)
         n = 0 if entry is None else len(entry[1].chunks)
-        wanted = keys.indices_from_bitmap(req.wanted, n) & self.store.have(req.version)
+        if n:  # the asker's own report: first-hand, and it tells whether others may dial it
+            have = keys.indices_from_bitmap(req.have, n)
+            self.book.learn(req.version, peer_id, have, dialable=req.dialable)
+        index = self._choose(req.version, req.wanted)
+        data = self._load(req.version, index)
+        table = self.book.table(
+            req.version, n, me=self.transport.peer_id, my_have=self.store.have(req.version),
+            my_dialable=self.dialable(), exclude=peer_id,
+        )  # fmt: skip
+        return encode(ExchangeReply(version=req.version, index=index, data=data, holders=table))
+
+    def _choose(self, version: int, wanted_bitmap: bytes) -> int:
+        """The wanted chunk held here that was sent least often (random ties); ``busy`` when a
+        seed-style request (several chunks) finds them all sent moments ago."""
+        entry = self.store.manifest(version)
+        n = 0 if entry is None else len(entry[1].chunks)
+        asked = keys.indices_from_bitmap(wanted_bitmap, n)
+        wanted = asked & self.store.have(version)
         if not wanted:
-            raise HandlerError("not_held", f"none of the wanted chunks of v{req.version} is here")
-        index = min(wanted, key=lambda i: (self._sent[(req.version, i)], random.random()))
-        last = self._last_sent.get((req.version, index))
-        if last is not None and time.monotonic() - last < self.resend_after:
+            raise HandlerError("not_held", f"none of the wanted chunks of v{version} is here")
+        index = min(wanted, key=lambda i: (self._sent[(version, i)], random.random()))
+        last = self._last_sent.get((version, index))
+        if len(asked) > 1 and last is not None and time.monotonic() - last < self.resend_after:
             # Every wanted chunk left moments ago; its recipient will relay it. Saves the uplink.
             raise HandlerError("busy", "all wanted chunks were just sent; fetch them from peers")
-        return self._serve(req.version, index)
+        return index
 
     def forget_except(self, versions: Iterable[int]) -> None:
         """Drop the send counters of versions no longer held (they would pile up forever)."""
@@ -117,13 +152,16 @@ class ChunkServer:
             del self._last_sent[key]
 
     def _serve(self, version: int, index: int) -> bytes:
+        return encode(Chunk(version=version, index=index, data=self._load(version, index)))
+
+    def _load(self, version: int, index: int) -> bytes:
         data = self.load_chunk(version, index)
         if data is None:
             raise HandlerError("not_held", f"chunk {index} of v{version} is not held here")
         self._sent[(version, index)] += 1  # counted at pick time: concurrent asks spread out
         self._last_sent[(version, index)] = time.monotonic()
         self.chunks_served += 1
-        return encode(Chunk(version=version, index=index, data=data))
+        return data
 
 
 class Downloader:
@@ -140,11 +178,16 @@ class Downloader:
         scores: PeerScores | None = None,
         config: DownloadConfig | None = None,
         clock: Callable[[], float] = time.time,
+        book: HolderBook | None = None,
+        dialable: Callable[[], bool] = lambda: True,
     ) -> None:
         self.transport = transport
         self.store = store
         self.directory = directory
         self.pinned_key = pinned_key
+        self.book = book if book is not None else HolderBook()
+        self.dialable = dialable
+        self.exchange: str | None = EXCHANGE_RPC  # None: the per-chunk RPCs only
         self.announcer = announcer
         self.scores = scores or PeerScores()
         self.config = config or DownloadConfig()
@@ -160,43 +203,79 @@ class Downloader:
                 return entry[0], verify_manifest(entry[0], self.pinned_key, self.clock())
             except ProtocolError as exc:
                 logger.warning("stored manifest of v%d no longer verifies: %s", version, exc)
-        candidates = list(dict.fromkeys(sources))
-        if version is not None:
-            try:
-                candidates += [p for p in await self.directory.lookup(version) if p not in sources]
-            except Exception as exc:  # the DHT is only a hint here
-                logger.debug("holder lookup for the manifest failed: %s", exc)
-        problems: list[str] = []
-        request = encode(ManifestRequest(version=version))
-        for peer in candidates:
-            if peer == self.transport.peer_id:
-                continue
-            if peer not in sources and self.scores.shunned(peer):
-                problems.append(f"{peer[:12]}: skipped, served bad data before")
-                continue
-            try:
-                raw = await self.transport.call(
-                    peer, MANIFEST_RPC, request, timeout=self.config.manifest_timeout
-                )
-                env = decode(raw, ManifestResponse).manifest
-                if env is None:
-                    problems.append(f"{peer[:12]}: does not hold it")
-                    continue
-                manifest = verify_manifest(env, self.pinned_key, self.clock())
-                if version is not None and manifest.version != version:
-                    raise ProtocolError(
-                        "manifest_invalid", f"asked v{version}, got v{manifest.version}"
-                    )
-                return env, manifest
-            except (TransportError, ProtocolError) as exc:
-                if isinstance(exc, ProtocolError):
-                    self.scores.bad_chunk(peer)
-                problems.append(f"{peer[:12]}: {exc}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.manifest_deadline
+        problems: dict[str, str] = {}
+        pause = 0.5
+        seeds = [p for p in dict.fromkeys(sources) if p != self.transport.peer_id]
+        while True:
+            transient = False  # a failure worth retrying (dial back-off, timeout, broken stream)
+            asked: set[str] = set()
+            for group in (seeds, None):  # the seeds first; the holders only if they fail
+                peers = group if group is not None else await self._holders_of(version, asked)
+                for peer in peers:
+                    asked.add(peer)
+                    outcome = await self._ask_manifest(peer, version, peer in sources)
+                    if isinstance(outcome, tuple):
+                        return outcome
+                    problems[peer] = outcome
+                    transient |= outcome.startswith("retry: ")
+            if not transient or loop.time() + pause > deadline:
+                break
+            why = "; ".join(f"{p[:12]}: {m}" for p, m in problems.items())
+            logger.info("no manifest of v%s yet (%s); retrying in %.1f s", version, why, pause)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 5.0)
         what = "the newest version" if version is None else f"v{version}"
+        detail = "; ".join(f"{p[:12]}: {m.removeprefix('retry: ')}" for p, m in problems.items())
         raise ManifestUnavailable(
             f"no peer returned a manifest of {what} signed by the pinned coordinator key "
-            f"({'; '.join(problems) or 'no peers to ask'}); check the seed is up and the pinned key"
+            f"({detail or 'no peers to ask'}); check the seed is up and the pinned key"
         )
+
+    async def _holders_of(self, version: int | None, skip: set[str]) -> list[str]:
+        """Holders of ``version`` known from the chunk exchange and the DHT, minus ``skip``."""
+        if version is None:
+            return []
+        known = list(self.book.view(version))
+        try:
+            known += list(await self.directory.lookup(version))
+        except Exception as exc:  # the DHT is only a hint here
+            logger.debug("holder lookup for the manifest failed: %s", exc)
+        me = self.transport.peer_id
+        return [p for p in dict.fromkeys(known) if p not in skip and p != me]
+
+    async def _ask_manifest(
+        self, peer: str, version: int | None, is_seed: bool
+    ) -> tuple[SignedEnvelope, Manifest] | str:
+        """The verified manifest from ``peer``, or why not (``"retry: ..."`` when worth it)."""
+        now = time.monotonic()
+        if not is_seed and self.scores.shunned(peer):
+            return "skipped, served bad data before"
+        if not is_seed and self.scores.backed_off(peer, now):
+            return "skipped, could not be dialled lately"
+        try:
+            raw = await self.transport.call(
+                peer, MANIFEST_RPC, encode(ManifestRequest(version=version)),
+                timeout=self.config.manifest_timeout,
+                connect_timeout=self.config.connect_timeout,
+            )  # fmt: skip
+            env = decode(raw, ManifestResponse).manifest
+            if env is None:
+                return "does not hold it"
+            manifest = verify_manifest(env, self.pinned_key, self.clock())
+            if version is not None and manifest.version != version:
+                got = manifest.version
+                raise ProtocolError("manifest_invalid", f"asked v{version}, got v{got}")
+            return env, manifest
+        except ProtocolError as exc:
+            self.scores.bad_chunk(peer)
+            return str(exc)
+        except TransportError as exc:
+            if isinstance(exc, DialFailed) and not is_seed:
+                self.scores.dial_failed(peer, now)
+                return str(exc)  # another holder or the seed will do
+            return f"retry: {exc}"
 
     async def download(
         self, version: int | None, seeds: Sequence[str], *, on_progress: ProgressFn | None = None
@@ -236,6 +315,9 @@ class Downloader:
             on_progress=on_progress,
             chunk_rpc=CHUNK_RPC,
             chunk_any_rpc=CHUNK_ANY_RPC,
+            exchange_rpc=self.exchange,
+            book=self.book,
+            dialable=self.dialable,
             wanted=part_indices(manifest, part),
         )
         self.last_transfer = transfer
@@ -260,6 +342,10 @@ class BroadcastNode:
     """Chunk server + holder announcer + downloader for one peer (seed or receiver).
 
     ``relay=False`` downloads without serving or announcing anything (the star baseline).
+    :attr:`dialable` (default True) says whether other peers can open connections to this one;
+    set it from a reachability measurement (:mod:`swarm.reachability`). While False the peer
+    announces nothing in the DHT and tells the peers it asks that it is download-only; it still
+    serves the peers that reach it over connections it opened itself.
     """
 
     def __init__(
@@ -279,7 +365,12 @@ class BroadcastNode:
     ) -> None:
         self.store = store
         self.relay = relay
-        self.server = ChunkServer(store, transport, max_streams_per_peer=max_streams_per_peer)
+        self._dialable = True
+        self.book = HolderBook()
+        self.server = ChunkServer(
+            store, transport, max_streams_per_peer=max_streams_per_peer, book=self.book,
+            dialable=lambda: self.dialable,
+        )  # fmt: skip
         self.announcer = HolderAnnouncer(
             directory, transport.peer_id, ttl=holder_ttl, min_interval=announce_interval
         )
@@ -292,6 +383,8 @@ class BroadcastNode:
             scores=scores,
             config=config,
             clock=clock,
+            book=self.book,
+            dialable=lambda: self.dialable,
         )
         #: plans each download: by delta against a held version, or in full (swarm.deltasync)
         self.sync = VersionSync(self.downloader, announcer=self.announcer if relay else None)
@@ -299,6 +392,19 @@ class BroadcastNode:
     @property
     def scores(self) -> PeerScores:
         return self.downloader.scores
+
+    @property
+    def dialable(self) -> bool:
+        """Whether other peers can dial this one (and so may be told it holds chunks)."""
+        return self._dialable and self.relay
+
+    @dialable.setter
+    def dialable(self, value: bool) -> None:
+        if value != self._dialable:
+            logger.info("this peer is %s", "dialable: announcing held chunks" if value
+                        else "not dialable: download-only, holdings not announced")  # fmt: skip
+        self._dialable = value
+        self.announcer.pause(not value)
 
     async def start(self) -> None:
         """Serve what the store holds and announce it (nothing when ``relay`` is False)."""
@@ -338,4 +444,5 @@ class BroadcastNode:
             if v not in self.store.versions():
                 self.announcer.forget(v)
         self.server.forget_except(self.store.versions())
+        self.book.forget_except(self.store.versions())
         return files

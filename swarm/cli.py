@@ -12,6 +12,7 @@ Commands::
     swarm trainer run               start the GRPO learner
     swarm inspect                   show the swarm: nodes, versions, intake, capacity
     swarm audit                     verify the coordinator's receipt log, trace one rollout
+    swarm simulate [SCENARIO ...]   thousands of simulated nodes around the real coordinator
     swarm model import SOURCE       GGUF file / HF dir / named model -> local safetensors dir
     swarm keygen PATH               create (or show) an Ed25519 key file and print its fingerprint
 """
@@ -309,6 +310,62 @@ def inspect(
             interval=interval,
             json_out=json_out,
             timeout=timeout,
+        )
+    )
+
+
+@app.command()
+def simulate(
+    scenarios: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="Scenario TOML files, or shipped names: nodes100, nodes1000, nodes10000 "
+            "(default nodes100)."
+        ),
+    ] = None,
+    hours: Annotated[float | None, typer.Option(help="Simulated hours per run.")] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a scenario field: KEY=VALUE (dotted, TOML value)."),
+    ] = None,
+    policy: Annotated[
+        list[str] | None,
+        typer.Option(help="Only this policy: cost_aware, all_nodes, fastest_first, premium_only."),
+    ] = None,
+    sweep: Annotated[bool, typer.Option(help="Run the scenario's one-axis sweeps.")] = True,
+    out: Annotated[
+        Path | None, typer.Option(help="Report file (default docs/simulation.md).")
+    ] = None,
+    write: Annotated[bool, typer.Option(help="Write the report (off: print it).")] = True,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Also write every run's figures as JSON.")
+    ] = None,
+    scaling: Annotated[
+        bool, typer.Option(help="Write the coordinator scaling section (CPU vs node count).")
+    ] = False,
+    profile: Annotated[
+        bool, typer.Option(help="With --scaling: cProfile the largest scenario for the report.")
+    ] = False,
+    runs: Annotated[
+        bool, typer.Option(help="Run the scenarios (off: only rebuild --scaling from past runs).")
+    ] = True,
+) -> None:
+    """Simulate a swarm of thousands of nodes in virtual time around the real coordinator."""
+    from coordinator.sim.cli import run_cli
+
+    raise typer.Exit(
+        run_cli(
+            scenarios or [],
+            hours=hours,
+            sets=set_ or [],
+            policies=policy or [],
+            sweep=sweep,
+            out=out,
+            write=write,
+            json_out=json_out,
+            scaling=scaling,
+            profile=profile,
+            runs=runs,
         )
     )
 

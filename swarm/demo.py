@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 
 BYZANTINE_MODES = ("forge_logprobs", "inflate_reward", "wrong_version", "oov_tokens", "greedy")
 STARTUP_TIMEOUT_S = 90.0
+#: trainer figures recorded in curve.jsonl next to reward and exact match
+MONITOR_FIGURES = (
+    "ess_frac", "mismatch_kl", "clip_frac", "mask_frac", "grad_norm", "stability_warning",
+)  # fmt: skip
 STOP_TIMEOUT_S = 20.0
 
 
@@ -76,6 +80,8 @@ class DemoOptions:
     extra_node_args: list[str] = field(default_factory=list)
     #: backend of each honest node, cycled (``--node-backend``; e.g. vllm,hf on a GPU host)
     node_backends: list[str] = field(default_factory=lambda: ["hf"])
+    #: extra flat keys for the trainer's TOML (benchmarks: e.g. ``{"overlap": False}``)
+    trainer_overrides: dict[str, Any] = field(default_factory=dict)
     #: learner settings of the profile (not flags)
     lr: float | None = None
     entropy_coef: float | None = None
@@ -201,6 +207,15 @@ class DemoOptions:
                 close()
 
 
+def _toml_value(value: Any) -> str:
+    """A scalar as TOML (the trainer overrides of a benchmark)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value))
+
+
 def _max_new_tokens(task: str) -> int:
     if task.startswith("reverse"):
         return int(task.removeprefix("reverse") or 3) + 2
@@ -304,13 +319,15 @@ class Demo:
             f"\n[capacity]\nbatch_rollouts = {o.batch_prompts * o.group_size}\nt_train_s = 0.1\n"
             f'\n[network]\ntrainer_key = "{trainer_fp}"\n'
         )
-        learner = "".join(
-            f"{key} = {value}\n"
+        settings: dict[str, Any] = {
+            key: value
             for key, value in (
                 ("lr", o.lr), ("entropy_coef", o.entropy_coef), ("minibatches", o.minibatches),
             )
             if value is not None
-        )  # fmt: skip
+        }  # fmt: skip
+        settings.update(o.trainer_overrides)  # a benchmark's overrides win over the profile
+        learner = "".join(f"{k} = {_toml_value(v)}\n" for k, v in settings.items())
         (self.run_dir / "trainer.toml").write_text(
             f"{model}seed = {o.seed}\nbatch_prompts = {o.batch_prompts}\n"
             f"group_size = {o.group_size}\nmax_staleness = {o.staleness}\n"
@@ -436,6 +453,8 @@ class Demo:
             "staleness": self.status.get("trainer_staleness_mean"),
             "accepted": self.status.get("rollouts_accepted"),
             "rejected": sum((self.status.get("rejected_by_reason") or {}).values()),
+            # the trainer's stability monitors (trainer/monitors.py)
+            **{k: self.status.get(f"trainer_{k}") for k in MONITOR_FIGURES},
         }
         if not self.curve or self.curve[-1]["step"] != row["step"]:
             self.curve.append(row)

@@ -84,7 +84,8 @@ class LiveView:
                 f"staleness {_fmt(s.get('trainer_staleness_mean'), '.2f')} "
                 f"accepted {_fmt(s.get('rollouts_accepted'))} "
                 f"verify {_fmt(s.get('verification_compute_frac'), '.1%')} "
-                f"rejected {sum((s.get('rejected_by_reason') or {}).values()):.0f}",
+                f"rejected {sum((s.get('rejected_by_reason') or {}).values()):.0f} | "
+                f"{monitor_line(s)}",
                 flush=True,
             )
             for fp, problem in sorted((s.get("node_problems") or {}).items()):
@@ -111,6 +112,18 @@ class LiveView:
             _fmt(sum((s.get("rejected_by_reason") or {}).values()), ".0f"),
             _fmt(s.get("verification_compute_frac"), ".1%"),
         )
+        health = Table(title="learning stability (trainer/monitors.py)", show_header=True)
+        for col in ("ESS/n", "mismatch KL", "clip frac", "mask frac", "grad norm", "warning"):
+            health.add_column(col, justify="right" if col != "warning" else "left")
+        warning = s.get("trainer_stability_warning") or ""
+        health.add_row(
+            _fmt(s.get("trainer_ess_frac")),
+            _fmt(s.get("trainer_mismatch_kl")),
+            _fmt(s.get("trainer_clip_frac")),
+            _fmt(s.get("trainer_mask_frac")),
+            _fmt(s.get("trainer_grad_norm"), ".2f"),
+            f"[bold red]{warning}[/]" if warning else "ok",
+        )
         nodes = Table(show_header=True)
         for col in ("node", "state", "tokens/s", "leases done", "check rate", "last seen"):
             nodes.add_column(col)
@@ -125,7 +138,7 @@ class LiveView:
                 f"{_fmt((s.get('node_last_seen_s') or {}).get(fp), '.1f')}s ago",
             )
         rejected = s.get("rejected_by_reason") or {}
-        parts: list[Any] = [head, nodes]
+        parts: list[Any] = [head, health, nodes]
         problems = s.get("node_problems") or {}
         if problems:  # a node failing over and over: say why instead of an empty "step -"
             from rich.text import Text
@@ -144,6 +157,17 @@ class LiveView:
                 rej.add_row(reason, f"{count:.0f}")
             parts.append(rej)
         return Group(*parts)
+
+
+def monitor_line(s: dict[str, Any]) -> str:
+    """The trainer's stability monitors from a /status document, on one line."""
+    warning = s.get("trainer_stability_warning") or ""
+    return (
+        f"ESS/n {_fmt(s.get('trainer_ess_frac'), '.2f')} KL {_fmt(s.get('trainer_mismatch_kl'))} "
+        f"clip {_fmt(s.get('trainer_clip_frac'))} mask {_fmt(s.get('trainer_mask_frac'))} "
+        f"|g| {_fmt(s.get('trainer_grad_norm'), '.2f')}"
+        + (f" WARNING: {warning}" if warning else "")
+    )
 
 
 def plot(demo: Demo) -> str | None:
@@ -187,6 +211,8 @@ def summarise(demo: Demo, reason: str) -> str:
     rejected = s.get("rejected_by_reason") or {}
     banned = s.get("nodes_banned") or []
     elapsed = time.monotonic() - demo.t0
+    warnings = [r.get("stability_warning") for r in demo.curve if r.get("stability_warning")]
+    warned, last_warning = len(warnings), (warnings[-1] if warnings else "")
     reached = (
         f"reached exact match {demo.opts.target:.2f} after {demo.reached_at:.0f}s"
         if demo.reached_at is not None
@@ -206,8 +232,10 @@ def summarise(demo: Demo, reason: str) -> str:
         f"{s.get('verification_checks') or 0} leases in "
         f"{_fmt(s.get('verification_compute_s'), '.1f')} s, "
         f"{_fmt(s.get('verification_compute_frac'), '.1%')} of the learner's "
-        f"{_fmt(s.get('trainer_compute_s'), '.1f')} s of compute. Plot: {png or 'none'}; "
-        f"logs: {demo.logs}."
+        f"{_fmt(s.get('trainer_compute_s'), '.1f')} s of compute. "
+        f"Stability warnings on {warned} of {len(demo.curve)} learner steps seen"
+        f"{f' (last: {last_warning})' if last_warning else ''}. "
+        f"Plot: {png or 'none'}; logs: {demo.logs}."
     )
     figures = {
         "reason": reason,

@@ -18,6 +18,7 @@ Hierarchy::
     │   └── DhtTimeout               ... or did not finish in time
     ├── TransportError               an RPC to a peer failed
     │   ├── PeerUnreachable          could not open a stream / the stream broke
+    │   │   └── DialFailed           no connection could be opened (not dialable, dial timeout)
     │   ├── RpcTimeout               connect, read or write did not finish in time
     │   └── RemoteError              the remote handler answered with an error (``.code``)
     └── BroadcastError               a checkpoint version could not be obtained
@@ -71,6 +72,11 @@ class TransportError(SwarmError):
 
 class PeerUnreachable(TransportError):
     """A stream to the peer could not be opened, or it broke mid-call."""
+
+
+class DialFailed(PeerUnreachable):
+    """No connection to the peer could be opened in time: it is behind NAT, gone, or its
+    addresses are wrong. Callers back off from such a peer rather than retry at once."""
 
 
 class RpcTimeout(TransportError):

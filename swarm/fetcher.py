@@ -2,20 +2,29 @@
 
 Policy (DESIGN.md §5):
 
+* **who holds what** comes from the :class:`~swarm.holders.HolderBook`: DHT holder records, plus
+  what peers report in the chunk exchange itself (every request carries the asker's verified
+  chunks, every reply the answering holder's table), so holder information does not depend on DHT
+  messages that queue behind bulk data on a busy link;
 * **rarest first**: among missing chunks not in flight, fewest known holders first (random ties,
   so receivers spread over different chunks of the seed);
 * **best peer**: among a chunk's holders with a free slot, the highest score divided by its load;
 * **seed last**: a seed only gets the request slots that peers could not fill (chunks nobody
-  else holds, or whose holders are all busy), and is asked for *any one* of those chunks
-  (``ChunkAnyRequest``): it sends the one it has sent least often, so chunks nobody holds go out
-  first, concurrent receivers pull different chunks, and an idle seed uplink still helps the tail;
+  else holds, or whose holders are all busy), and is asked for *any one* of those chunks: it sends
+  the one it has sent least often, so chunks nobody holds go out first, concurrent receivers pull
+  different chunks, and an idle seed uplink still helps the tail;
 * **verify before keep**: ``ChunkStore.put_chunk`` checks the hash; the chunk is then served to
   others at once and announced (debounced) in the holder directory;
+* a request is given up when it **progresses too slowly** (fewer than ``min_rate`` bytes/s over
+  any ``stall_timeout`` window, not only when no byte comes at all) or its stream cannot be
+  opened within ``connect_timeout`` (a holder behind NAT, or gone);
 * a peer that serves a bad chunk, stalls or breaks the stream is dropped for this transfer and
-  scored down; the chunk goes back to the pool and is fetched elsewhere. A peer that served a bad
-  chunk (or manifest) before is not asked at all (``PeerScores.shunned``). A seed is never dropped,
-  only backed off; after ``max_seed_failures`` consecutive seed failures with nowhere else to go the
-  transfer fails with ``ChunkUnavailable``;
+  scored down; one that cannot be dialled is backed off (``PeerScores.dial_failed``: 30 s,
+  doubling); the chunk goes back to the pool and is fetched elsewhere. A peer that served a bad
+  chunk (or manifest) before is not asked at all (``PeerScores.shunned``). A seed is never
+  dropped, only backed off (growing pauses: libp2p's own dial back-off lasts seconds); the
+  transfer fails with ``ChunkUnavailable`` only after ``max_seed_failures`` consecutive seed
+  failures spanning at least ``seed_grace`` seconds with nowhere else to go;
 * a peer that answers ``not_held`` for a chunk it announced is not asked for that chunk again in
   this transfer (re-reading the holder records must not restore a false claim).
 """
@@ -23,7 +32,6 @@ Policy (DESIGN.md §5):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -34,16 +42,16 @@ from typing import Any
 
 from protocol.codec import decode, encode
 from protocol.errors import DecodeError, ProtocolError, ReasonCode
-from protocol.limits import CHUNK_FRAME_OVERHEAD
+from protocol.limits import CHUNK_FRAME_OVERHEAD, Limits
 from protocol.messages import Chunk, ChunkRequest, Manifest
 from swarm import keys
 from swarm.chunks import ChunkStore
-from swarm.errors import ChunkUnavailable, RemoteError, SwarmError, TransportError
-from swarm.holders import HolderAnnouncer, HolderDirectory
+from swarm.errors import ChunkUnavailable, DialFailed, RemoteError, SwarmError, TransportError
+from swarm.holders import HolderAnnouncer, HolderBook, HolderDirectory
 from swarm.scoring import PeerScores
 from swarm.tasks import cancel_and_wait
 from swarm.transport import Transport
-from swarm.wire import ChunkAnyRequest
+from swarm.wire import TABLE_OVERHEAD, ChunkAnyRequest, ExchangeReply, ExchangeRequest
 
 logger = logging.getLogger(__name__)
 
@@ -59,19 +67,43 @@ class DownloadConfig:
     per_peer_parallel: int = 2  # concurrent requests to one non-seed peer
     seed_parallel: int = 2  # concurrent requests to one seed
     chunk_timeout: float = 120.0  # deadline of one chunk request
-    stall_timeout: float = 10.0  # a request with no bytes for this long is a stall
+    stall_timeout: float = 10.0  # window of the progress check (and longest silence)
+    min_rate: float = 32 * 1024  # bytes/s a request must keep up over every stall_timeout window
+    connect_timeout: float = 5.0  # opening a stream, dialling the peer if need be
     manifest_timeout: float = 10.0  # deadline of one manifest request
-    holders_refresh: float = 0.5  # how often holder bitmaps are re-read
+    manifest_deadline: float = 60.0  # retry manifest requests (dial back-off, joins) this long
+    holders_refresh: float = 1.0  # how often holder records are re-read from the DHT
+    first_lookup: float = 0.3  # wait at most this long for a first DHT holder lookup
     busy_backoff: float = 0.2  # pause before asking a peer that answered "busy" again
-    seed_backoff: float = 1.0  # pause before retrying a seed that failed
-    max_seed_failures: int = 5  # consecutive seed failures before giving up
+    stall_backoff: float = 5.0  # pause before asking a peer whose request stalled again
+    seed_backoff: float = 1.0  # first pause before retrying a failed seed (doubles, max 8x)
+    max_seed_failures: int = 5  # consecutive seed failures before giving up ...
+    seed_grace: float = 30.0  # ... if they also span at least this long
     deadline: float = 3600.0  # whole transfer
     hedge_after: float = 3.0  # end-game: a chunk in flight this long is also asked of another peer
     reserve_bytes: int = 0  # free disk space a download must leave (bytes)
 
 
+@dataclass
+class Flight:
+    """One chunk request in flight."""
+
+    index: int  # the chunk asked for; -1 when a seed may choose among several
+    peer: str
+    started: float
+    received: int = 0  # bytes of the response read so far
+    mark_t: float = 0.0  # start of the current progress window
+    mark_bytes: int = 0  # ``received`` at that time
+    stalled: bool = False  # cancelled for progressing too slowly
+
+
 class Transfer:
-    """Downloads the missing chunks of ``manifest`` into ``store``; see the module docstring."""
+    """Downloads the missing chunks of ``manifest`` into ``store``; see the module docstring.
+
+    ``exchange_rpc`` (default: the old per-chunk RPCs only) is the combined chunk + holder-table
+    RPC; peers that do not serve it are asked with ``chunk_rpc`` / ``chunk_any_rpc``.
+    ``dialable()`` says whether this peer accepts connections (reported to the peers it asks).
+    """
 
     def __init__(
         self,
@@ -87,6 +119,9 @@ class Transfer:
         chunk_any_rpc: str,
         announcer: HolderAnnouncer | None = None,
         on_progress: ProgressFn | None = None,
+        exchange_rpc: str | None = None,
+        book: HolderBook | None = None,
+        dialable: Callable[[], bool] = lambda: True,
         wanted: Iterable[int] | None = None,
     ) -> None:
         self.m = manifest
@@ -94,8 +129,15 @@ class Transfer:
         self.seeds = set(seeds)
         self.scores, self.cfg = scores, config
         self.chunk_rpc, self.chunk_any_rpc = chunk_rpc, chunk_any_rpc
+        self.exchange_rpc = exchange_rpc
+        self.book = book if book is not None else HolderBook()
+        self.dialable = dialable
         self.announcer, self.on_progress = announcer, on_progress
         self.n = len(manifest.chunks)
+        #: an ExchangeReply is a chunk plus a bounded holder table
+        self.reply_limits = Limits(
+            control_frame=manifest.chunk_size + CHUNK_FRAME_OVERHEAD + TABLE_OVERHEAD
+        )
         #: the chunks this transfer is for (one part of the version; default every chunk)
         self.wanted = set(range(self.n)) if wanted is None else set(wanted)
         self.missing = self.wanted - store.have(manifest.version)
@@ -105,29 +147,39 @@ class Transfer:
         self.denied: dict[str, set[int]] = {}
         self.dropped: set[str] = set()
         self.backoff: dict[str, float] = {}
+        self.legacy: set[str] = set()  # peers that do not serve exchange_rpc
         self.load: Counter[str] = Counter()
-        self.inflight: dict[asyncio.Task[int], tuple[int, str]] = {}
-        self.started: dict[asyncio.Task[int], float] = {}
+        self.inflight: dict[asyncio.Task[int], Flight] = {}
         self.hedged: set[int] = set()  # chunk indices already asked of a second peer
         self.seed_failures = 0
+        self.seed_failing_since: float | None = None
         self.done_bytes = self.total_bytes - sum(manifest.chunks[i].size for i in self.missing)
         self.sources: Counter[str] = Counter()  # chunks received per peer (for stats)
         self.bad: dict[str, str] = {}  # peers that served a bad chunk here -> reason code
         self.shunned: set[str] = set()  # holders skipped: they served bad data before
+        self.stalls = 0  # requests given up for progressing too slowly
+        #: (Unix time, chunk index, source peer) per verified chunk (for benchmarks)
+        self.timeline: list[tuple[float, int, str]] = []
         self._closing = False
+        self._looked_up = asyncio.Event()
 
     # -- main loop -----------------------------------------------------------------------------
     async def run(self) -> None:
         start = time.monotonic()
         self._announce()
         self._progress()
-        if self.missing:
-            await self._refresh()  # know the holders before asking anyone (spares the seed)
         refresher = asyncio.create_task(self._refresh_loop(), name="holders-refresh")
         try:
+            if self.missing and self.cfg.first_lookup > 0:  # know the holders before asking
+                waiter = asyncio.create_task(self._looked_up.wait())
+                await asyncio.wait([waiter, refresher], timeout=self.cfg.first_lookup,
+                                   return_when="FIRST_COMPLETED")  # fmt: skip
+                waiter.cancel()
             while self.missing:
-                if time.monotonic() - start > self.cfg.deadline:
+                now = time.monotonic()
+                if now - start > self.cfg.deadline:
                     raise ChunkUnavailable(self._missing_msg("deadline passed"))
+                self._check_progress(now)
                 self._schedule()
                 if not self.inflight:
                     await asyncio.sleep(self.cfg.holders_refresh)  # wait for fresh holder info
@@ -146,27 +198,39 @@ class Transfer:
                 await self.announcer.flush()
 
     async def _refresh(self) -> None:
-        me = self.transport.peer_id
-        with contextlib.suppress(SwarmError):
+        try:
             found = await self.directory.lookup(self.m.version)
-            self.holders = {
-                p: keys.indices_from_bitmap(b, self.n) - self.denied.get(p, set())
-                for p, b in found.items()
-                if p != me
-            }
-            self.shunned |= {p for p in self.holders if self._shunned(p)}
+        except SwarmError as exc:
+            logger.debug("holder lookup for v%d failed: %s", self.m.version, exc)
+            return
+        finally:
+            self._looked_up.set()
+        self.book.learn_dht(
+            self.m.version, {p: keys.indices_from_bitmap(b, self.n) for p, b in found.items()}
+        )
+
+    def _update_holders(self) -> None:
+        me = self.transport.peer_id
+        self.holders = {
+            p: have - self.denied.get(p, set())
+            for p, have in self.book.view(self.m.version).items()
+            if p != me
+        }
+        self.shunned |= {p for p in self.holders if self._shunned(p)}
 
     def _shunned(self, peer: str) -> bool:
         return peer not in self.seeds and self.scores.shunned(peer)
 
     async def _refresh_loop(self) -> None:
         while not self._closing:
-            await asyncio.sleep(self.cfg.holders_refresh)
             await self._refresh()
+            await asyncio.sleep(self.cfg.holders_refresh)
 
     # -- choosing ------------------------------------------------------------------------------
     def _available(self, peer: str, now: float) -> bool:
         limit = self.cfg.seed_parallel if peer in self.seeds else self.cfg.per_peer_parallel
+        if peer not in self.seeds and self.scores.backed_off(peer, now):
+            return False
         return self.load[peer] < limit and self.backoff.get(peer, 0.0) <= now
 
     def _pick(self, peers: list[str]) -> str:
@@ -176,7 +240,8 @@ class Transfer:
 
     def _schedule(self) -> None:
         now = time.monotonic()
-        busy = {i for i, _ in self.inflight.values()}
+        self._update_holders()
+        busy = {f.index for f in self.inflight.values()}
         skip = self.dropped | self.seeds | self.shunned
         others = {p: s for p, s in self.holders.items() if p not in skip}
         rarity: Counter[int] = Counter()
@@ -192,7 +257,7 @@ class Transfer:
             ready = [p for p, s in others.items() if index in s and self._available(p, now)]
             if ready:
                 peer = self._pick(ready)
-                self._launch(self._fetch(index, peer), index, peer)
+                self._launch(self._request(peer, frozenset({index})), index, peer)
             else:
                 leftover.add(index)
         # The seed is the last resort: it only gets the slots peers could not fill, and is asked
@@ -205,7 +270,7 @@ class Transfer:
                 and len(self.inflight) < self.cfg.max_parallel
                 and self._available(seed, now)
             ):
-                self._launch(self._fetch_any(seed, frozenset(leftover)), -1, seed)
+                self._launch(self._request(seed, frozenset(leftover)), -1, seed)
         if not todo:
             self._hedge(now, others)
 
@@ -215,10 +280,11 @@ class Transfer:
         or to a seed. The first copy to verify wins; the loser is cancelled when the transfer
         ends. At most one duplicate per chunk, so the extra traffic is bounded by the tail."""
         me = self.transport.peer_id
-        for task, (index, peer) in list(self.inflight.items()):
+        for f in list(self.inflight.values()):
+            index, peer = f.index, f.peer
             if index < 0 or index in self.hedged or index not in self.missing:
                 continue
-            if now - self.started.get(task, now) < self.cfg.hedge_after:
+            if now - f.started < self.cfg.hedge_after:
                 continue
             if len(self.inflight) >= self.cfg.max_parallel:
                 return
@@ -227,67 +293,141 @@ class Transfer:
             seeds = [p for p in self.seeds - {me, peer} if self._available(p, now)]
             if alts:
                 alt = self._pick(alts)
-                self._launch(self._fetch(index, alt), index, alt)
+                self._launch(self._request(alt, frozenset({index})), index, alt)
             elif seeds:
                 seed = self._pick(seeds)
-                self._launch(self._fetch_any(seed, frozenset({index})), -1, seed)
+                self._launch(self._request(seed, frozenset({index})), -1, seed)
             else:
                 continue
             self.hedged.add(index)
             logger.info("chunk %d from %s is slow; also asking another peer", index, peer[:12])
 
-    def _launch(self, coro: Coroutine[Any, Any, int], index: int, peer: str) -> None:
+    def _launch(self, coro: Callable[[Flight], Coroutine[Any, Any, int]], index: int,
+                peer: str) -> None:  # fmt: skip
         self.load[peer] += 1
-        task = asyncio.create_task(coro, name=f"chunk-{index}-{peer[-8:]}")
-        self.inflight[task] = (index, peer)
-        self.started[task] = time.monotonic()
+        now = time.monotonic()
+        flight = Flight(index, peer, now, mark_t=now)
+        task = asyncio.create_task(coro(flight), name=f"chunk-{index}-{peer[-8:]}")
+        self.inflight[task] = flight
 
-    async def _fetch(self, index: int, peer: str) -> int:
-        """Chunk ``index`` from ``peer``; returns the index."""
-        request = ChunkRequest(version=self.m.version, index=index)
-        return await self._get(peer, self.chunk_rpc, encode(request), {index})
+    def _check_progress(self, now: float) -> None:
+        """Give up requests that received fewer than ``min_rate`` bytes/s over a whole
+        ``stall_timeout`` window: a trickle must not hold a chunk (and its slot) for minutes."""
+        window = self.cfg.stall_timeout
+        for task, f in self.inflight.items():
+            if f.stalled or now - f.mark_t < window:
+                continue
+            if f.received - f.mark_bytes < self.cfg.min_rate * (now - f.mark_t):
+                f.stalled = True
+                task.cancel()
+                logger.info(
+                    "chunk %d from %s: %d B in %.0f s, under %.0f KiB/s; giving up on it",
+                    f.index, f.peer[:12], f.received - f.mark_bytes, now - f.mark_t,
+                    self.cfg.min_rate / 1024,
+                )  # fmt: skip
+            else:
+                f.mark_t, f.mark_bytes = now, f.received
 
-    async def _fetch_any(self, peer: str, wanted: frozenset[int]) -> int:
-        """Any one chunk of ``wanted`` from a seed; returns the index it chose."""
-        request = ChunkAnyRequest(
-            version=self.m.version, wanted=keys.bitmap_from_indices(wanted, self.n)
-        )
-        return await self._get(peer, self.chunk_any_rpc, encode(request), wanted)
+    # -- requests ------------------------------------------------------------------------------
+    def _request(
+        self, peer: str, wanted: frozenset[int]
+    ) -> Callable[[Flight], Coroutine[Any, Any, int]]:
+        """A request for one chunk of ``wanted`` from ``peer`` (returns the index received)."""
 
-    async def _get(self, peer: str, rpc: str, request: bytes, allowed: Set[int]) -> int:
-        t0 = time.monotonic()
-        raw = await self.transport.call(
+        async def go(flight: Flight) -> int:
+            if self.exchange_rpc is None or peer in self.legacy:
+                return await self._legacy(peer, wanted, flight)
+            have = self.store.have(self.m.version)
+            request = ExchangeRequest(
+                version=self.m.version,
+                wanted=keys.bitmap_from_indices(wanted, self.n),
+                have=keys.bitmap_from_indices(have, self.n),
+                dialable=self.dialable(),
+            )
+            try:
+                limit = self.reply_limits.control_frame
+                raw = await self._call(peer, self.exchange_rpc, encode(request), flight, limit)
+            except RemoteError as exc:
+                if exc.code != "unknown_method":
+                    raise
+                self.legacy.add(peer)  # an older peer: ask it the old way
+                return await self._legacy(peer, wanted, flight)
+            msg = decode(raw, ExchangeReply, self.reply_limits)
+            self.book.learn_table(self.m.version, self.n, msg.holders)
+            return self._keep(peer, msg.version, msg.index, msg.data, wanted, flight)
+
+        return go
+
+    async def _legacy(self, peer: str, wanted: frozenset[int], flight: Flight) -> int:
+        if len(wanted) == 1:
+            (index,) = wanted
+            name = self.chunk_rpc
+            request = encode(ChunkRequest(version=self.m.version, index=index))
+        else:
+            bitmap = keys.bitmap_from_indices(wanted, self.n)
+            name = self.chunk_any_rpc
+            request = encode(ChunkAnyRequest(version=self.m.version, wanted=bitmap))
+        raw = await self._call(peer, name, request, flight,
+                               self.m.chunk_size + CHUNK_FRAME_OVERHEAD)  # fmt: skip
+        msg = decode(raw, Chunk)
+        return self._keep(peer, msg.version, msg.index, msg.data, wanted, flight)
+
+    async def _call(
+        self, peer: str, name: str, request: bytes, flight: Flight, max_bytes: int
+    ) -> bytes:
+        def progress(got: int, total: int) -> None:
+            flight.received = got
+
+        return await self.transport.call(
             peer,
-            rpc,
+            name,
             request,
             timeout=self.cfg.chunk_timeout,
             stall_timeout=self.cfg.stall_timeout,
-            max_response_bytes=self.m.chunk_size + CHUNK_FRAME_OVERHEAD,
+            connect_timeout=self.cfg.connect_timeout,
+            max_response_bytes=max_bytes,
+            on_progress=progress,
         )
-        msg = decode(raw, Chunk)
-        if msg.version != self.m.version or msg.index not in allowed:
-            raise DecodeError(ReasonCode.SCHEMA, f"got chunk {msg.index} of v{msg.version}")
-        self.store.put_chunk(self.m.version, msg.index, msg.data)  # verifies the hash
-        self.scores.success(peer, len(msg.data), time.monotonic() - t0)
-        self.done_bytes += len(msg.data) if msg.index in self.missing else 0
-        self.missing.discard(msg.index)
+
+    def _keep(
+        self, peer: str, version: int, index: int, data: bytes, allowed: Set[int], flight: Flight
+    ) -> int:
+        if version != self.m.version or index not in allowed:
+            raise DecodeError(ReasonCode.SCHEMA, f"got chunk {index} of v{version}")
+        self.store.put_chunk(self.m.version, index, data)  # verifies the hash
+        self.scores.success(peer, len(data), time.monotonic() - flight.started)
+        self.done_bytes += len(data) if index in self.missing else 0
+        self.missing.discard(index)
         self.sources[peer] += 1
-        return msg.index
+        self.timeline.append((time.time(), index, peer))
+        return index
 
     # -- outcomes ------------------------------------------------------------------------------
     def _settle(self, task: asyncio.Task[int]) -> None:
-        index, peer = self.inflight.pop(task)
-        self.started.pop(task, None)
+        f = self.inflight.pop(task)
+        index, peer = f.index, f.peer
         self.load[peer] -= 1
         is_seed = peer in self.seeds
+        now = time.monotonic()
+        if task.cancelled():
+            if not f.stalled:  # pragma: no cover - only the transfer itself cancels requests
+                return
+            self.stalls += 1
+            self.scores.stalled(peer)
+            if is_seed:
+                self._seed_failed(peer, now)
+            else:  # slow, not wrong (a busy uplink, a loaded host): ask again a bit later
+                self.backoff[peer] = now + self.cfg.stall_backoff
+            return
         exc = task.exception()
         if exc is None:
-            self.seed_failures = 0 if is_seed else self.seed_failures
+            if is_seed:
+                self.seed_failures, self.seed_failing_since = 0, None
             self._announce()
             self._progress()
             return
         if isinstance(exc, RemoteError) and exc.code == "busy":
-            self.backoff[peer] = time.monotonic() + self.cfg.busy_backoff
+            self.backoff[peer] = now + self.cfg.busy_backoff
             return
         if isinstance(exc, RemoteError) and exc.code == "not_held" and index >= 0:
             # Remembered for the whole transfer: a re-read holder record (or a liar) would
@@ -299,6 +439,11 @@ class Transfer:
             self.scores.bad_chunk(peer)
             self.bad[peer] = str(exc.code)
             logger.warning("bad chunk %d from %s: %s", index, peer, exc)
+        elif isinstance(exc, DialFailed) and not is_seed:
+            until = self.scores.dial_failed(peer, now)
+            logger.info("cannot connect to holder %s; not asking it for %.0f s: %s",
+                        peer[:12], until - now, exc)  # fmt: skip
+            return
         elif isinstance(exc, TransportError):
             self.scores.failure(peer)
             # a seed that does not hold the version yet is routine (it is about to seed it)
@@ -310,9 +455,20 @@ class Transfer:
         if not is_seed:
             self.dropped.add(peer)
             return
-        self.backoff[peer] = time.monotonic() + self.cfg.seed_backoff
+        self._seed_failed(peer, now)
+
+    def _seed_failed(self, peer: str, now: float) -> None:
+        """Back off from a failed seed (growing pauses); give up after ``max_seed_failures``
+        consecutive failures spanning ``seed_grace`` seconds, when no peer can help."""
         self.seed_failures += 1
-        if self.seed_failures >= self.cfg.max_seed_failures:
+        if self.seed_failing_since is None:
+            self.seed_failing_since = now
+        pause = self.cfg.seed_backoff * 2 ** min(self.seed_failures - 1, 3)
+        self.backoff[peer] = now + pause
+        if (
+            self.seed_failures >= self.cfg.max_seed_failures
+            and now - self.seed_failing_since >= self.cfg.seed_grace
+        ):
             raise ChunkUnavailable(self._missing_msg(f"seed failed {self.seed_failures} times"))
 
     def _announce(self) -> None:

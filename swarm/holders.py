@@ -1,8 +1,10 @@
-"""Who holds which chunks of a version: per-peer bitmaps in the DHT (or in memory for tests).
+"""Who holds which chunks of a version: per-peer bitmaps in the DHT (or in memory for tests),
+and the :class:`HolderBook` that merges them with what peers tell each other in the chunk exchange.
 
 Each holder stores ``bitmap`` (bit i = verified chunk i) under ``keys.holders_key(version)`` with
 subkey = its libp2p peer id. The :class:`HolderAnnouncer` re-publishes a version's bitmap when it
 changes (debounced: at most one DHT store per ``min_interval``) and refreshes it before it expires.
+Only a peer that others can dial announces itself (``HolderAnnouncer.paused`` otherwise).
 
 Holder records are not signed: a liar can only claim that some peer holds chunks, which costs a
 downloader one failed request and scores that peer down; chunks themselves are always verified.
@@ -14,13 +16,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 from swarm import keys
 from swarm.dht import SwarmPeer
 from swarm.errors import DhtError
 from swarm.tasks import cancel_and_wait
+from swarm.wire import MAX_TABLE_BYTES, MAX_TABLE_ENTRIES, HolderEntry
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +97,15 @@ class HolderAnnouncer:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.paused = False
+        """True while this peer cannot be dialled: nothing is published (records expire)."""
+
+    def pause(self, paused: bool) -> None:
+        """Stop (True) or resume (False) publishing; resuming publishes every bitmap at once."""
+        if self.paused and not paused:
+            self._dirty |= set(self._bitmaps)
+            self._wake.set()
+        self.paused = paused
 
     def update(self, version: int, indices: frozenset[int], n_chunks: int) -> None:
         """Schedule publishing ``indices`` as this peer's holdings of ``version``."""
@@ -110,7 +123,9 @@ class HolderAnnouncer:
         self._dirty.discard(version)
 
     async def flush(self) -> None:
-        """Publish every pending bitmap now."""
+        """Publish every pending bitmap now (nothing while :attr:`paused`)."""
+        if self.paused:
+            return
         dirty, self._dirty = self._dirty, set()
         for version in sorted(dirty):
             bitmap = self._bitmaps.get(version)
@@ -147,3 +162,91 @@ class HolderAnnouncer:
         task, self._task = self._task, None
         if task is not None:
             await cancel_and_wait([task])
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One peer's verified chunks of one version, as last heard."""
+
+    have: frozenset[int]
+    dialable: bool  # others may dial it; False: reachable only over a connection it opened
+    at: float  # when heard (HolderBook clock)
+
+
+class HolderBook:
+    """What this peer knows about who holds which chunks, per version.
+
+    Three sources feed it: the DHT holder records (:meth:`learn_dht`; only dialable peers
+    announce), the peers that ask us for chunks (their own report of what they hold, and whether
+    they can be dialled), and the holder tables in the replies we receive (first-hand reports
+    relayed by the answering holder). Holdings only grow within a version, so reports are merged
+    by union; entries not heard of for ``max_age`` seconds are dropped. A peer that is not
+    dialable stays in this peer's own view (it asked us, so a connection exists) but is never
+    passed on in :meth:`table`.
+    """
+
+    def __init__(self, *, max_age: float = 120.0, clock: Callable[[], float] = time.monotonic):
+        self.max_age = max_age
+        self.clock = clock
+        self._book: dict[int, dict[str, Holding]] = {}
+
+    def learn(self, version: int, peer: str, have: Iterable[int], *, dialable: bool) -> None:
+        """``peer`` holds ``have`` of ``version`` (merged with what was known)."""
+        entries = self._book.setdefault(version, {})
+        old = entries.get(peer)
+        merged = frozenset(have) | (old.have if old is not None else frozenset())
+        entries[peer] = Holding(merged, dialable, self.clock())
+
+    def learn_dht(self, version: int, found: dict[str, frozenset[int]]) -> None:
+        """Holder records read from the DHT (their authors announced themselves: dialable)."""
+        for peer, have in found.items():
+            self.learn(version, peer, have, dialable=True)
+
+    def learn_table(self, version: int, n_chunks: int, entries: Iterable[HolderEntry]) -> None:
+        """A holder table received with a chunk."""
+        for e in entries:
+            self.learn(
+                version, e.peer_id, keys.indices_from_bitmap(e.have, n_chunks), dialable=e.dialable
+            )
+
+    def view(self, version: int) -> dict[str, frozenset[int]]:
+        """``{peer: chunks}`` of every fresh entry (dialable or connected to us)."""
+        cutoff = self.clock() - self.max_age
+        entries = self._book.get(version, {})
+        for peer in [p for p, h in entries.items() if h.at < cutoff]:
+            del entries[peer]
+        return {p: h.have for p, h in entries.items()}
+
+    def table(
+        self,
+        version: int,
+        n_chunks: int,
+        *,
+        me: str,
+        my_have: frozenset[int],
+        my_dialable: bool,
+        exclude: str = "",
+    ) -> list[HolderEntry]:
+        """The holder table to send with a chunk: this peer first, then the dialable holders
+        heard of most recently, within :data:`~swarm.wire.MAX_TABLE_ENTRIES` entries and
+        :data:`~swarm.wire.MAX_TABLE_BYTES` bitmap bytes."""
+        width = (n_chunks + 7) // 8
+        limit = max(1, min(MAX_TABLE_ENTRIES, MAX_TABLE_BYTES // max(width, 1)))
+        out = [HolderEntry(peer_id=me, have=keys.bitmap_from_indices(my_have, n_chunks),
+                           dialable=my_dialable)]  # fmt: skip
+        self.view(version)  # drop stale entries
+        entries = self._book.get(version, {})
+        ranked = sorted(
+            (p for p, h in entries.items() if h.dialable and p not in (me, exclude) and h.have),
+            key=lambda p: -entries[p].at,
+        )
+        for peer in ranked[: limit - 1]:
+            bitmap = keys.bitmap_from_indices(entries[peer].have, n_chunks)
+            out.append(HolderEntry(peer_id=peer, have=bitmap, dialable=True))
+        return out
+
+    def forget_except(self, versions: Iterable[int]) -> None:
+        """Drop the versions not in ``versions``."""
+        keep = set(versions)
+        for v in [v for v in self._book if v not in keep]:
+            del self._book[v]

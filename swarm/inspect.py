@@ -38,6 +38,8 @@ from swarm.display import (
 
 def _advert_row(fp: str, advert: CapabilityAdvert, status: dict[str, Any]) -> dict[str, Any]:
     states = status.get("node_states") or {}
+    # the coordinator's own dial-back result when it has one, else what the node advertises
+    measured = (status.get("node_reachability") or {}).get(fp)
     return {
         "fingerprint": fp,
         "peer_id": advert.peer_id,
@@ -61,7 +63,7 @@ def _advert_row(fp: str, advert: CapabilityAdvert, status: dict[str, Any]) -> di
         "rollouts_per_s": advert.rollouts_per_s,
         "price_per_hour": advert.price_per_hour,
         "policy_version": advert.policy_version,
-        "reachability": advert.reachability,
+        "reachability": measured if measured in ("public", "private") else advert.reachability,
         "software_version": advert.software_version,
         "state": states.get(fp, "unregistered"),
         # what the node said when it last gave a lease back (e.g. a generation failure)
@@ -111,6 +113,21 @@ def _version(v: Any) -> str:
     return "–" if v is None else f"v{v}"
 
 
+def _idle_breakdown(c: dict[str, Any]) -> str:
+    """`` (rollouts 3 %, fetch 1 %, ...)``: the causes the learner reported, largest first."""
+    parts = {
+        cause: c.get(f"trainer_idle_{cause}_frac")
+        for cause in ("rollouts", "stale", "fetch", "publish", "checkpoint", "other")
+    }
+    shown = sorted(
+        ((k, v) for k, v in parts.items() if isinstance(v, int | float) and v >= 0.005),
+        key=lambda kv: -kv[1],
+    )
+    if not shown:
+        return ""
+    return " (" + ", ".join(f"{k} {fmt_number(100 * v)} %" for k, v in shown) + ")"
+
+
 def _coordinator_rows(c: dict[str, Any]) -> list[tuple[str, str]]:
     step_time = c.get("trainer_step_time_s")
     idle = c.get("trainer_idle_frac")
@@ -124,7 +141,10 @@ def _coordinator_rows(c: dict[str, Any]) -> list[tuple[str, str]]:
             if c.get("versions") else "")),
         ("exact match", fmt_number(c.get("trainer_exact_match"))),
         ("mean reward", fmt_number(c.get("trainer_reward_mean"))),
-        ("learner idle", "–" if idle is None else f"{fmt_number(100 * idle)} % of wall time"),
+        ("learner idle", "–" if idle is None else f"{fmt_number(100 * idle)} % of wall time"
+         + _idle_breakdown(c)),
+        ("predicted idle", "–" if c.get("plan_predicted_idle_frac") is None
+         else f"{fmt_number(100 * c['plan_predicted_idle_frac'])} % (capacity rule)"),
         ("mean staleness", fmt_rate(c.get("trainer_staleness_mean"), "versions")),
         ("staleness histogram", counts_line({f"Δ{k}": v for k, v in (hist or {}).items()})
          if isinstance(hist, dict) else "–"),
@@ -157,6 +177,8 @@ def render(view: dict[str, Any], width: int = 80) -> Any:
     nodes.add_column("$/h", justify="right", no_wrap=True)
     nodes.add_column("ver", justify="right", no_wrap=True)
     nodes.add_column("state", no_wrap=True)
+    if wide:  # measured by the coordinator's dial-back (also in --json at any width)
+        nodes.add_column("reach", no_wrap=True)
     nodes.add_column("seen", justify="right", no_wrap=True)
     if wide:
         nodes.add_column("software", no_wrap=True)
@@ -174,6 +196,7 @@ def render(view: dict[str, Any], width: int = 80) -> Any:
             "free" if price is None else f"{price:.2f}",
             _version(n["policy_version"]),
             n["state"],
+            *([n["reachability"]] if wide else []),
             fmt_duration(n["last_seen_s"]),
         ]
         if wide:

@@ -7,14 +7,17 @@
 
 Errors follow the libp2p transport: unknown peer -> ``PeerUnreachable``, unknown method ->
 ``RemoteError("unknown_method")``, handler failure -> ``RemoteError(code)``, slow handler ->
-``RpcTimeout``. ``net.disconnect(peer_id)`` makes a peer vanish.
+``RpcTimeout``. ``net.disconnect(peer_id)`` makes a peer vanish; ``net.set_private(peer_id)``
+puts it behind a NAT: calls to it succeed only over a "connection" it opened itself (it called
+the caller before), others wait ``dial_delay`` (at most the call's connect timeout) and raise
+``DialFailed``, as a dial to a NATed libp2p peer does.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from swarm.errors import PeerUnreachable, RemoteError, RpcTimeout
+from swarm.errors import DialFailed, PeerUnreachable, RemoteError, RpcTimeout
 from swarm.transport import (
     BUSY,
     DEFAULT_MAX_REQUEST,
@@ -33,6 +36,21 @@ class InMemoryNetwork:
     def __init__(self, latency: float = 0.0) -> None:
         self.latency = latency  # seconds added to every call (emulates transfer time)
         self._endpoints: dict[str, InMemoryTransport] = {}
+        self._private: dict[str, float] = {}  # NATed peer -> seconds a failing dial takes
+        self._links: set[frozenset[str]] = set()  # pairs with an open "connection"
+
+    def set_private(self, peer_id: str, dial_delay: float = 5.0) -> None:
+        """``peer_id`` cannot be dialled: only peers it has called can reach it."""
+        self._private[peer_id] = dial_delay
+
+    def dialable(self, caller: str, peer_id: str) -> float | None:
+        """None if ``caller`` can reach ``peer_id``, else how long the failing dial takes."""
+        if peer_id not in self._private or frozenset((caller, peer_id)) in self._links:
+            return None
+        return self._private[peer_id]
+
+    def link(self, a: str, b: str) -> None:
+        self._links.add(frozenset((a, b)))
 
     def endpoint(self, peer_id: str) -> InMemoryTransport:
         ep = InMemoryTransport(self, peer_id)
@@ -83,10 +101,17 @@ class InMemoryTransport:
         max_response_bytes: int = DEFAULT_MAX_RESPONSE,
         on_progress: ProgressFn | None = None,
         stall_timeout: float | None = None,
+        connect_timeout: float | None = None,
     ) -> bytes:
         remote = self._network.lookup(peer_id)
         if remote is None:
             raise PeerUnreachable(f"{name} on {peer_id}: no such peer")
+        dial_delay = self._network.dialable(self._peer_id, peer_id)
+        if dial_delay is not None:
+            bound = min(timeout, stall_timeout or timeout, connect_timeout or timeout)
+            await asyncio.sleep(min(dial_delay, bound))
+            raise DialFailed(f"{name} on {peer_id}: could not connect; the peer is behind NAT")
+        self._network.link(self._peer_id, peer_id)
         entry = remote._handlers.get(name)
         if entry is None:
             raise unknown_method(name)

@@ -2,11 +2,15 @@
 
 Child protocol (one line each, stdout)::
 
-    READY <peer id>                 started and serving; waits for "GO" on stdin
+    READY <peer id> <json maddrs>   started and serving; "GO" on stdin starts the download
     PROGRESS <done bytes> <total>   while downloading (about every 5 %)
     DONE <unix time> <json stats>   version complete and written to --out
     FAIL <one-line error>
     SERVED <chunks>                 on exit: how many chunks this peer served
+    HOLDERS <json>                  answer to "HOLDERS <version>" on stdin (after GO/DONE):
+                                    {peer id: chunks} of that version's DHT holder records
+
+After the first GO, "GO <version>" on stdin downloads that version too (DONE/FAIL again).
 
 After DONE the child keeps serving (relaying) until its stdin closes. A seed is simply a child
 whose ``--store`` already holds the complete version. ``--corrupt`` makes it serve every chunk with
@@ -24,12 +28,15 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m swarm.peerproc", description=__doc__)
     p.add_argument("--bootstrap", action="append", default=[], help="initial peer multiaddr")
+    p.add_argument("--host", default="127.0.0.1", help="IP to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free port)")
     p.add_argument("--store", required=True, help="chunk store directory")
     p.add_argument("--coordinator-key", required=True, help="pinned coordinator key, hex")
     p.add_argument("--seed", action="append", default=[], help="seed peer id (repeatable)")
@@ -39,6 +46,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--corrupt", action="store_true", help="serve corrupted chunks (tests)")
     p.add_argument("--out", default=None, help="write the received files here")
     p.add_argument("--max-parallel", type=int, default=8)
+    p.add_argument("--seed-parallel", type=int, default=None, help="requests to one seed at once")
+    p.add_argument("--peer-parallel", type=int, default=None, help="requests to one peer at once")
+    p.add_argument("--no-exchange", action="store_true", help="old per-chunk RPCs only (A/B)")
+    p.add_argument("--dialback-server", action="store_true", help="serve reachability dial-backs")
+    p.add_argument(
+        "--probe-reachability", default=None, metavar="PEER_ID",
+        help="measure reachability with this dial-back server; announce only if public",
+    )  # fmt: skip
+    p.add_argument(
+        "--assume-dialable", action="store_true",
+        help="announce held chunks whatever the measurement says (a misconfigured peer; tests)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -52,16 +71,24 @@ async def _amain(args: argparse.Namespace) -> int:
     from swarm.ratelimit import TokenBucket
     from swarm.transport import P2PTransport
 
-    peer = SwarmPeer(PeerConfig(initial_peers=args.bootstrap), record_validators=swarm_validators())
+    config = PeerConfig(
+        initial_peers=args.bootstrap, host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"]
+    )
+    peer = SwarmPeer(config, record_validators=swarm_validators())
     await peer.start()
     limiter = TokenBucket(args.upload_rate) if args.upload_rate > 0 else None
     transport = P2PTransport(peer.p2p, upload_limiter=limiter)
+    knobs = {"max_parallel": args.max_parallel}
+    if args.seed_parallel:
+        knobs["seed_parallel"] = args.seed_parallel
+    if args.peer_parallel:
+        knobs["per_peer_parallel"] = args.peer_parallel
     node = BroadcastNode(
         transport,
         ChunkStore(args.store),
         DhtHolderDirectory(peer),
         bytes.fromhex(args.coordinator_key),
-        config=DownloadConfig(max_parallel=args.max_parallel),
+        config=DownloadConfig(**knobs),
         relay=not args.no_relay,
     )
     if args.corrupt:
@@ -72,22 +99,61 @@ async def _amain(args: argparse.Namespace) -> int:
             return None if data is None else bytes([data[0] ^ 0xFF]) + data[1:]
 
         node.server.load_chunk = corrupt  # type: ignore[method-assign]
+    if args.no_exchange:
+        node.downloader.exchange = None
+    if args.probe_reachability:
+        node.dialable = False  # nothing is announced before the measurement says otherwise
     await node.start()
+    dialback = None
+    if args.dialback_server:
+        from swarm.reachability import DialbackServer
+
+        dialback = DialbackServer(transport, host=args.host)
+        await dialback.start()
+    reach = "unknown"
+    if args.probe_reachability:
+        from swarm.reachability import measure_reachability
+
+        maddrs = await peer.visible_maddrs()
+        reach, detail = await measure_reachability(transport, maddrs, args.probe_reachability)
+        logging.getLogger("swarm.peerproc").info("reachability: %s (%s)", reach, detail)
+        node.dialable = reach == "public" or args.assume_dialable
+    args.reachability = reach
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # diagnostics: kill -USR1 <pid>
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    print(f"READY {peer.peer_id}", flush=True)
+    print(f"READY {peer.peer_id} {json.dumps(await peer.visible_maddrs())}", flush=True)
     try:
-        if (await reader.readline()).strip() == b"GO":
-            await _download(node, args)
-        while await reader.readline():  # serve until stdin closes
-            pass
+        while line := await reader.readline():  # serve (and answer queries) until stdin closes
+            if line.strip() == b"GO":
+                await _download(node, args)
+            elif line.startswith(b"HOLDERS "):
+                found = await _holders(peer, int(line.split()[1]))
+                print(f"HOLDERS {json.dumps(found)}", flush=True)
+            elif line.startswith(b"GO "):
+                args.version = int(line.split()[1])
+                await _download(node, args)
         print(f"SERVED {node.server.chunks_served}", flush=True)
     finally:
+        if dialback is not None:
+            await dialback.stop()
         await node.stop()
         await peer.stop()
     return 0
+
+
+async def _holders(peer: object, version: int) -> dict[str, int]:
+    from swarm.dht import SwarmPeer
+    from swarm.errors import SwarmError
+    from swarm.holders import DhtHolderDirectory
+
+    assert isinstance(peer, SwarmPeer)
+    try:
+        found = await DhtHolderDirectory(peer, timeout=10.0).lookup(version)
+    except SwarmError:
+        return {}
+    return {p: sum(bin(b).count("1") for b in bitmap) for p, bitmap in found.items()}
 
 
 def _dump_tasks() -> None:
@@ -122,8 +188,17 @@ async def _download(node: object, args: argparse.Namespace) -> None:
         for name, data in files.items():
             (out / name).write_bytes(data)
     transfer = node.downloader.last_transfer
-    sources = dict(transfer.sources) if transfer is not None else {}
-    stats = {"seconds": done_at - t0, "scores": node.scores.snapshot(), "sources": sources}
+    stats: dict[str, object] = {
+        "seconds": done_at - t0,
+        "scores": node.scores.snapshot(),
+        "reachability": args.reachability,
+    }
+    if transfer is not None:
+        stats |= {
+            "sources": dict(transfer.sources),
+            "stalls": transfer.stalls,
+            "timeline": [(round(t - t0, 3), i, p) for t, i, p in transfer.timeline],
+        }
     if node.sync.last is not None:  # "full", "delta", "chain" or "held" (swarm.deltasync)
         stats["path"] = node.sync.last.path
     print(f"DONE {done_at} {json.dumps(stats)}", flush=True)
@@ -141,13 +216,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class PeerProcess:
-    """Parent-side handle of a ``python -m swarm.peerproc`` child in its own process group."""
+    """Parent-side handle of a ``python -m swarm.peerproc`` child in its own process group.
 
-    def __init__(self, args: list[str], *, log_path: str | None = None) -> None:
+    ``prefix`` is prepended to the command line (e.g. ``Host.argv([])`` of :mod:`swarm.netns`:
+    ``ip netns exec <ns>``, which execs the child in place, so the PID is still the child's)."""
+
+    def __init__(
+        self, args: list[str], *, log_path: str | None = None, prefix: Sequence[str] = ()
+    ) -> None:
         self.args = args
         self.log_path = log_path
+        self.prefix = list(prefix)
         self.proc: asyncio.subprocess.Process | None = None
         self.peer_id = ""
+        self.maddrs: list[str] = []  # the child's visible multiaddrs (from READY)
         self.progress = (0, 0)
         self.done_at: float | None = None
         self.stats: dict[str, object] = {}
@@ -158,7 +240,7 @@ class PeerProcess:
         """Spawn the child and wait for READY; returns its peer id."""
         log = open(self.log_path or os.devnull, "ab")  # noqa: SIM115 - owned by the child
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "swarm.peerproc", *self.args,
+            *self.prefix, sys.executable, "-m", "swarm.peerproc", *self.args,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log,
             start_new_session=True,
         )  # fmt: skip
@@ -166,16 +248,20 @@ class PeerProcess:
         line = await asyncio.wait_for(self._line(), timeout)
         if not line.startswith("READY "):
             raise RuntimeError(f"peer process did not start: {line!r}")
-        self.peer_id = line.split()[1]
+        _, self.peer_id, *rest = line.split(" ", 2)
+        self.maddrs = json.loads(rest[0]) if rest else []
         return self.peer_id
 
     async def _line(self) -> str:
         assert self.proc is not None and self.proc.stdout is not None
         return (await self.proc.stdout.readline()).decode().strip()
 
-    def go(self) -> None:
+    def go(self, version: int | None = None) -> None:
+        """Start the download (the first time), or download ``version`` too (later)."""
         assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write(b"GO\n")
+        if version is not None:
+            self.done_at = self.error = None
+        self.proc.stdin.write(b"GO\n" if version is None else f"GO {version}\n".encode())
 
     async def wait_progress(self, fraction: float) -> None:
         """Read status lines until at least ``fraction`` of the bytes are in (or DONE/FAIL)."""
@@ -201,6 +287,19 @@ class PeerProcess:
             self.done_at, self.stats = float(when), json.loads(stats)
         elif line.startswith("FAIL "):
             self.error = line[5:]
+
+    async def holders(self, version: int, timeout: float = 20.0) -> dict[str, int]:
+        """``{peer id: chunks held}`` of ``version`` as the child reads the DHT holder records."""
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(f"HOLDERS {version}\n".encode())
+        async with asyncio.timeout(timeout):
+            while True:
+                line = await self._line()
+                if not line:
+                    raise RuntimeError("peer process exited")
+                if line.startswith("HOLDERS "):
+                    found: dict[str, int] = json.loads(line[8:])
+                    return found
 
     def dump_tasks(self) -> None:
         """Ask the child to print the stacks of its asyncio tasks to its log (diagnostics)."""

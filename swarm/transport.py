@@ -28,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from swarm.errors import PeerUnreachable, RemoteError, RpcTimeout, TransportError
+from swarm.errors import DialFailed, PeerUnreachable, RemoteError, RpcTimeout, TransportError
 from swarm.ratelimit import TokenBucket
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class Transport(Protocol):
         max_response_bytes: int = DEFAULT_MAX_RESPONSE,
         on_progress: ProgressFn | None = None,
         stall_timeout: float | None = None,
+        connect_timeout: float | None = None,
     ) -> bytes: ...
 
 
@@ -125,9 +126,14 @@ def _translate(exc: BaseException, peer_id: str, name: str, stage: str) -> Trans
     if isinstance(exc, TransportError):
         return exc
     where = f"{name} on {peer_id[:16]}... ({stage})"
+    text = " ".join(str(exc).split())
+    if stage == "connect" and "protocols not supported" not in text:
+        why = f"{type(exc).__name__}: {text[:200]}"
+        if isinstance(exc, TimeoutError):
+            why = "timed out"
+        return DialFailed(f"{where}: could not connect ({why}); the peer is behind NAT or gone")
     if isinstance(exc, TimeoutError):
         return RpcTimeout(f"{where} timed out; the peer is slow or gone, try another peer")
-    text = " ".join(str(exc).split())
     if "protocols not supported" in text:
         return unknown_method(name)
     if isinstance(exc, asyncio.IncompleteReadError):
@@ -341,19 +347,23 @@ class P2PTransport:
         max_response_bytes: int = DEFAULT_MAX_RESPONSE,
         on_progress: ProgressFn | None = None,
         stall_timeout: float | None = None,
+        connect_timeout: float | None = None,
     ) -> bytes:
-        """Call ``name`` on ``peer_id``; whole call bounded by ``timeout``, each read by
-        ``stall_timeout`` (default: ``timeout``). Raises ``TransportError`` subclasses only."""
+        """Call ``name`` on ``peer_id``; whole call bounded by ``timeout``, opening the stream
+        (dialling the peer if there is no connection yet) by ``connect_timeout``, each read by
+        ``stall_timeout`` (both default: ``timeout``). A stream that cannot be opened raises
+        ``DialFailed``. Raises ``TransportError`` subclasses only."""
         from hivemind.p2p import PeerID
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         stall = timeout if stall_timeout is None else stall_timeout
+        dial = min(timeout, stall if connect_timeout is None else connect_timeout)
         stage, writer = "connect", None
         try:
             pid = PeerID.from_base58(peer_id)
             _info, reader, writer = await asyncio.wait_for(
-                self._p2p.call_binary_stream_handler(pid, name), min(timeout, stall)
+                self._p2p.call_binary_stream_handler(pid, name), dial
             )
             stage = "write"
             writer.write(_HEADER.pack(len(request)) + request)

@@ -12,7 +12,10 @@ Modules:
   a :class:`~trainer.recipe.RolloutSource`), ``train_step``, ``save_checkpoint`` /
   ``load_checkpoint``; in-process :class:`~trainer.recipe.InProcessSource` and
   :class:`~trainer.recipe.MemoryPublisher`.
-- :mod:`trainer.metrics` — per-step JSONL, Prometheus gauges, staleness histogram, idle fraction.
+- :mod:`trainer.metrics` — per-step JSONL, Prometheus gauges, staleness histogram, the learner's
+  idle fraction and its causes (:class:`~trainer.metrics.IdleClock`).
+- :mod:`trainer.pipeline` — the loop's plumbing off the critical path: the rollout feed that
+  fetches while the learner trains, the background publication slot.
 - :mod:`trainer.distributed` — the process group (torchrun or ``--nproc``; gloo on CPU, NCCL on
   GPU): rank 0 shares and scatters, keep-alives.
 - :mod:`trainer.engine` — one process or FSDP2 (``fully_shard`` per decoder layer): gradient

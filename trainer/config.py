@@ -87,15 +87,35 @@ class TrainerConfig(BaseModel):
         ge=1,
         description="κ: steps between published versions; None means max(1, S − 1).",
     )
-    weight_mode: Literal["truncate", "mask", "off"] = Field(
+    weight_mode: Literal["truncate", "mask", "reject", "raw", "off"] = Field(
         "truncate",
-        description="Behaviour weight w = π_prox/μ: 'truncate' min(w, C); 'mask' w = 0 outside "
-        "[1/C, C]; 'off' w = 1 (no correction).",
+        description="Behaviour weight w = π_prox/μ: 'truncate' min(w, C) (TIS); 'mask' w = 0 "
+        "outside [C_low, C] (MIS, IcePop); 'reject' w = 1 inside the band, 0 outside (rejection "
+        "sampling, Geo-RS); 'raw' w untruncated; 'off' w = 1 (no correction).",
     )
-    weight_level: Literal["token", "sequence"] = Field(
-        "token", description="Weight per token, or one weight per sequence (product of ratios)."
+    weight_level: Literal["token", "sequence", "geometric"] = Field(
+        "token",
+        description="Unit of the weight: per token, per sequence (product of its token ratios) "
+        "or the sequence's geometric mean ratio (Geo-RS).",
     )
-    weight_cap: float = Field(2.0, gt=1.0, description="C: truncation cap / mask band [1/C, C].")
+    weight_cap: float = Field(2.0, gt=1.0, description="C: truncation cap / upper mask bound.")
+    weight_cap_low: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="C_low: lower bound of the mask/reject band; None means 1/C (IcePop: 0.5).",
+    )
+    m2_threshold: float | None = Field(
+        None,
+        gt=0.0,
+        description="τ_M2 (M2PO): drop the tokens with the largest (log π_prox/μ)² until their "
+        "mean over the tokens left is ≤ τ_M2; None disables (M2PO uses 0.04).",
+    )
+    ess_lr_scaling: bool = Field(
+        False,
+        description="VCPO: scale each update's learning rate by sqrt(min(1, ESS/n)) of the "
+        "minibatch's sequence-level ratios π_prox/μ (damps updates on degenerate weights).",
+    )
     staleness_decay: float = Field(
         1.0, gt=0.0, le=1.0, description="λ: weights are multiplied by λ^Δ (1.0 disables)."
     )
@@ -109,9 +129,42 @@ class TrainerConfig(BaseModel):
     adv_eps: float = Field(1e-4, gt=0.0, description="Added to the group std (TRL uses 1e-4).")
     entropy_coef: float = Field(0.1, ge=0.0, description="β_H: entropy bonus coefficient.")
 
+    # --- stability monitors (trainer/monitors.py; thresholds from bench/staleness.py) --------
+    warn_window: int = Field(
+        5, ge=1, description="Steps averaged before a monitored figure is compared with its bound."
+    )
+    warn_ess_frac_below: float | None = Field(
+        None, ge=0.0, le=1.0, description="Warn when ESS/n of the behaviour weights is below this."
+    )
+    warn_mismatch_kl_above: float | None = Field(
+        None, ge=0.0, description="Warn when KL(μ‖π_prox) per token is above this."
+    )
+    warn_clip_frac_above: float | None = Field(
+        None, ge=0.0, le=1.0, description="Warn when the PPO clip binds on more tokens than this."
+    )
+    warn_mask_frac_above: float | None = Field(
+        None, ge=0.0, le=1.0, description="Warn when more tokens than this get weight 0."
+    )
+    warn_grad_norm_above: float | None = Field(
+        None, gt=0.0, description="Warn when the gradient norm (before clipping) is above this."
+    )
+
     # --- optimizer -------------------------------------------------------------------------
     lr: float = Field(5e-4, gt=0.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    adam_beta2: float = Field(
+        0.999,
+        gt=0.0,
+        lt=1.0,
+        description="AdamW β2 (decay of the squared-gradient average); lower reacts faster to a "
+        "gradient spike, so one outlier batch moves the weights less.",
+    )
+    grad_spike_factor: float | None = Field(
+        None,
+        gt=1.0,
+        description="Skip an optimizer update whose gradient norm is more than this many times "
+        "the median of the last 50 updates' (a single outlier batch); None disables.",
+    )
     max_grad_norm: float | None = Field(
         1.0, gt=0.0, description="Clip the global gradient norm to this; None disables."
     )
@@ -141,6 +194,23 @@ class TrainerConfig(BaseModel):
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (None: run).")
     fetch_timeout_s: float = Field(
         30.0, gt=0.0, description="Seconds one rollout fetch may wait before it is retried/logged."
+    )
+    overlap: bool = Field(
+        True,
+        description="Keep the swarm's plumbing off the learner's critical path: train in a worker "
+        "thread while the next rollouts are fetched and the last version is published in the "
+        "background. False: fetch, train and publish one after the other (for comparison).",
+    )
+    prefetch_batches: int = Field(
+        2,
+        ge=1,
+        description="With overlap: rollouts buffered ahead of the learner, in batches "
+        "(batch_prompts × group_size each).",
+    )
+    idle_window_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="idle_frac and its breakdown are measured over this many recent seconds.",
     )
 
     @model_validator(mode="after")

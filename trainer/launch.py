@@ -40,7 +40,9 @@ KILL_AFTER_S = 30.0
 class _FollowerSource:
     """A rank other than 0 never fetches: rank 0 scatters each batch."""
 
-    async def fetch(self, max_items: int, after: int) -> list[Any] | None:
+    async def fetch(
+        self, max_items: int, after: int, min_version: int | None = None
+    ) -> list[Any] | None:
         raise AssertionError("only rank 0 fetches rollouts")
 
 

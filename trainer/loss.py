@@ -8,9 +8,11 @@ so that they multiply directly. The objective (DESIGN.md §8) for one minibatch 
         − β_H · (1/Σ_i|o_i|) Σ_i Σ_t H_{i,t}
 
 with ρ = π_θ/π_prox (π_prox: the trainer's weights before this batch's first update), the behaviour
-weight w = π_prox/μ truncated at C or masked outside [1/C, C] (μ: the node's sampling policy,
-known from its logged log-probs), optionally times λ^Δ, and H the entropy of π_θ at each completion
-position.
+weight w = π_prox/μ (μ: the node's sampling policy, known from its logged log-probs) per token,
+per sequence or as the sequence's geometric mean, truncated at C (TIS), masked or rejected outside
+a band (MIS, IcePop, Geo-RS), optionally thinned by the second-moment mask (M2PO) and times λ^Δ,
+and H the entropy of π_θ at each completion position. docs/trainer.md names the source of each
+option.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-WeightMode = Literal["truncate", "mask", "off"]
-WeightLevel = Literal["token", "sequence"]
+WeightMode = Literal["truncate", "mask", "reject", "raw", "off"]
+WeightLevel = Literal["token", "sequence", "geometric"]
 
 #: Largest |log ratio| fed to exp(); keeps sequence-level products finite (e^60 ≈ 1e26).
 _MAX_LOG_RATIO = 60.0
@@ -74,10 +76,14 @@ class BehaviourWeights:
 
     #: ``[N, T]`` weight per completion token (0 on padding), sequence weights broadcast over T.
     weights: Tensor
-    #: ``[N, T]`` 1.0 where the raw weight was truncated (mode "truncate") or masked (mode "mask").
+    #: ``[N, T]`` 1.0 where the raw weight was truncated ("truncate") or masked ("mask",
+    #: "reject"); at sequence/geometric level every token of a modified sequence is 1.0.
     modified: Tensor
-    #: ``[N, T]`` the raw ratio π_prox/μ before truncation/masking/decay (token or sequence level).
+    #: ``[N, T]`` the raw ratio π_prox/μ before truncation/masking/decay, at the chosen level
+    #: (token ratio, sequence product, or geometric mean of the sequence's token ratios).
     raw: Tensor
+    #: ``[N, T]`` 1.0 on completion tokens dropped by the second-moment (M2PO) mask.
+    m2_masked: Tensor
 
 
 def behaviour_weights(
@@ -90,6 +96,8 @@ def behaviour_weights(
     mode: WeightMode,
     level: WeightLevel,
     decay: float = 1.0,
+    cap_low: float | None = None,
+    m2_threshold: float | None = None,
 ) -> BehaviourWeights:
     """Importance weights ``w = π_prox/μ`` that correct for sampling from a stale policy μ.
 
@@ -98,35 +106,86 @@ def behaviour_weights(
         behaviour_logp: ``[N, T]`` log μ(o_t) logged by the node at sampling time.
         mask: ``[N, T]`` completion mask (1 on completion tokens including EOS).
         staleness: ``[N]`` Δ = trainer version − rollout version (for the decay λ^Δ).
-        cap: C > 1. "truncate": w ← min(w, C); "mask": w ← 0 outside [1/C, C].
-        mode: "truncate" | "mask" | "off" (w = 1: no correction).
-        level: "token" — one ratio per token; "sequence" — the product of the token ratios of the
-            sequence (exp of the summed log ratio), shared by all its tokens.
+        cap: C > 1, the upper bound. "truncate": w ← min(w, C) (TIS); "mask": w ← 0 outside
+            [C_low, C], w inside (MIS, IcePop); "reject": w ← 1 inside [C_low, C], 0 outside
+            (rejection sampling without IS weights, verl's ``rollout_rs``).
+        mode: "truncate" | "mask" | "reject" | "raw" (w untruncated) | "off" (w = 1).
+        level: the unit a ratio belongs to. "token": one ratio per token; "sequence": the product
+            of the sequence's token ratios, shared by all its tokens; "geometric": their geometric
+            mean exp(mean_t log r_t) (Geo-RS: independent of the sequence's length).
         decay: λ in (0, 1]; the weight is multiplied by λ^Δ (1.0 disables).
+        cap_low: C_low, the lower bound of the mask/reject band; None means 1/C.
+        m2_threshold: τ_M2 (M2PO): drop the tokens with the largest (log π_prox/μ)² until the
+            mean over the tokens left is ≤ τ_M2 (:func:`second_moment_mask`); None disables.
     """
     log_ratio = (prox_logp - behaviour_logp) * mask
-    if level == "sequence":
-        seq = log_ratio.sum(dim=-1, keepdim=True).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        raw = seq.exp().expand_as(mask) * mask
+    if level == "token":
+        unit_log = log_ratio
     else:
-        raw = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp() * mask
+        unit_log = log_ratio.sum(dim=-1, keepdim=True)
+        if level == "geometric":
+            unit_log = unit_log / mask.sum(dim=-1, keepdim=True).clamp(min=1)
+        unit_log = unit_log.expand_as(mask)
+    raw = unit_log.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp() * mask
+    low = 1.0 / cap if cap_low is None else cap_low
+    inside = ((raw >= low) & (raw <= cap)).to(mask.dtype)
     if mode == "off":
         weights = mask.clone()
+        modified = torch.zeros_like(mask)
+    elif mode == "raw":
+        weights = raw
         modified = torch.zeros_like(mask)
     elif mode == "truncate":
         modified = (raw > cap).to(mask.dtype) * mask
         weights = raw.clamp(max=cap)
     elif mode == "mask":
-        inside = (raw >= 1.0 / cap) & (raw <= cap)
-        modified = (~inside).to(mask.dtype) * mask
-        weights = raw * inside.to(mask.dtype)
+        modified = (1.0 - inside) * mask
+        weights = raw * inside
+    elif mode == "reject":
+        modified = (1.0 - inside) * mask
+        weights = inside
     else:  # pragma: no cover - guarded by the config's Literal
-        raise ValueError(f"unknown weight mode {mode!r}: use truncate, mask or off")
+        raise ValueError(f"unknown weight mode {mode!r}: use truncate, mask, reject, raw or off")
+    m2_masked = torch.zeros_like(mask)
+    if m2_threshold is not None:
+        keep = second_moment_mask(log_ratio, mask, m2_threshold)
+        m2_masked = (1.0 - keep) * mask
+        weights = weights * keep
     if decay != 1.0:
         weights = weights * (decay ** staleness.to(mask.dtype)).unsqueeze(-1)
     return BehaviourWeights(
-        weights=(weights * mask).detach(), modified=modified.detach(), raw=raw.detach()
+        weights=(weights * mask).detach(),
+        modified=modified.detach(),
+        raw=raw.detach(),
+        m2_masked=m2_masked.detach(),
     )
+
+
+def second_moment_mask(log_ratio: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    """M2PO's second-moment trust region: ``[N, T]`` 1.0 on the completion tokens kept.
+
+    With M̂2 = mean over completion tokens of (log r)², the tokens with the largest (log r)² are
+    dropped one by one until M̂2 of the tokens left is ≤ ``threshold`` (Zheng et al. 2025,
+    "Prosperity before Collapse", arXiv 2510.01161; AReaL's ``m2_threshold``). At least one token
+    is kept. Ties are broken by position (stable sort), so the result is deterministic.
+    """
+    sel = mask > 0
+    m2 = (log_ratio * log_ratio)[sel]
+    keep = torch.zeros_like(mask)
+    n = m2.numel()
+    if n == 0:
+        return keep
+    order = torch.sort(m2, descending=True, stable=True).indices
+    ordered = m2[order].double()
+    # mean of the suffix starting at i = mean of what is left after dropping the i largest
+    suffix_sum = ordered.flip(0).cumsum(0).flip(0)
+    suffix_mean = suffix_sum / torch.arange(n, 0, -1, dtype=ordered.dtype)
+    ok = torch.nonzero(suffix_mean <= threshold)
+    drop = int(ok[0]) if ok.numel() else n - 1
+    kept = torch.ones(n, dtype=mask.dtype)
+    kept[order[:drop]] = 0.0
+    keep[sel] = kept
+    return keep
 
 
 @dataclass(frozen=True)
@@ -229,8 +288,14 @@ class WeightStats:
     kl_sum: float
     #: Σ mask·(log μ − log π_prox): k1 estimator of the same KL (×tokens).
     kl_k1_sum: float
-    #: number of weight units (tokens, or sequences at sequence level) that were truncated/masked.
+    #: Σ mask·(log r)²: the second moment M2PO bounds (×tokens), before any masking.
+    m2_sum: float
+    #: number of weight units (tokens, or sequences at sequence/geometric level) that were
+    #: truncated/masked/rejected.
     modified: float
+    #: completion tokens whose weight is 0 (masked, rejected or dropped by the M2PO mask): they
+    #: contribute nothing to the gradient.
+    zeroed_tokens: float
     #: Σ w and Σ w² over the weight units (tokens or sequences), for ESS = (Σw)²/Σw².
     w_sum: float
     w_sq_sum: float
@@ -247,28 +312,58 @@ def weight_stats(
     bw: BehaviourWeights,
     level: WeightLevel,
 ) -> WeightStats:
-    """Mismatch and weight-health sums for one (local) batch; see :class:`WeightStats`."""
+    """Mismatch and weight-health sums for one (local) batch; see :class:`WeightStats`.
+
+    At sequence/geometric level the units are sequences, each counted with the mean weight over
+    its tokens (all equal, unless the M2PO mask dropped some of them).
+    """
     log_r = (prox_logp - behaviour_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO) * mask
     kl = ((log_r.exp() - 1.0 - log_r) * mask).sum()
-    if level == "sequence":
-        has_tokens = mask.sum(dim=-1) > 0
-        w = bw.weights[:, 0][has_tokens] if bw.weights.shape[-1] else bw.weights.new_zeros(0)
-        modified = bw.modified[:, 0][has_tokens].sum() if bw.weights.shape[-1] else 0.0
-        units = float(has_tokens.sum())
-    else:
+    zeroed = ((bw.weights == 0).to(mask.dtype) * mask).sum()
+    if level == "token":
         sel = mask > 0
         w = bw.weights[sel]
         modified = bw.modified.sum()
         units = float(sel.sum())
+    else:
+        n_tok = mask.sum(dim=-1)
+        has_tokens = n_tok > 0
+        # one weight per sequence: the mean over its tokens (all equal unless M2PO dropped some)
+        w = (bw.weights.sum(dim=-1) / n_tok.clamp(min=1))[has_tokens]
+        modified = (bw.modified.amax(dim=-1) if bw.modified.shape[-1] else n_tok * 0)[has_tokens]
+        modified = modified.sum()
+        units = float(has_tokens.sum())
     return WeightStats(
         kl_sum=float(kl),
         kl_k1_sum=float((-log_r).sum()),
+        m2_sum=float((log_r * log_r).sum()),
         modified=float(modified),
+        zeroed_tokens=float(zeroed),
         w_sum=float(w.sum()),
         w_sq_sum=float((w**2).sum()),
         units=units,
         tokens=float(mask.sum()),
     )
+
+
+def sequence_ratio_sums(
+    prox_logp: Tensor, behaviour_logp: Tensor, mask: Tensor
+) -> tuple[float, float, float]:
+    """(Σ w, Σ w², n) over the sequences with completion tokens, w = Π_t π_prox/μ (unclipped):
+    the sums behind the sequence-level ESS that VCPO scales the learning rate with."""
+    log_w = ((prox_logp - behaviour_logp) * mask).sum(dim=-1)
+    has = mask.sum(dim=-1) > 0
+    w = log_w[has].clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).double().exp()
+    return float(w.sum()), float((w * w).sum()), float(has.sum())
+
+
+def ess_lr_scale(w_sum: float, w_sq_sum: float, n: float) -> float:
+    """VCPO's learning-rate factor sqrt(min(1, ESS/n)), ESS = (Σw)²/Σw² of the sequence ratios
+    (Huang et al. 2026, "Stable Asynchrony: Variance-Controlled Off-Policy RL for LLMs", arXiv
+    2602.17616, rule "sqrt", base ESS ratio 1). 1.0 for an empty minibatch."""
+    if n <= 0 or w_sq_sum <= 0:
+        return 1.0
+    return float(min(1.0, effective_sample_size(w_sum, w_sq_sum) / n) ** 0.5)
 
 
 def effective_sample_size(w_sum: float, w_sq_sum: float) -> float:

@@ -45,6 +45,7 @@ from protocol.messages import (
     tokens_array,
 )
 from swarm.errors import TransportError
+from swarm.tasks import cancel_and_wait
 from swarm.transport import Transport
 from trainer.batch import Rollout
 from trainer.recipe import VersionNotNewer
@@ -86,11 +87,13 @@ class CoordinatorSource:
         self.received = 0
         self.failures = 0
 
-    async def fetch(self, max_items: int, after: int) -> list[Rollout] | None:
+    async def fetch(
+        self, max_items: int, after: int, min_version: int | None = None
+    ) -> list[Rollout] | None:
         req = FetchRollouts(
             after_seq=after,
             max_rollouts=max(1, min(max_items, 4096)),
-            min_policy_version=None,
+            min_policy_version=min_version,
             wait_s=self.wait_s,
             trainer_stats=_wire_stats(self.stats),
         )
@@ -174,6 +177,8 @@ class SwarmPublisher:
             policy=PublishPolicy(keyframe_every=keyframe_every),
         )
         self.last_version: int | None = None
+        #: seconds the last publication spent serialising and hashing before the coordinator saw it
+        self.last_prepare_s: float | None = None
         self._keyframe_next = False
 
     def request_keyframe(self) -> None:
@@ -184,13 +189,19 @@ class SwarmPublisher:
         from swarm.checkpoint_io import cast_floats, state_dict_to_files
         from swarm.publication import held_base
 
+        # Casting, serialising, hashing and diffing are CPU work: off the event loop, which
+        # meanwhile keeps fetching rollouts and serving chunks of the versions already published.
+        t0 = time.monotonic()
+        prepare_s = 0.0
         files = await asyncio.to_thread(
             lambda: state_dict_to_files(cast_floats(state_dict, self.publish_dtype))
         )
         store = self.broadcast.store
         last = self.last_version if self.last_version is not None else store.latest()
         base = await asyncio.to_thread(held_base, store, last)
+        prepare_s += time.monotonic() - t0
         for attempt in ("as planned", "as a keyframe"):
+            t_build = time.monotonic()
             now = time.time()
             built = await asyncio.to_thread(
                 self.builder.build,
@@ -202,6 +213,9 @@ class SwarmPublisher:
                 expires_at=now + MANIFEST_TTL_S,
                 force_keyframe=self._keyframe_next or attempt == "as a keyframe",
             )
+            prepare_s += time.monotonic() - t_build
+            self.last_prepare_s = prepare_s
+            t_rpc = time.monotonic()
             msg = await self._propose(version, built.manifest)
             if not (isinstance(msg, Reject) and msg.code in DELTA_REFUSALS):
                 break
@@ -220,6 +234,7 @@ class SwarmPublisher:
             raise CoordinatorError(f"coordinator refused v{version}: {msg.code}: {msg.detail}")
         if not isinstance(msg, ManifestResponse) or msg.manifest is None:
             raise CoordinatorError(f"unexpected answer to publish: {type(msg).__name__}")
+        t_seed = time.monotonic()
         signed: Manifest = await self.broadcast.seed_version(msg.manifest, built.chunks)
         self.last_version = signed.version
         self._keyframe_next = False
@@ -228,12 +243,11 @@ class SwarmPublisher:
         else:
             what = f"a keyframe ({built.reason})"
         log.info(
-            "published policy v%d as %s; full checkpoint %d bytes, %d chunks in all",
-            version,
-            what,
-            built.full_bytes,
-            len(built.chunks),
-        )
+            "published policy v%d as %s; full checkpoint %d bytes, %d chunks in all (cast+"
+            "serialise+hash+diff %.2f s, coordinator %.2f s, seed %.2f s)", version, what,
+            built.full_bytes, len(built.chunks), prepare_s, t_seed - t_rpc,
+            time.monotonic() - t_seed,
+        )  # fmt: skip
 
     async def _propose(self, version: int, manifest: Manifest) -> Any:
         """``rswarm/publish``: the coordinator's decoded answer (signed manifest or Reject)."""
@@ -348,6 +362,7 @@ async def run_trainer(
     )
     await peer.start()
     broadcast: BroadcastNode | None = None
+    reach: asyncio.Task[None] | None = None
     try:
         transport = P2PTransport(peer.p2p)
         # The pinned key is a fingerprint; the raw key comes from the coordinator's signed
@@ -360,7 +375,11 @@ async def run_trainer(
             DhtHolderDirectory(peer),
             pinned_key,
         )
+        broadcast.dialable = False  # announced as a holder only once a dial-back says so
         await broadcast.start()
+        reach = asyncio.create_task(
+            _watch_reachability(transport, peer, coordinator_peer, broadcast), name="reachability"
+        )
         spec = ModelSpec(path=config.model_path, dtype=config.dtype)
         publisher = SwarmPublisher(
             transport,
@@ -384,7 +403,7 @@ async def run_trainer(
         # The coordinator may hold a version this trainer has no record of (killed between the
         # coordinator's answer to PublishVersion and published.json): continue after it.
         trainer.sync_published(await publisher.latest_version())
-        _attach_stats(trainer, source)
+        _attach_stats(trainer, source, publisher)
         run = asyncio.create_task(trainer.run(source, publisher), name="trainer-loop")
         waiters = [run] + ([asyncio.create_task(stop.wait(), name="stop")] if stop else [])
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -409,9 +428,27 @@ async def run_trainer(
         await source.report()  # the last step's figures reach /status before we leave
         return 0
     finally:
+        if reach is not None:
+            await cancel_and_wait([reach])
         if broadcast is not None:  # on failures too: its announcer must not outlive the peer
             await broadcast.stop()
         await peer.stop()
+
+
+async def _watch_reachability(
+    transport: Any, peer: Any, coordinator_peer: str, broadcast: Any
+) -> None:
+    """Measure (a dial-back by the coordinator) whether nodes can dial this trainer; only then
+    is it announced as a holder (the coordinator reaches it over its own connection anyway)."""
+    from swarm.reachability import ReachabilityMonitor
+
+    def changed(state: str) -> None:
+        broadcast.dialable = state == "public"
+
+    monitor = ReachabilityMonitor(
+        transport, peer.visible_maddrs, lambda: coordinator_peer, on_change=changed
+    )
+    await monitor.run()
 
 
 async def _coordinator_public_key(peer: Any, fingerprint: str) -> bytes:
@@ -433,11 +470,31 @@ async def _coordinator_public_key(peer: Any, fingerprint: str) -> bytes:
     )
 
 
-def _attach_stats(trainer: Any, source: CoordinatorSource) -> None:
+#: Step-record keys reported to the coordinator for capacity planning and the idle breakdown.
+CAPACITY_STATS = (
+    "t_train_s",
+    "batch_rollouts",
+    "publish_s",
+    "publish_deferred",
+    "idle_rollouts_frac",
+    "idle_stale_frac",
+    "idle_fetch_frac",
+    "idle_publish_frac",
+    "idle_checkpoint_frac",
+    "idle_other_frac",
+)
+
+
+def _attach_stats(
+    trainer: Any, source: CoordinatorSource, publisher: SwarmPublisher | None = None
+) -> None:
     """Mirror each step's metrics into the stats the source reports to the coordinator."""
 
     def on_step(record: dict[str, Any]) -> None:
-        source.stats.update(
+        # Runs on the step thread while the event loop may be encoding ``source.stats`` for a
+        # fetch: build the new mapping aside and swap it in (one reference assignment).
+        stats = dict(source.stats)
+        stats.update(
             {
                 "step": record["step"],
                 "version": record["version"],
@@ -449,11 +506,24 @@ def _attach_stats(trainer: Any, source: CoordinatorSource) -> None:
                 "dropped_stale": record["dropped_stale"],
                 "mismatch_kl": record["mismatch_kl"],
                 "ess_frac": record["ess_frac"],
+                # stability monitors (trainer/monitors.py) and their warning line ("" = healthy)
+                "clip_frac": record["clip_frac"],
+                "mask_frac": record["mask_frac"],
+                "weight_modified_frac": record["weight_modified_frac"],
+                "grad_norm": record["grad_norm"],
+                "stability_warning": record["stability_warning"],
                 "idle_frac": record["idle_frac"],
                 "step_time_s": record["step_time_s"],
                 "rollout_cursor": trainer.cursor,
             }
         )
+        # Capacity planning and the idle breakdown (docs/capacity.md): smoothed T_train, B,
+        # how long publishing takes, and where the idle time went.
+        stats.update({k: record[k] for k in CAPACITY_STATS if k in record})
+        stats["kappa"] = trainer.config.kappa
+        if publisher is not None and publisher.last_prepare_s is not None:
+            stats["publish_prepare_s"] = publisher.last_prepare_s
+        source.stats = stats
 
     trainer.on_step.append(on_step)
 

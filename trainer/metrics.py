@@ -1,4 +1,4 @@
-"""Learner metrics: one JSON line per step, Prometheus gauges, the learner's idle fraction.
+"""Learner metrics: one JSON line per step, Prometheus gauges, where the learner's time goes.
 
 The JSONL file (``<out_dir>/metrics.jsonl``) is the record a run leaves; the gauges are for scraping
 while it runs (a private :class:`~prometheus_client.CollectorRegistry`, so several trainers in one
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
@@ -27,32 +28,115 @@ GAUGE_KEYS: tuple[str, ...] = (
     "entropy",
     "mismatch_kl",
     "weight_modified_frac",
+    "mask_frac",
+    "mismatch_m2",
     "ess_frac",
     "clip_frac",
+    "grad_norm",
     "staleness_mean",
     "idle_frac",
+    "idle_rollouts_frac",
+    "idle_stale_frac",
+    "idle_fetch_frac",
+    "idle_publish_frac",
+    "idle_checkpoint_frac",
+    "idle_other_frac",
     "step_time_s",
+    "t_train_s",
 )
 
 
-class IdleClock:
-    """Learner idle fraction = time spent waiting for rollouts / wall time since start."""
+#: Why the learner was not training, in the order the breakdown lists them.
+IDLE_CAUSES: tuple[str, ...] = ("rollouts", "stale", "fetch", "publish", "checkpoint")
+#: What each cause means (docs/trainer.md, the ``idle_<cause>_frac`` metrics).
+IDLE_CAUSE_HELP: dict[str, str] = {
+    "rollouts": "waiting while the coordinator had no more rollouts to give (the swarm is short)",
+    "stale": "fetching rollouts that turned out too stale to train on (a stale backlog)",
+    "fetch": "waiting for a fetch while rollouts were queued (the fetch plumbing)",
+    "publish": "blocked on publishing a version (serialise, hash, sign, seed)",
+    "checkpoint": "saving a resumable checkpoint",
+}
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+
+class IdleClock:
+    """Where the learner's wall time goes: *busy* inside ``train_step``, *idle* everywhere else.
+
+    Idle time is attributed to a cause (:data:`IDLE_CAUSES`) where the loop knows it; whatever is
+    neither busy nor attributed (the loop's own bookkeeping) is idle too, as ``other``.
+    :meth:`fraction` is the idle share over the last ``window_s`` seconds (from the latest
+    :meth:`mark`, made once per step, at least that old), so a long start-up wait fades out;
+    :meth:`totals` are the cumulative seconds since the clock started (a benchmark takes
+    differences of two).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, window_s: float = 60.0) -> None:
         self._clock = clock
         self._start = clock()
-        self._idle = 0.0
+        self.window_s = window_s
+        self._busy = 0.0
+        self._idle = dict.fromkeys(IDLE_CAUSES, 0.0)
+        #: (time, busy, idle by cause) at each mark, oldest first, for the sliding window
+        self._marks: deque[tuple[float, float, dict[str, float]]] = deque()
 
-    def add_wait(self, seconds: float) -> None:
-        self._idle += max(0.0, seconds)
+    def add_busy(self, seconds: float) -> None:
+        self._busy += max(0.0, seconds)
+
+    def add_wait(self, seconds: float, cause: str = "rollouts") -> None:
+        if cause not in self._idle:
+            raise ValueError(f"unknown idle cause {cause!r} (one of {', '.join(IDLE_CAUSES)})")
+        self._idle[cause] += max(0.0, seconds)
 
     @property
     def idle_s(self) -> float:
-        return self._idle
+        """Attributed idle seconds since the start (every cause)."""
+        return sum(self._idle.values())
+
+    @property
+    def busy_s(self) -> float:
+        return self._busy
+
+    def totals(self) -> dict[str, float]:
+        """Cumulative seconds since the start: ``wall_s``, ``busy_s``, ``idle_<cause>_s``."""
+        out = {"wall_s": self._clock() - self._start, "busy_s": self._busy}
+        out.update({f"idle_{k}_s": v for k, v in self._idle.items()})
+        return out
+
+    def mark(self) -> None:
+        """Remember the counters now (call once per step) and forget marks beyond the window."""
+        now = self._clock()
+        self._marks.append((now, self._busy, dict(self._idle)))
+        while len(self._marks) > 1 and self._marks[1][0] <= now - self.window_s:
+            self._marks.popleft()
+
+    def _base(self) -> tuple[float, float, dict[str, float]]:
+        """Where the window starts: the latest mark at least ``window_s`` old, or the start."""
+        cutoff = self._clock() - self.window_s
+        base: tuple[float, float, dict[str, float]] = (
+            self._start, 0.0, dict.fromkeys(IDLE_CAUSES, 0.0)
+        )  # fmt: skip
+        for mark in self._marks:
+            if mark[0] > cutoff:
+                break
+            base = mark
+        return base
 
     def fraction(self) -> float:
-        wall = self._clock() - self._start
-        return self._idle / wall if wall > 0 else 0.0
+        """Idle share of the wall time over the window: 1 − busy / wall."""
+        t0, busy0, _ = self._base()
+        wall = self._clock() - t0
+        if wall <= 0:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - (self._busy - busy0) / wall))
+
+    def breakdown(self) -> dict[str, float]:
+        """Idle share of the wall time by cause over the window, plus ``other`` (the rest)."""
+        t0, _, idle0 = self._base()
+        wall = self._clock() - t0
+        if wall <= 0:
+            return {**dict.fromkeys(IDLE_CAUSES, 0.0), "other": 0.0}
+        out = {k: max(0.0, v - idle0[k]) / wall for k, v in self._idle.items()}
+        out["other"] = max(0.0, self.fraction() - sum(out.values()))
+        return out
 
 
 class MetricsWriter:

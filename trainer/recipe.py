@@ -26,6 +26,7 @@ import shutil
 import time
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -47,27 +48,39 @@ from trainer.loss import (
     behaviour_weights,
     effective_sample_size,
     entropy_bonus,
+    ess_lr_scale,
     group_advantages,
     policy_loss,
+    sequence_ratio_sums,
     token_logprobs,
     token_logprobs_and_entropy,
     weight_stats,
 )
 from trainer.metrics import IdleClock, MetricsWriter
 from trainer.microbatch import MicroBatch, plan_micro_batches
+from trainer.monitors import GradSpikeGuard, monitor_from_config
+from trainer.pipeline import PublicationSlot, RolloutFeed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CHECKPOINT_DIR = "checkpoints"
 PUBLISHED_FILE = "published.json"
+#: :class:`~trainer.loss.WeightStats` sums accumulated over a step's minibatches.
+_WEIGHT_SUMS = (
+    "kl_sum", "kl_k1_sum", "m2_sum", "modified", "zeroed_tokens", "w_sum", "w_sq_sum", "units",
+    "tokens",
+)  # fmt: skip
 
 
 class RolloutSource(Protocol):
     """Where verified rollouts come from (the coordinator client, or :class:`InProcessSource`)."""
 
-    async def fetch(self, max_items: int, after: int) -> list[Rollout] | None:
-        """Up to ``max_items`` rollouts with ``seq > after`` (may wait; ``[]`` when none arrived in
+    async def fetch(
+        self, max_items: int, after: int, min_version: int | None = None
+    ) -> list[Rollout] | None:
+        """Up to ``max_items`` rollouts with ``seq > after`` and, with ``min_version``, a policy
+        version of at least that (older ones are skipped; may wait; ``[]`` when none arrived in
         the source's own wait time); ``None`` when the source is finished for good."""
         ...
 
@@ -111,18 +124,24 @@ class InProcessSource:
         self._closed = True
         self._event.set()
 
-    async def fetch(self, max_items: int, after: int) -> list[Rollout] | None:
-        ready = [r for r in self._items if r.seq > after]
-        if not ready and not self._closed:
+    async def fetch(
+        self, max_items: int, after: int, min_version: int | None = None
+    ) -> list[Rollout] | None:
+        def ready() -> list[Rollout]:
+            low = -1 if min_version is None else min_version
+            return [r for r in self._items if r.seq > after and r.policy_version >= low]
+
+        found = ready()
+        if not found and not self._closed:
             self._event.clear()
             try:
                 await asyncio.wait_for(self._event.wait(), timeout=self._wait_s)
             except TimeoutError:
                 return []
-            ready = [r for r in self._items if r.seq > after]
-        if not ready and self._closed:
+            found = ready()
+        if not found and self._closed:
             return None
-        return ready[:max_items]
+        return found[:max_items]
 
 
 class MemoryPublisher:
@@ -168,6 +187,7 @@ class Trainer:
             [p for p in model.parameters() if p.requires_grad],
             lr=config.lr,
             weight_decay=config.weight_decay,
+            betas=(0.9, config.adam_beta2),
         )
         self.out_dir = Path(config.out_dir)
         self.metrics = metrics
@@ -180,11 +200,23 @@ class Trainer:
         #: publish the current weights when :meth:`run` starts (see :meth:`sync_published`).
         self._publish_first = False
         self._stop_requested = False
+        self._feed: RolloutFeed | None = None
+        #: a step is running in the worker thread (the feed then fetches for the next version)
+        self._training = False
         #: highest rollout ``seq`` fetched; see :attr:`cursor` for the resumable one.
         self._fetched = 0
         self._pending: dict[str, list[Rollout]] = {}
         self._dropped_at_fetch = 0
-        self.idle = IdleClock()
+        self.idle = IdleClock(window_s=config.idle_window_s)
+        #: T_train: exponential moving average of the time in train_step (weight 0.2 per step)
+        self.t_train_s: float | None = None
+        #: seconds the last publication took (weights copied -> the publisher returned)
+        self.publish_s: float | None = None
+        #: publications deferred because the previous one was still in flight
+        self.publish_deferred = 0
+        #: rolling stability checks; each step's record carries its ``stability_warning``.
+        self.monitor = monitor_from_config(config)
+        self.spike_guard = GradSpikeGuard(config.grad_spike_factor)
         #: called with each step's metrics record (after it is written), e.g. to report upstream.
         self.on_step: list[Callable[[dict[str, Any]], None]] = []
 
@@ -276,32 +308,75 @@ class Trainer:
         """Fetch → train → publish every κ versions → checkpoint, until ``max_steps`` or the
         source ends. Every rank runs this; rank 0 alone reads ``source`` and ``publisher`` (the
         others pass anything) and the others follow its decisions: each batch's groups are
-        scattered from it, and publications and checkpoints are collectives."""
+        scattered from it, and publications and checkpoints are collectives.
+
+        With ``overlap`` (the default) the swarm's plumbing stays off the critical path
+        (:mod:`trainer.pipeline`): rank 0's step runs in a worker thread while its event loop
+        keeps fetching rollouts and publishes the previous version in the background (the
+        weights are gathered at the step boundary, by every rank)."""
         cfg = self.config
-        self.idle = IdleClock()
+        self.idle = IdleClock(window_s=cfg.idle_window_s)
         has_publisher = self.dist.share(publisher is not None)
         first = self.published_version is None or self._publish_first
         if self.dist.enabled:  # rank 0 alone knows the swarm's version numbers and stop set
             first, self.version, self.published_version, self.stop_token_ids = self.dist.share(
                 (first, self.version, self.published_version, self.stop_token_ids)
             )
-        if has_publisher and first:
-            await self._publish(publisher)
-        while True:
-            batch = None
-            more = cfg.max_steps is None or self.step < cfg.max_steps
-            if self.dist.is_leader and more and not self._stop_requested:
-                batch = await self._leader_wait(self._next_batch(source))
-            if not self._follow_leader(batch):
-                break
-            self.train_step(batch or [])
-            due = self.published_version is None or (
-                self.version - self.published_version >= cfg.kappa
+        leader = self.dist.is_leader
+        feed: RolloutFeed | None = None
+        if leader:
+            batch_size = cfg.batch_prompts * cfg.group_size
+            feed = RolloutFeed(
+                source,
+                after=self._fetched,
+                page=batch_size,
+                capacity=batch_size * cfg.prefetch_batches,
+                admissible=lambda r: not self._too_stale(r),
+                # While a step runs, what arrives is used at the next version: skip what will be
+                # stale by then (in an oversupplied swarm the queue's head sits at that edge).
+                min_version=lambda: max(0, self.version + self._training - cfg.max_staleness),
+                idle=self.idle,
+                background=cfg.overlap,
             )
-            if has_publisher and due:
-                await self._publish(publisher)
-            if self.step % cfg.checkpoint_every == 0 and self._writes_checkpoints:
-                self.save_checkpoint()
+        self._feed = feed
+        slot = PublicationSlot()
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-step")
+        threads = torch.get_num_threads()
+        try:
+            if has_publisher and first:
+                await self._blocking_publish(publisher)
+            if feed is not None:
+                feed.start()
+            while True:
+                batch = None
+                more = cfg.max_steps is None or self.step < cfg.max_steps
+                if feed is not None and more and not self._stop_requested:
+                    batch = await self._leader_wait(self._next_batch(feed))
+                if not self._follow_leader(batch):
+                    break
+                if cfg.overlap and leader:
+                    self._training = True
+                    try:
+                        await asyncio.get_running_loop().run_in_executor(
+                            executor, _train_in_thread, self, batch or [], threads
+                        )
+                    finally:
+                        self._training = False
+                else:
+                    self.train_step(batch or [])
+                if has_publisher:
+                    await self._publish_due(publisher, slot)
+                if self.step % cfg.checkpoint_every == 0 and self._writes_checkpoints:
+                    t0 = time.monotonic()
+                    self.save_checkpoint()
+                    self.idle.add_wait(time.monotonic() - t0, "checkpoint")
+            if has_publisher:
+                await self._settle_publication(publisher, slot)
+        finally:
+            self._feed = None
+            if feed is not None:
+                await feed.stop()
+            executor.shutdown(wait=True)
         if self._writes_checkpoints and (self._stop_requested or self.step % cfg.checkpoint_every):
             self.save_checkpoint()
 
@@ -338,10 +413,77 @@ class Trainer:
     def request_stop(self) -> None:
         """End :meth:`run` soon, cleanly: a step or a publication in progress finishes (the
         coordinator may already have recorded that version: ``published.json`` must say so too),
-        a wait for rollouts ends after the source's current fetch; then a checkpoint is saved."""
+        a wait for rollouts ends at once; then a checkpoint is saved."""
         self._stop_requested = True
+        if self._feed is not None:
+            self._feed.interrupt()
 
-    async def _next_batch(self, source: RolloutSource) -> list[Rollout] | None:
+    async def _publish_due(self, publisher: Publisher | None, slot: PublicationSlot) -> None:
+        """At a step boundary: collect a finished background publication, then start the next
+        one if κ versions have passed since the last (in flight or done). Rank 0 decides (only
+        it holds the slot) and every rank follows: gathering sharded weights is a collective."""
+        cfg = self.config
+        action: str | None = None
+        if self.dist.is_leader:
+            refused = self._collect_publication(slot)
+            last = slot.version if slot.busy else self.published_version
+            due = last is None or self.version - last >= cfg.kappa
+            if refused or (due and not cfg.overlap):
+                action = "block"
+            elif due and slot.busy:
+                slot.deferred += 1  # published at the first boundary after the one in flight lands
+                self.publish_deferred = slot.deferred
+            elif due:
+                action = "start"
+        if self.dist.enabled:
+            action, self.version = self.dist.share((action, self.version))
+        if action == "block":
+            await self._blocking_publish(publisher)
+        elif action == "start":
+            version, state = self.version, self.state_dict_for_publish()
+            if self.dist.is_leader and publisher is not None:
+                slot.start(version, self._publish_version(publisher, version, state))
+
+    async def _settle_publication(self, publisher: Publisher | None, slot: PublicationSlot) -> None:
+        """End of :meth:`run`: wait for the publication in flight (rank 0); one the swarm refused
+        as not newer is renumbered and published again, by every rank."""
+        refused = False
+        if self.dist.is_leader and slot.busy:
+            await self._leader_wait(slot.wait_done())
+            refused = self._collect_publication(slot)
+        if self.dist.enabled:  # the followers learn what landed (they checkpoint it too)
+            refused, self.version, self.published_version = self.dist.share(
+                (refused, self.version, self.published_version)
+            )
+        if refused:
+            await self._blocking_publish(publisher)
+
+    def _collect_publication(self, slot: PublicationSlot) -> bool:
+        """Rank 0: take the outcome of a finished background publication. True when the swarm
+        refused it as not newer (the version is then renumbered past the swarm's: publish the
+        current weights at once)."""
+        try:
+            slot.collect()
+        except VersionNotNewer as exc:  # the swarm is ahead of our record: renumber, in the loop
+            log.warning("%s; publishing the current weights instead", exc)
+            self.version = max(self.version, exc.latest + 1)
+            return True
+        finally:
+            if slot.last_s is not None:
+                self.publish_s = slot.last_s
+            self.publish_deferred = slot.deferred
+        return False
+
+    async def _blocking_publish(self, publisher: Publisher | None) -> None:
+        """Publish the current weights now; the learner waits (counted as ``publish`` idle)."""
+        t0 = time.monotonic()
+        try:
+            await self._publish(publisher)
+        finally:
+            self.publish_s = time.monotonic() - t0
+            self.idle.add_wait(self.publish_s, "publish")
+
+    async def _next_batch(self, feed: RolloutFeed) -> list[Rollout] | None:
         """``batch_prompts`` complete groups (``group_size`` samples each), oldest first."""
         cfg = self.config
         while True:
@@ -353,20 +495,15 @@ class Trainer:
                 break
             need = (cfg.batch_prompts - len(complete)) * cfg.group_size
             t0 = time.monotonic()
-            try:
-                items = await asyncio.wait_for(
-                    source.fetch(need, after=self._fetched), timeout=cfg.fetch_timeout_s
-                )
-            except TimeoutError:
+            items = await feed.take(need, cfg.fetch_timeout_s)
+            self._dropped_at_fetch += feed.take_dropped()
+            if items == [] and time.monotonic() - t0 >= cfg.fetch_timeout_s:
                 log.warning(
                     "waiting for rollouts: %d/%d complete groups after %.0f s",
                     len(complete),
                     cfg.batch_prompts,
                     cfg.fetch_timeout_s,
                 )
-                items = []
-            finally:
-                self.idle.add_wait(time.monotonic() - t0)
             if items is None or self._stop_requested:
                 return None
             for r in items:
@@ -433,7 +570,14 @@ class Trainer:
 
         self.step += 1
         self.version += 1
-        record = self._record(flat, staleness, admitted, sums, updates, time.monotonic() - t0)
+        step_time = time.monotonic() - t0
+        self.idle.add_busy(step_time)
+        self.idle.mark()
+        self.t_train_s = (
+            step_time if self.t_train_s is None else 0.8 * self.t_train_s + 0.2 * step_time
+        )
+        record = self._record(flat, staleness, admitted, sums, updates, step_time)
+        record["stability_warning"] = self.monitor.observe(record)
         if self.metrics is not None:
             self.metrics.write(record)
         for callback in self.on_step:
@@ -537,9 +681,11 @@ class Trainer:
             mode=cfg.weight_mode,
             level=cfg.weight_level,
             decay=cfg.staleness_decay,
+            cap_low=cfg.weight_cap_low,
+            m2_threshold=cfg.m2_threshold,
         )
         st = weight_stats(prox, mb.behaviour_logprobs, mb.completion_mask, bw, cfg.weight_level)
-        for key in ("kl_sum", "kl_k1_sum", "modified", "w_sum", "w_sq_sum", "units", "tokens"):
+        for key in _WEIGHT_SUMS:
             sums[key] += getattr(st, key)
         return bw.weights
 
@@ -552,7 +698,8 @@ class Trainer:
         sums: defaultdict[str, float],
     ) -> int:
         """One optimizer update on a (global) minibatch, gradients accumulated over its
-        micro-batches (reduced over ranks by the engine); returns 1 if an update was applied."""
+        micro-batches (reduced over ranks by the engine); returns 1 if an update was attempted
+        (applied, or skipped by the gradient-spike guard: counted in ``skipped_updates``)."""
         cfg = self.config
         local_tokens = float(mb.completion_mask.sum()) if mb is not None else 0.0
         (global_tokens,) = self.dist.sum_floats([local_tokens])
@@ -585,11 +732,32 @@ class Trainer:
             sums["entropy_sum"] += float((ent.detach() * part.completion_mask).sum())
             sums["clipped"] += float(pl.clipped_tokens)
             sums["update_tokens"] += float(part.completion_mask.sum())
-        if cfg.max_grad_norm is not None:
-            norm = self.engine.clip_grad_norm(self.model, cfg.max_grad_norm)
+        if cfg.max_grad_norm is not None or cfg.grad_spike_factor is not None:
+            # the norm is the global one on every rank, so every rank skips the same updates
+            clip_to = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
+            norm = self.engine.clip_grad_norm(self.model, clip_to)
             sums["grad_norm"] += norm / max(1, self.dist.world_size)
+            if self.spike_guard.skip(norm):
+                sums["skipped_updates"] += 1.0 / max(1, self.dist.world_size)
+                self.optimizer.zero_grad(set_to_none=True)
+                return 1
+        scale = 1.0
+        if cfg.ess_lr_scaling:  # otherwise the optimizer's learning rate is left as it is
+            scale = self._ess_lr_scale(mb, prox)
+            for group in self.optimizer.param_groups:
+                group["lr"] = cfg.lr * scale
+        sums["lr_scale"] += scale
         self.optimizer.step()
         return 1
+
+    def _ess_lr_scale(self, mb: TrainBatch | None, prox: Tensor | None) -> float:
+        """VCPO's factor from the (global) minibatch's sequence-level ESS; identical on every
+        rank because the sums are all-reduced."""
+        local = (0.0, 0.0, 0.0)
+        if mb is not None and prox is not None:
+            local = sequence_ratio_sums(prox, mb.behaviour_logprobs, mb.completion_mask)
+        w_sum, w_sq_sum, n = self.dist.sum_floats(list(local))
+        return ess_lr_scale(w_sum, w_sq_sum, n)
 
     def _record(
         self,
@@ -601,8 +769,8 @@ class Trainer:
         step_time: float,
     ) -> dict[str, Any]:
         keys = [
-            "kl_sum", "kl_k1_sum", "modified", "w_sum", "w_sq_sum", "units", "tokens",
-            "loss", "entropy_sum", "clipped", "update_tokens", "grad_norm",
+            *_WEIGHT_SUMS, "loss", "entropy_sum", "clipped", "update_tokens", "grad_norm",
+            "lr_scale", "skipped_updates",
         ]  # fmt: skip
         g = dict(zip(keys, self.dist.sum_floats([sums[k] for k in keys]), strict=True))
         rewards = [float(r.reward) for r in flat]
@@ -628,15 +796,33 @@ class Trainer:
             "clip_frac": g["clipped"] / max(1.0, g["update_tokens"]),
             "mismatch_kl": g["kl_sum"] / tokens,
             "mismatch_kl_k1": g["kl_k1_sum"] / tokens,
+            "mismatch_m2": g["m2_sum"] / tokens,
             "weight_modified_frac": g["modified"] / max(1.0, g["units"]),
+            "mask_frac": g["zeroed_tokens"] / tokens,
             "ess": ess,
             "ess_frac": ess / g["units"] if g["units"] > 0 else 0.0,
             "grad_norm": g["grad_norm"] / max(1, updates),
+            # mean learning-rate factor of the applied updates (< 1 only with ess_lr_scaling);
+            # every rank applies the same factor, so the sum counts it world_size times
+            "lr_scale": g["lr_scale"]
+            / max(1, (updates - round(g["skipped_updates"])) * self.dist.world_size),
+            "skipped_updates": round(g["skipped_updates"]),
             "updates": updates,
-            "idle_frac": self.idle.fraction(),
             "step_time_s": step_time,
+            "t_train_s": self.t_train_s,
+            "batch_rollouts": self.config.batch_prompts * self.config.group_size,
             "completion_tokens": int(g["tokens"]),
+            "publish_s": self.publish_s,
+            "publish_deferred": self.publish_deferred,
+            **self._idle_figures(),
         }
+
+    def _idle_figures(self) -> dict[str, float]:
+        """``idle_frac`` and its breakdown over the window; cumulative seconds since run()."""
+        out = {"idle_frac": self.idle.fraction()}
+        out.update({f"idle_{k}_frac": v for k, v in self.idle.breakdown().items()})
+        out.update(self.idle.totals())
+        return out
 
     # ------------------------------------------------------------------ publish / checkpoint
     def state_dict_for_publish(self) -> dict[str, Tensor]:
@@ -662,6 +848,17 @@ class Trainer:
         self._publish_first = False
         self.out_dir.mkdir(parents=True, exist_ok=True)
         _atomic_write_json(self.out_dir / PUBLISHED_FILE, {"version": self.version})
+
+    async def _publish_version(
+        self, publisher: Publisher, version: int, state: Mapping[str, Tensor]
+    ) -> None:
+        """The background publication of ``state`` as ``version`` (see :meth:`run`)."""
+        await publisher.publish(version, state)
+        if self.published_version is None or version > self.published_version:
+            self.published_version = version
+            self._publish_first = False
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            _atomic_write_json(self.out_dir / PUBLISHED_FILE, {"version": version})
 
     def latest_checkpoint(self) -> Path | None:
         """The newest complete checkpoint (a ``.tmp`` one left by a crash mid-save is not)."""
@@ -720,7 +917,7 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint`. The version becomes
         ``max(saved version, last published version)`` so it never goes back. The optimizer's
-        moments come back; its learning rate and weight decay are this run's config's.
+        moments come back; its learning rate, weight decay and β2 are this run's config's.
 
         Any number of ranks loads any checkpoint: a sharded one is resharded by
         ``torch.distributed.checkpoint``; a single-process one is split over the ranks."""
@@ -740,6 +937,7 @@ class Trainer:
         for group in self.optimizer.param_groups:  # the config wins over the saved values
             group["lr"] = self.config.lr
             group["weight_decay"] = self.config.weight_decay
+            group["betas"] = (group["betas"][0], self.config.adam_beta2)
         self.step = int(state["step"])
         published = state.get("published_version")
         logged = self._logged_published()
@@ -749,6 +947,13 @@ class Trainer:
         self.version = max(int(state["version"]), self.published_version or 0, self.version)
         self._fetched = int(state["cursor"])
         self._pending.clear()
+
+
+def _train_in_thread(trainer: Trainer, batch: list[Rollout], threads: int) -> None:
+    """:meth:`Trainer.train_step` on the step thread, with the loop thread's torch thread count."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    trainer.train_step(batch)
 
 
 def _complete_checkpoints(root: Path) -> list[Path]:

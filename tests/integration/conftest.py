@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from swarm_harness import Proc
@@ -15,3 +16,16 @@ def procs() -> Iterator[list[Proc]]:
     yield started
     for p in reversed(started):
         p.stop()
+
+
+@pytest.fixture
+def topology() -> Iterator[Any]:
+    """An empty :class:`swarm.netns.Topology`, removed at the end of the test (even on failure);
+    the test is skipped, with the reason, where network namespaces cannot be created."""
+    from swarm.netns import Topology, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    with Topology() as topo:
+        yield topo

@@ -26,6 +26,7 @@ from protocol.codec import decode, encode
 from protocol.envelope import signed_bytes
 from protocol.errors import ProtocolError
 from protocol.identity import Identity
+from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
     CapabilityAdvert,
     ChunkRequest,
@@ -37,6 +38,7 @@ from protocol.messages import (
     LeaseRequest,
     Manifest,
     ManifestRequest,
+    Message,
     PublishVersion,
     Register,
     Reject,
@@ -49,15 +51,17 @@ from protocol.messages import (
     pack_logprobs,
     pack_tokens,
 )
-from swarm.broadcast import CHUNK_ANY_RPC, CHUNK_RPC, MANIFEST_RPC
+from swarm.broadcast import CHUNK_ANY_RPC, CHUNK_RPC, EXCHANGE_RPC, MANIFEST_RPC
+from swarm.reachability import DIALBACK_RPC, DialbackReply, DialbackRequest
 from swarm.transport import DEFAULT_MAX_REQUEST, decode_error
-from swarm.wire import ChunkAnyRequest
+from swarm.wire import TABLE_OVERHEAD, ChunkAnyRequest, ExchangeReply, ExchangeRequest
 
 HEADER = struct.Struct(">I")
+ANSWER_LIMITS = Limits(control_frame=DEFAULT_LIMITS.chunk_frame + TABLE_OVERHEAD)
 COORD_SIGNED = (rpc.REGISTER, rpc.HEARTBEAT, rpc.LEASE, rpc.SUBMIT, rpc.RELEASE)
 TRAINER_SIGNED = (rpc.PUBLISH, rpc.FETCH)
 COORD_METHODS = (*COORD_SIGNED, *TRAINER_SIGNED, rpc.STATUS)
-CHUNK_METHODS = (MANIFEST_RPC, CHUNK_RPC, CHUNK_ANY_RPC)
+CHUNK_METHODS = (MANIFEST_RPC, CHUNK_RPC, CHUNK_ANY_RPC, EXCHANGE_RPC, DIALBACK_RPC)
 ALL_METHODS = (*COORD_METHODS, *CHUNK_METHODS)
 PAYLOAD_TYPE: dict[str, type[msgspec.Struct]] = {
     rpc.REGISTER: Register,
@@ -71,6 +75,8 @@ PAYLOAD_TYPE: dict[str, type[msgspec.Struct]] = {
     MANIFEST_RPC: ManifestRequest,
     CHUNK_RPC: ChunkRequest,
     CHUNK_ANY_RPC: ChunkAnyRequest,
+    EXCHANGE_RPC: ExchangeRequest,
+    DIALBACK_RPC: DialbackRequest,
 }
 
 
@@ -151,7 +157,8 @@ async def exchange(
         err = decode_error(body[1:])
         return Outcome("error", err.code, seconds, err.detail)
     try:
-        msg = decode(body[1:])
+        # the protocol's messages, or the swarm-local answers of the exchange and dial-back
+        msg = decode(body[1:], Message | ExchangeReply | DialbackReply, ANSWER_LIMITS)
     except ProtocolError as exc:
         return Outcome("bad-answer", exc.code.value, seconds, exc.detail)
     if isinstance(msg, Reject):
@@ -256,6 +263,8 @@ def templates(keys: Keys) -> dict[str, msgspec.Struct]:
         MANIFEST_RPC: ManifestRequest(version=1),
         CHUNK_RPC: ChunkRequest(version=1, index=0),
         CHUNK_ANY_RPC: ChunkAnyRequest(version=1, wanted=b"\x01"),
+        EXCHANGE_RPC: ExchangeRequest(version=1, wanted=b"\x01", have=b"", dialable=True),
+        DIALBACK_RPC: DialbackRequest(maddrs=["/ip4/127.0.0.1/tcp/9"]),
     }
 
 

@@ -62,11 +62,19 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 class Proc:
     """A ``swarm`` CLI child process with its output in a log file; stopped by PID."""
 
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
+    ) -> None:
+        """``prefix`` runs the command through another (e.g. ``ip netns exec NS``, which execs
+        in place: the PID stays the CLI's)."""
         self.log = log
         self._out = open(log, "ab")  # noqa: SIM115 - closed in stop()
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "swarm.cli", *args],
+            [*(prefix or []), sys.executable, "-m", "swarm.cli", *args],
             cwd=ROOT,
             env={**ENV, **(env or {})},
             stdout=self._out,

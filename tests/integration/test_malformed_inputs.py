@@ -71,12 +71,13 @@ from protocol.messages import (
     pack_logprobs,
     pack_tokens,
 )
-from swarm.broadcast import CHUNK_ANY_RPC, CHUNK_RPC, MANIFEST_RPC
+from swarm.broadcast import CHUNK_ANY_RPC, CHUNK_RPC, EXCHANGE_RPC, MANIFEST_RPC
 from swarm.dht import SwarmPeer
 from swarm.errors import RemoteError, TransportError
+from swarm.reachability import DIALBACK_RPC, DialbackRequest
 from swarm.testing import start_loopback_peer
 from swarm.transport import P2PTransport
-from swarm.wire import MAX_BITMAP_BYTES, ChunkAnyRequest
+from swarm.wire import MAX_BITMAP_BYTES, ChunkAnyRequest, ExchangeRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -516,6 +517,29 @@ def extreme_requests(rig: Rig, node: Identity, slow: Identity) -> list[tuple[str
             CHUNK_ANY_RPC,
             ChunkAnyRequest(version=MAX_I64, wanted=b"\xff" * MAX_BITMAP_BYTES),
             "any of 2^20 chunks of v2^63-1",
+        ),
+        (
+            EXCHANGE_RPC,
+            ExchangeRequest(
+                version=1,
+                wanted=b"\xff" * MAX_BITMAP_BYTES,
+                have=b"\xff" * MAX_BITMAP_BYTES,
+                dialable=True,
+            ),
+            "any of 2^20 chunks of v1, claiming 2^20",
+        ),
+        (
+            EXCHANGE_RPC,
+            ExchangeRequest(version=MAX_I64, wanted=b"", have=b"", dialable=False),
+            "nothing of v2^63-1",
+        ),
+        (
+            DIALBACK_RPC,
+            DialbackRequest(
+                maddrs=[f"/ip4/203.0.113.{i}/tcp/9" for i in range(4)]
+                + [f"/ip4/203.0.113.{i}/tcp/9" + "0" * 200 for i in range(4)]
+            ),
+            "a dial-back to unroutable addresses and absurd ports",
         ),
     ):
         out.append((method, frame(encode(msg)), what))

@@ -509,7 +509,10 @@ async def test_trainer_restarts_resume_and_versions_stay_monotonic(
     t0.crash()
     latest = coordinator_version()
     note(f"trainer run 0 SIGKILLed at coordinator v{latest}")
-    assert published_versions(t0.text()) == list(range(max(published_versions(t0.text())) + 1))
+    # v0 first, then strictly newer each time; with κ = 1 a version may be skipped when its
+    # publication fell due while the previous one was still in flight (background publishing)
+    run0 = published_versions(t0.text())
+    assert run0[0] == 0 and run0 == sorted(set(run0)), run0
 
     # --- and in the crash window: the coordinator recorded the newest publication, the trainer
     # did not (killed between PublishVersion's answer and published.json / the step's

@@ -94,10 +94,11 @@ BATCHES = [_rollouts(1, 5, 0), _rollouts(2, 5, 0)]
 
 def _config(out_dir: Path, device: str, **kw: Any) -> TrainerConfig:
     # 5 groups in 3 minibatches of 1, 2, 2 groups: a rank has an empty shard in the first one.
+    # VCPO's ESS step size: its sums are all-reduced, so the ranks take the one-process step.
     base: dict[str, Any] = dict(
         out_dir=str(out_dir), batch_prompts=5, group_size=4, minibatches=3, max_staleness=2,
-        weight_mode="truncate", max_steps=2, checkpoint_every=1, keep_checkpoints=3,
-        device=device,
+        weight_mode="truncate", ess_lr_scaling=True, max_steps=2, checkpoint_every=1,
+        keep_checkpoints=3, device=device,
     )  # fmt: skip
     return TrainerConfig(**{**base, **kw})
 

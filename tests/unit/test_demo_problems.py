@@ -83,3 +83,19 @@ def test_node_backends_cycle_and_bad_ones_are_refused(
     demo._start_nodes("/ip4/127.0.0.1/tcp/1", "ed25519:x")
     backends = [(demo.run_dir / f"{n}.toml").read_text().splitlines()[0] for n in spawned]
     assert backends == ['backend = "vllm"', 'backend = "hf"', 'backend = "vllm"']
+
+
+def test_a_benchmarks_trainer_overrides_win_over_the_profile(tmp_path: Path) -> None:
+    """bench/capacity.py sets ``minibatches`` (also a profile setting) and ``overlap``: one key
+    each in the trainer's TOML (a duplicate key would make the file unreadable), overrides win."""
+    from trainer.config import TrainerConfig
+
+    opts = DemoOptions(
+        nodes=1, run_dir=tmp_path / "run", live=False,
+        trainer_overrides={"minibatches": 3, "overlap": False, "idle_window_s": 45.0},
+    )  # fmt: skip
+    demo = Demo(opts)
+    demo.run_dir.mkdir(parents=True)
+    demo._write_configs("ed25519:" + "a" * 52)
+    cfg = TrainerConfig.from_toml(demo.run_dir / "trainer.toml")
+    assert (cfg.minibatches, cfg.overlap, cfg.idle_window_s) == (3, False, 45.0)

@@ -35,7 +35,10 @@ from swarm.fetcher import DownloadConfig
 from swarm.holders import MemoryHolderDirectory
 from swarm.memtransport import InMemoryNetwork
 
-FAST = DownloadConfig(seed_backoff=0.01, max_seed_failures=2, manifest_timeout=2.0)
+FAST = DownloadConfig(
+    seed_backoff=0.01, max_seed_failures=2, seed_grace=0.1, manifest_timeout=2.0,
+    manifest_deadline=1.0,
+)  # fmt: skip
 
 
 class RecordingBackend:

@@ -272,6 +272,39 @@ async def test_switches_to_a_newly_published_version(swarm: Swarm) -> None:
     assert w.checkpoints is not None and w.checkpoints.highest_accepted == 2
 
 
+class SlowLoadBackend(FakeBackend):
+    """Loading a version takes 0.3 s (a real checkpoint's download and load do)."""
+
+    def load_state_dict(self, version: int, state_dict: Any, changed: Any = None) -> None:
+        time.sleep(0.3)
+        super().load_state_dict(version, state_dict, changed)
+
+
+async def test_timings_report_the_version_load_and_the_round_trips(swarm: Swarm) -> None:
+    """What the capacity planner reads (Timings.load_s / overhead_s): the wait for a lease's
+    version, and the time between two generations spent on the coordinator (here a verdict held
+    0.25 s), standby waits excluded."""
+    swarm.coord.submit_gate = asyncio.Event()
+    w = swarm.worker(SlowLoadBackend())
+    await w.start()
+    await asyncio.sleep(0.2)  # standby: no version yet (deliberate waits are not overhead)
+    await swarm.coord.publish(1)
+    await swarm.coord.submit_entered.wait()
+    await asyncio.sleep(0.25)
+    swarm.coord.submit_gate.set()
+    await until(lambda: len(swarm.coord.submissions) >= 2, "a second submission")
+    first, second = (s.timings for s in swarm.coord.submissions[:2])
+    assert first.load_s >= 0.3 and first.overhead_s == 0.0  # the first lease: nothing before
+    assert second.load_s < 0.1  # the version is loaded already
+    assert 0.25 <= second.overhead_s < 1.0
+    await swarm.coord.publish(2)
+    await until(
+        lambda: any(s.policy_version == 2 for s in swarm.coord.submissions), "a submission at v2"
+    )
+    switched = next(s.timings for s in swarm.coord.submissions if s.policy_version == 2)
+    assert switched.load_s >= 0.3 and switched.overhead_s < 0.25
+
+
 async def test_standby_until_a_version_exists(swarm: Swarm) -> None:
     w = swarm.worker()
     await w.start()

@@ -1,4 +1,5 @@
-"""``swarm coordinator plan`` prints the capacity rule's numbers (hand-computed, DESIGN.md §9)."""
+"""``swarm coordinator plan`` prints the capacity rule's numbers (hand-computed, see
+docs/capacity.md)."""
 
 from __future__ import annotations
 
@@ -30,76 +31,58 @@ def test_example_pool_hand_computed() -> None:
     # Defaults: B=256, T_train=1 s, S=4 so κ=3, G=8, headroom 20%; T_bcast=0.5 s from the flag.
     code, out, err = plan("--pool", str(EXAMPLE_POOL), "--t-bcast", "0.5")
     assert code == 0 and err == ""
-    # κ·B/(κ·T_train − T_bcast) = 768 / 2.5 = 307.2; ×1.2 = 368.64
-    assert "= 3·256 / (3·1 − 0.5) = 768 / 2.5 = 307.2 rollouts/s" in out
-    assert "Σμ ≥ 368.64 rollouts/s" in out
-    # t_gen = G/μ_min = 8/40 = 0.2 s; 3 + ⌈0.7/1⌉ = 4 ≤ 4
-    assert "t_gen = G/μ_min = 8/40 = 0.2 s" in out
-    assert "3 + ⌈(0.5 + 0.2)/1⌉ = 4 ≤ S = 4: ok" in out
-    # Effective rates: 36 (40·0.9) + 120 + 120 + 48 (60·0.8) + 200 + 320 = 844.
-    assert "effective Σμ = 844 rollouts/s" in out
-    # Cheapest set reaching 368.64: a100 200 + l4 48 + one 4090 120 + free volunteer 36 = 404
-    # at 1.20 + 0.35 + 0.40 = 1.95/h (greedy by price/rate would take both 4090s: 2.00/h).
-    assert "active (4): Σμ_eff = 404 rollouts/s, cost 1.95 per hour" in out
+    assert "B / T_train = 256 / 1 = 256 admissible rollouts/s; with 20% headroom 307.2" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("    ")}
+    # rtx4090: 120 · 1/(1 + 0.1) · (1 − 1.5/max(3, 2.6)) · a, a = (5·1 − 1 − 0.5 − 1 − 0.1)/3 = 0.8
+    assert rows["rtx4090-a"][6:8] == ["0.80", "43.64"]
+    # h100: 320 · 0.5/0.55 · (1 − 0.5/3) · (5 − 1 − 0.5 − 0.5 − 0.05)/3 = 238.38
+    assert rows["h100-sxm"][6:8] == ["0.98", "238.4"]
+    # volunteer: 40 · 0.9 · 1/1.3 · (1 − 4/max(3, 5.3)) · 2.2/3: a 4 s load per switch costs it
+    # three quarters of its time
+    assert rows["volunteer-3060"][6:8] == ["0.73", "4.981"]
+    # cheapest set reaching 307.2: h100 + both 4090s + the free volunteer = 330.64 at 3.30/h
+    assert "active (4): Σρ = 330.6 rollouts/s, cost 3.3 per hour" in out
     active = out.split("active (4)")[1].split("standby")[0]
-    for node in ("a100-80g", "l4-spot", "rtx4090-a", "volunteer-3060"):
+    for node in ("h100-sxm", "rtx4090-a", "rtx4090-b", "volunteer-3060"):
         assert node in active
-    standby = out.split("standby (2)")[1].split("plan:")[0]
-    assert "h100-sxm" in standby and "rtx4090-b" in standby
-    assert "saves 2.9 per hour" in out  # 2.50 + 0.40
+    standby = out.split("standby (2)")[1].split("predicted")[0]
+    assert "a100-80g" in standby and "l4-spot" in standby
+    assert "saves 1.55 per hour" in out  # 1.20 + 0.35
+    assert "predicted learner idle: 0.0% with the active set (a step every 1 s)" in out
 
 
-def test_config_file_and_t_train_override(tmp_path: Path) -> None:
+def test_a_short_pool_predicts_the_learner_idle(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text(
         "staleness_bound = 2\ngroup_size = 4\n[capacity]\nbatch_rollouts = 100\n"
-        "t_train_s = 1.0\nt_bcast_s = 0.5\nheadroom = 0.5\n",
+        "t_train_s = 1.0\nt_bcast_s = 0.0\nheadroom = 0.5\n",
         encoding="utf-8",
     )
-    pool = write_pool(
-        tmp_path,
-        [
-            {"id": "slow", "rollouts_per_s": 40, "price_per_hour": 0.1},
-            {"id": "fast", "rollouts_per_s": 100, "price_per_hour": 1.0},
-        ],
-    )
-    code, out, _ = plan("--config", str(cfg), "--pool", str(pool), "--t-train", "2")
-    # κ = S − 1 = 1; 1·100 / (1·2 − 0.5) = 66.6667; ×1.5 = 100 -> only "fast" (100) reaches it.
-    assert code == 0
-    assert "κ        steps per published version   1 (publish_every unset: S − 1)" in out
-    assert "= 1·100 / (1·2 − 0.5) = 100 / 1.5 = 66.6667 rollouts/s" in out
-    assert "Σμ ≥ 100 rollouts/s" in out
-    # t_gen = 4/40 = 0.1; 1 + ⌈0.6/2⌉ = 2 ≤ 2
-    assert "1 + ⌈(0.5 + 0.1)/2⌉ = 2 ≤ S = 2: ok" in out
-    assert "active (1): Σμ_eff = 100 rollouts/s, cost 1 per hour" in out
-
-
-def test_infeasible_when_broadcast_fills_the_window() -> None:
-    code, out, _ = plan("--pool", str(EXAMPLE_POOL), "--t-bcast", "3")
+    pool = write_pool(tmp_path, [{"id": "one", "rollouts_per_s": 100, "lease_s": 0.5}])
+    code, out, _ = plan("--config", str(cfg), "--pool", str(pool), "--t-train", "0.5")
+    # κ = S − 1 = 1; demand 100/0.5 = 200 (300 with headroom); a = (3·0.5 − 0.5 − 0.5)/0.5 = 1:
+    # 100 rollouts/s, so a step every 100/100 = 1 s instead of 0.5 s: idle 50%
     assert code == 1
-    assert "INFEASIBLE: T_bcast = 3 s ≥ κ·T_train = 3 s" in out
-    assert "3 + ⌈(3 + 0.2)/1⌉ = 7 > S = 4: VIOLATED" in out
-    assert "active (6)" in out and "standby (0)" in out  # everything kept active
+    assert "κ        steps per published version      1 (publish_every unset: S − 1)" in out
+    assert "demand: B / T_train = 100 / 0.5 = 200 admissible rollouts/s" in out
+    assert "predicted learner idle: 50.0% with the active set (a step every 1 s)" in out
+    assert "short of capacity" in out and "idle 50%" in out
 
 
-def test_staleness_violation_exits_1(tmp_path: Path) -> None:
-    pool = write_pool(tmp_path, [{"id": "tiny", "rollouts_per_s": 1, "price_per_hour": None}])
-    code, out, _ = plan("--pool", str(pool), "--t-train", "100")
-    # rule: 3·256/(300 − 0) = 2.56 rollouts/s > 1 -> short; t_gen = 8 s: 3 + ⌈8/100⌉ = 4 ≤ 4
+def test_broadcast_beyond_the_staleness_budget_exits_1() -> None:
+    code, out, _ = plan("--t-bcast", "4")  # S·T_train = 4 s ≤ T_bcast
     assert code == 1
-    assert "= 2.56 rollouts/s" in out and "short of capacity" in out
-    assert "3 + ⌈(0 + 8)/100⌉ = 4 ≤ S = 4: ok" in out
-    code, out, _ = plan("--pool", str(pool), "--t-train", "1000", "--t-bcast", "2500")
-    # 3·256/(3000 − 2500) = 1.536 > 1 still short; staleness 3 + ⌈2508/1000⌉ = 6 > 4
-    assert code == 1 and "= 6 > S = 4: VIOLATED" in out
+    assert "STALENESS: S·T_train = 4 s ≤ T_bcast = 4 s" in out
+    code, out, _ = plan("--pool", str(EXAMPLE_POOL), "--t-bcast", "4")
+    assert code == 1 and "active (6)" in out and "standby (0)" in out  # all kept active
+    assert "short of capacity" in out
 
 
-def test_without_pool_prints_rule_only() -> None:
+def test_without_pool_prints_the_demand_only() -> None:
     code, out, _ = plan()
     assert code == 0
-    assert "= 3·256 / (3·1 − 0) = 768 / 3 = 256 rollouts/s" in out
-    assert "with t_gen = 0: 3 + ⌈0/1⌉ = 3 vs S = 4: ok so far" in out
-    assert "no --pool given" in out
+    assert "demand: B / T_train = 256 / 1 = 256 admissible rollouts/s" in out
+    assert "no --pool given" in out and "STALENESS" not in out
 
 
 BAD_POOLS: list[tuple[str, str]] = [
@@ -115,6 +98,8 @@ BAD_POOLS: list[tuple[str, str]] = [
     ('[{"rollouts_per_s": 1}]', "id must be a non-empty string"),
     ('[{"id": "a", "rollouts_per_s": 1}, {"id": "a", "rollouts_per_s": 2}]', "duplicate id"),
     ("[3]", "entry 0: must be an object"),
+    ('[{"id": "a", "rollouts_per_s": 1, "load_s": -1}]', "load_s must be a number >= 0"),
+    ('[{"id": "a", "rollouts_per_s": 1, "lease_s": "x"}]', "lease_s must be a number >= 0"),
 ]
 
 

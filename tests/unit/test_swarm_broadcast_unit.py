@@ -13,7 +13,7 @@ import pytest
 from protocol.identity import Identity
 from protocol.manifest import build_manifest, sign_manifest
 from protocol.messages import Manifest, SignedEnvelope
-from swarm.broadcast import CHUNK_RPC, BroadcastNode
+from swarm.broadcast import CHUNK_RPC, EXCHANGE_RPC, BroadcastNode
 from swarm.chunks import ChunkStore
 from swarm.errors import ChunkUnavailable, ManifestUnavailable
 from swarm.fetcher import DownloadConfig
@@ -62,8 +62,9 @@ def node(
     cls: type[BroadcastNode] = BroadcastNode,
 ) -> BroadcastNode:
     cfg = DownloadConfig(
-        holders_refresh=0.01, seed_backoff=0.01, busy_backoff=0.01, seed_parallel=1
-    )
+        holders_refresh=0.01, seed_backoff=0.01, busy_backoff=0.01, seed_parallel=1,
+        seed_grace=0.2, manifest_deadline=1.0,
+    )  # fmt: skip
     return cls(
         net.endpoint(name), ChunkStore(tmp / name), dirs, key, config=cfg, announce_interval=0.005
     )
@@ -175,7 +176,8 @@ async def test_endgame_hedges_a_stuck_peer(tmp_path: Path) -> None:
         await n.start()
     await seed.seed_version(env, chunks)
     await stuck.seed_version(env, chunks)
-    await stuck.server.transport.register(CHUNK_RPC, _never_answer)  # accepts, never answers
+    for rpc in (CHUNK_RPC, EXCHANGE_RPC):  # accepts, never answers
+        await stuck.server.transport.register(rpc, _never_answer)
     cfg = DownloadConfig(holders_refresh=0.01, stall_timeout=30.0, hedge_after=0.2)
     receiver = BroadcastNode(
         net.endpoint("r"), ChunkStore(tmp_path / "r"), dirs, coord.public_key, config=cfg

@@ -41,6 +41,25 @@ def test_cross_field_rules_name_the_field() -> None:
         TrainerConfig(weight_cap=1.0)
     with pytest.raises(ValidationError, match="weight_mode"):
         TrainerConfig(weight_mode="clip")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="weight_cap_low"):
+        TrainerConfig(weight_cap_low=1.5)  # the band's lower end is below 1
+    with pytest.raises(ValidationError, match="m2_threshold"):
+        TrainerConfig(m2_threshold=0.0)
+    with pytest.raises(ValidationError, match="adam_beta2"):
+        TrainerConfig(adam_beta2=1.0)
+    with pytest.raises(ValidationError, match="warn_ess_frac_below"):
+        TrainerConfig(warn_ess_frac_below=2.0)
+
+
+def test_every_staleness_option_of_the_benchmark_is_a_valid_config() -> None:
+    # bench/staleness.py's options are plain TrainerConfig overrides
+    import sys
+
+    sys.path.insert(0, str(EXAMPLE.parents[1] / "bench"))
+    from staleness import OPTIONS
+
+    for name, overrides in OPTIONS.items():
+        assert TrainerConfig(**overrides), name
 
 
 def test_every_field_is_documented() -> None:

@@ -12,8 +12,11 @@ from trainer.loss import (
     behaviour_weights,
     effective_sample_size,
     entropy_bonus,
+    ess_lr_scale,
     group_advantages,
     policy_loss,
+    second_moment_mask,
+    sequence_ratio_sums,
     token_entropy,
     token_logprobs,
     weight_stats,
@@ -125,6 +128,97 @@ def test_weight_stats_kl_and_ess() -> None:
     ess = effective_sample_size(stats.w_sum, stats.w_sq_sum)
     assert ess == pytest.approx(sum(w) ** 2 / sum(x * x for x in w), rel=1e-6)
     assert effective_sample_size(0.0, 0.0) == 0.0
+
+
+def test_geometric_level_rejects_on_the_mean_log_ratio() -> None:
+    # Geo-RS: row 0's geometric mean ratio is (5 · 0.75 · 1)^(1/3) = 1.5536, row 1's is 1.5.
+    prox, beh, mask, st = _ratio_batch()
+    geo0 = 3.75 ** (1 / 3)
+    bw = behaviour_weights(prox, beh, mask, st, cap=2.0, mode="mask", level="geometric")
+    _close(bw.weights, [[geo0, geo0, geo0], [1.5, 0.0, 0.0]])
+    # band [1/1.52, 1.52]: row 0 is out (its every token is rejected), row 1 is in, weight 1.
+    bw = behaviour_weights(prox, beh, mask, st, cap=1.52, mode="reject", level="geometric")
+    _close(bw.weights, [[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    assert bw.modified.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    stats = weight_stats(prox, beh, mask, bw, "geometric")
+    assert (stats.units, stats.modified, stats.zeroed_tokens, stats.tokens) == (2.0, 1.0, 3.0, 4.0)
+    assert (stats.w_sum, stats.w_sq_sum) == (1.0, 1.0)  # one sequence of weight 1, one of 0
+
+
+def test_icepop_band_is_asymmetric_and_keeps_the_ratio_inside() -> None:
+    prox, beh, mask, st = _ratio_batch()  # token ratios 5, 0.75, 1 | 1.5
+    bw = behaviour_weights(prox, beh, mask, st, cap=6.0, cap_low=0.5, mode="mask", level="token")
+    _close(bw.weights, [[5.0, 0.75, 1.0], [1.5, 0.0, 0.0]])  # all inside [0.5, 6]
+    assert bw.modified.sum().item() == 0.0
+    # [0.8, 4.5]: 5 (above) and 0.75 (below) masked, 1 and 1.5 kept at their ratio.
+    bw = behaviour_weights(prox, beh, mask, st, cap=4.5, cap_low=0.8, mode="mask", level="token")
+    _close(bw.weights, [[0.0, 0.0, 1.0], [1.5, 0.0, 0.0]])
+    assert bw.modified.tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+def test_reject_and_raw_modes() -> None:
+    prox, beh, mask, st = _ratio_batch()
+    bw = behaviour_weights(prox, beh, mask, st, cap=2.0, mode="reject", level="token")
+    _close(bw.weights, [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # 5 outside [0.5, 2]: rejected
+    bw = behaviour_weights(prox, beh, mask, st, cap=2.0, mode="raw", level="token")
+    _close(bw.weights, [[5.0, 0.75, 1.0], [1.5, 0.0, 0.0]])  # untruncated
+    assert bw.modified.sum().item() == 0.0
+
+
+def test_second_moment_mask_drops_the_largest_until_the_mean_is_below_tau() -> None:
+    # (log r)² = 0.01, 0.25, 0.04, 1.0 (+ padding). Mean 0.325 > 0.04; without 1.0: 0.1 > 0.04;
+    # without 1.0 and 0.25: 0.025 ≤ 0.04 -> keep the tokens of 0.1 and 0.2.
+    log_r = torch.tensor([[0.1, -0.5, 0.2, 1.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    assert second_moment_mask(log_r, mask, 0.04).tolist() == [[1.0, 0.0, 1.0, 0.0, 0.0]]
+    # the mean without 1.0 is 0.1: τ = 0.11 keeps three tokens, τ = 0.09 two.
+    assert second_moment_mask(log_r, mask, 0.11).tolist() == [[1.0, 1.0, 1.0, 0.0, 0.0]]
+    assert second_moment_mask(log_r, mask, 0.09).tolist() == [[1.0, 0.0, 1.0, 0.0, 0.0]]
+    assert second_moment_mask(log_r, mask, 0.5).tolist() == [[1.0, 1.0, 1.0, 1.0, 0.0]]
+    # Nothing satisfies τ: the single smallest token is kept (as AReaL does).
+    assert second_moment_mask(log_r, mask, 1e-6).tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]]
+    assert second_moment_mask(log_r, torch.zeros_like(mask), 0.04).sum().item() == 0.0
+
+
+def test_m2po_mask_in_behaviour_weights_and_stats() -> None:
+    # (log r)²: ln5² = 2.590, ln0.75² = 0.0828, 0, ln1.5² = 0.1644; mean 0.709 > 0.1; without
+    # the ln5 token: 0.0824 ≤ 0.1. So only the token of ratio 5 is dropped.
+    prox, beh, mask, st = _ratio_batch()
+    bw = behaviour_weights(
+        prox, beh, mask, st, cap=2.0, mode="raw", level="token", m2_threshold=0.1
+    )
+    _close(bw.weights, [[0.0, 0.75, 1.0], [1.5, 0.0, 0.0]])
+    assert bw.m2_masked.tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    stats = weight_stats(prox, beh, mask, bw, "token")
+    m2 = sum(math.log(r) ** 2 for r in (5.0, 0.75, 1.0, 1.5))
+    assert stats.m2_sum == pytest.approx(m2, rel=1e-5)
+    assert stats.zeroed_tokens == 1.0
+
+
+def test_vcpo_lr_scale_from_the_sequence_level_ess() -> None:
+    # sequence ratios 5 · 0.75 · 1 = 3.75 and 1.5 (padding ignored): Σw = 5.25, Σw² = 16.3125,
+    # ESS = 5.25² / 16.3125 = 1.6897 of n = 2 -> factor sqrt(0.8448) = 0.9191.
+    prox, beh, mask, _ = _ratio_batch()
+    w_sum, w_sq, n = sequence_ratio_sums(prox, beh, mask)
+    assert (w_sum, w_sq, n) == pytest.approx((5.25, 16.3125, 2.0), rel=1e-5)
+    assert ess_lr_scale(w_sum, w_sq, n) == pytest.approx(math.sqrt(5.25**2 / 16.3125 / 2), rel=1e-5)
+    assert ess_lr_scale(*sequence_ratio_sums(prox, prox, mask)) == 1.0  # on-policy: no damping
+    assert ess_lr_scale(0.0, 0.0, 0.0) == 1.0
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask", "reject", "raw", "off"])
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_every_option_is_neutral_when_behaviour_is_the_proximal_policy(
+    mode: str, level: str
+) -> None:
+    # S = 0 (μ = π_prox): every correction must leave w = 1 on every completion token.
+    prox, _, mask, st = _ratio_batch()
+    bw = behaviour_weights(
+        prox, prox.clone(), mask, st, cap=1.5, mode=mode, level=level,  # type: ignore[arg-type]
+        cap_low=0.9, m2_threshold=0.04,
+    )  # fmt: skip
+    assert torch.equal(bw.weights, mask)
+    assert bw.modified.sum().item() == 0.0 and bw.m2_masked.sum().item() == 0.0
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from policy.model import CharTokenizer, ModelSpec, build_model
 from trainer.batch import Rollout
 from trainer.config import TrainerConfig
 from trainer.metrics import read_jsonl
+from trainer.monitors import GradSpikeGuard
 from trainer.recipe import InProcessSource, MemoryPublisher, Trainer
 
 torch.set_num_threads(1)
@@ -92,6 +93,42 @@ def test_step_metrics_are_written(tmp_path: Path) -> None:
     text = tr.metrics.registry  # gauges are registered and set
     assert text.get_sample_value("trainer_step") == 1.0
     assert text.get_sample_value("trainer_rollout_staleness_count") == 16.0
+
+
+def test_stability_monitors_are_in_every_record_and_warn(tmp_path: Path) -> None:
+    # behaviour log-probs ≈ −3.1 against the untrained model's ≈ −ln 26 = −3.26: a small, nonzero
+    # mismatch; a KL bound below it warns from the first step (window 1), one above it does not.
+    quiet = _trainer(tmp_path / "a", warn_window=1, warn_mismatch_kl_above=10.0)
+    rec = quiet.train_step(make_rollouts(3, 4, 4, version=0))
+    for key in ("ess_frac", "mismatch_kl", "clip_frac", "mask_frac", "grad_norm", "mismatch_m2"):
+        assert isinstance(rec[key], float), key
+    assert rec["stability_warning"] == ""
+    loud = _trainer(tmp_path / "b", warn_window=1, warn_mismatch_kl_above=1e-6)
+    rec = loud.train_step(make_rollouts(3, 4, 4, version=0))
+    assert rec["stability_warning"].startswith("mismatch_kl ")
+    assert rec["lr_scale"] == 1.0
+    # VCPO: the learning rate of each update is damped by the sequence-level ESS (< 1 here)
+    damped = _trainer(tmp_path / "d", ess_lr_scaling=True)
+    rec = damped.train_step(make_rollouts(3, 4, 4, version=0))
+    assert 0 < rec["lr_scale"] < 1
+    assert damped.optimizer.param_groups[0]["lr"] < damped.config.lr
+    # masking every token (band [0.99, 1.01] around ratios far from 1) shows in mask_frac
+    masked = _trainer(tmp_path / "c", weight_mode="mask", weight_cap=1.01, weight_cap_low=0.99)
+    rec = masked.train_step(make_rollouts(3, 4, 4, version=0))
+    assert rec["mask_frac"] > 0.5 and rec["weight_modified_frac"] > 0.5
+
+
+def test_grad_spike_guard_skips_updates_and_counts_them(tmp_path: Path) -> None:
+    tr = _trainer(tmp_path, grad_spike_factor=5.0)
+    # a guard that judges after one norm and calls every later update a spike
+    tr.spike_guard = GradSpikeGuard(1e-6, warmup=1)
+    rec = tr.train_step(make_rollouts(4, 4, 4, version=0))
+    assert (rec["updates"], rec["skipped_updates"]) == (4, 3)
+    before = _params(tr.model)
+    rec = tr.train_step(make_rollouts(5, 4, 4, version=1))
+    assert rec["skipped_updates"] == 4
+    after = _params(tr.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was applied
 
 
 def test_run_loop_publishes_every_kappa_and_resumes(tmp_path: Path) -> None:

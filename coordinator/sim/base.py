@@ -1,0 +1,99 @@
+"""What the simulation's processes share: the world interface, pool entries, counters, the
+nodes' reference model. (Kept apart so nodes, learner and world import it, not each other.)"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import simpy
+
+from coordinator.core import Coordinator
+from coordinator.sim.catalogue import GpuKind
+from coordinator.sim.network import Dissemination, Link
+from coordinator.sim.scenario import Scenario
+from policy.model import CharTokenizer
+from protocol.messages import Lease, RolloutSubmission
+
+#: A SimPy process body.
+Gen = Generator[Any, Any, Any]
+
+
+def reference_logprob(version: int, position: int, token: int) -> float:
+    """The simulation's "model": the log-prob of ``token`` at ``position`` under ``version``
+    (deterministic; honest nodes report it, the verifier recomputes it)."""
+    return -0.05 - 0.01 * ((token * 31 + position * 17 + version * 7) % 97)
+
+
+@dataclass(frozen=True)
+class PoolNode:
+    """A node of the pool before the run (the same draws serve every policy)."""
+
+    gpu: GpuKind
+    price: float | None
+    tps: float  # generated tokens per second for the scenario's model
+    link: Link
+    cheat: str | None  # None, "garbage" or "forger"
+
+
+@dataclass
+class Stats:
+    """Counters the processes update during a run."""
+
+    #: operation -> [calls, CPU seconds] of the coordinator
+    cpu: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0, 0.0]))
+    verdicts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    departures: dict[str, int] = field(default_factory=dict)
+    stalls: int = 0
+    joins: int = 0
+    lost_in_flight: int = 0  # samples of leases abandoned by a departing node
+    lost_refused: int = 0  # samples of honest submissions refused as late (expired / fenced)
+    refused_too_stale: int = 0  # samples refused because their version fell out of S
+    submitted: dict[str, int] = field(default_factory=dict)  # lease_id -> honest samples sent
+    acked: set[str] = field(default_factory=set)  # lease ids answered Ack
+    bad_leases: set[str] = field(default_factory=set)  # lease ids whose submission was a cheat
+    queue_wait_s: float = 0.0
+    verify_busy_s: float = 0.0
+    spot_checked: int = 0
+    max_queue: int = 0
+    dissemination: list[float] = field(default_factory=list)  # ready − publish, per version load
+
+
+class WorldApi(Protocol):
+    """The parts of :class:`coordinator.sim.world.World` the node and learner processes use."""
+
+    env: simpy.Environment
+    rng: random.Random
+    scenario: Scenario
+    stats: Stats
+    core: Coordinator
+    diss: Dissemination
+    tokenizer: CharTokenizer
+    heartbeat_s: float
+    token_unit: float
+    window: tuple[float, float]
+
+    def clock(self) -> float: ...
+
+    def call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+    def billed(self, price: float | None, since: float, until: float) -> float: ...
+
+    def draw_tokens(self, n: int) -> float: ...
+
+    def draw_stall(self) -> float: ...
+
+    def replace(self, gone: Any) -> None: ...
+
+    def intake(
+        self, node: Any, lease: Lease, sub: RolloutSubmission, n: int, tokens: float, bad: bool
+    ) -> Gen: ...
+
+    def record_verdict(self, node: Any, lease: Lease, verdict: Any, n: int, bad: bool) -> None: ...
+
+    def wait_for_rollouts(self) -> simpy.Event: ...
+
+    def publish(self, version: int) -> Gen: ...

@@ -1,0 +1,121 @@
+"""The simulated learner: the trainer's loop (``trainer.recipe.Trainer.run``) in virtual time.
+
+It fetches accepted rollouts from the real coordinator (``Coordinator.fetch_rollouts``, the
+``rswarm/fetch`` handler's call), keeps them by group (``lease_id/prompt_id``, as
+``trainer.main`` names groups), drops rollouts and incomplete groups that fell more than S
+versions behind (``Trainer._next_batch``), takes ``B / G`` complete groups oldest first, admits
+them with :func:`admitted` (0 ≤ Δ ≤ S: the rule of :func:`trainer.loss.admission_mask`, which the
+coordinator may not import; a test holds the two equal), and spends the step time. Every κ
+versions it publishes (the coordinator records the version at once; the seed is ready
+``publish_s`` later; the learner does not wait). Idle time is the time spent waiting for a batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from coordinator.sim.base import Gen, WorldApi
+from protocol.messages import AcceptedRollout
+
+
+def admitted(staleness: int, bound: int) -> bool:
+    """The trainer's admission rule (``trainer.loss.admission_mask``): 0 ≤ Δ ≤ S."""
+    return 0 <= staleness <= bound
+
+
+class Learner:
+    """The learner process and its ledger (what it trained, dropped, waited)."""
+
+    def __init__(self, world: WorldApi) -> None:
+        self.w = world
+        cfg = world.scenario.learner
+        self.version = 0
+        self.published = 0
+        self.cursor = 0
+        self.pending: dict[str, list[AcceptedRollout]] = {}
+        self.kappa = cfg.kappa
+        self.s = cfg.staleness_bound
+        self.prompts_per_step = max(1, cfg.batch_rollouts // cfg.group_size)
+        self.steps = 0
+        self.steps_in_window = 0
+        self.idle_s = 0.0  # waiting for a batch, within the measured window
+        self.busy_s = 0.0  # training, within the measured window
+        self.trained = 0  # rollouts trained on, within the window
+        self.trained_total = 0
+        self.dropped_stale = 0
+        self.bad_trained = 0
+        self.staleness: Counter[int] = Counter()
+        self.seen: set[int] = set()  # seq of every rollout fetched (doubles would show here)
+        self.doubled = 0
+
+    def _clip(self, a: float, b: float) -> float:
+        lo, hi = self.w.window
+        return max(0.0, min(b, hi) - max(a, lo))
+
+    def _too_stale(self, r: AcceptedRollout) -> bool:
+        return self.version - r.policy_version > self.s
+
+    def _fetch(self, need: int) -> int:
+        w = self.w
+        batch = w.call("fetch", w.core.fetch_rollouts, self.cursor, need)
+        self.cursor = batch.last_seq
+        for r in batch.rollouts:
+            if r.seq in self.seen:
+                self.doubled += 1
+            self.seen.add(r.seq)
+            if self._too_stale(r):
+                self.dropped_stale += 1
+                continue
+            self.pending.setdefault(f"{r.lease_id}/{r.prompt_id}", []).append(r)
+        return len(batch.rollouts)
+
+    def _complete(self) -> list[str]:
+        g = self.w.scenario.learner.group_size
+        for gid in [k for k, v in self.pending.items() if self._too_stale(v[0])]:
+            self.dropped_stale += len(self.pending.pop(gid))
+        return [k for k, v in self.pending.items() if len(v) >= g]
+
+    def run(self) -> Gen:
+        w = self.w
+        env = w.env
+        cfg = w.scenario.learner
+        env.process(w.publish(0))
+        while True:
+            t0 = env.now
+            while True:
+                complete = self._complete()
+                if len(complete) >= self.prompts_per_step:
+                    break
+                need = (self.prompts_per_step - len(complete)) * cfg.group_size
+                if not self._fetch(need):
+                    yield w.wait_for_rollouts()
+            self.idle_s += self._clip(t0, env.now)
+            batch = [r for gid in complete[: self.prompts_per_step] for r in self.pending.pop(gid)]
+            in_window = w.window[0] <= env.now <= w.window[1]
+            for r in batch:
+                d = self.version - r.policy_version
+                if not admitted(d, self.s):
+                    self.dropped_stale += 1
+                    continue
+                self.trained_total += 1
+                if r.lease_id in w.stats.bad_leases:
+                    self.bad_trained += 1
+                if in_window:
+                    self.trained += 1
+                    self.staleness[d] += 1
+            step = cfg.step_s * math.exp(w.rng.gauss(0.0, cfg.step_noise))
+            t1 = env.now
+            yield env.timeout(step)
+            self.busy_s += self._clip(t1, env.now)
+            self.steps += 1
+            self.steps_in_window += int(in_window)
+            self.version += 1
+            w.core.t_train_s = step  # CoordinatorService._on_fetch: the trainer's step_time_s
+            if self.version - self.published >= self.kappa:
+                self.published = self.version
+                env.process(self._publish(self.version))
+
+    def _publish(self, version: int) -> Gen:
+        yield self.w.env.timeout(self.w.scenario.learner.publish_s)
+        yield from self.w.publish(version)

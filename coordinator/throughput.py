@@ -1,0 +1,101 @@
+"""Per-node capacity figures, measured lease by lease (docs/capacity.md, "Measured inputs").
+
+For every accepted submission the node reports in its ``Timings`` how long it generated
+(``generate_s``), how long the lease waited for its version (``load_s``) and how long its loop
+spent on round trips since its previous generation (``overhead_s``). The coordinator itself
+observed the time from issuing the lease to receiving the result, and bounds the claims by it:
+
+* ``generate_s`` and ``load_s`` are clipped so that together they fit in the observed time;
+* the per-lease overhead is at least the observed time the claims leave unexplained.
+
+So a node that under-reports its generation time to look fast gains nothing: the rule uses
+μ_i·g_i/(g_i + o_i) = samples / (g_i + o_i), and the time it hid reappears in o_i.
+
+:class:`NodeFigures` keeps exponential moving averages (weight ``alpha`` per lease): μ_i = samples
+per second of generation, g_i = generation seconds per lease, o_i = overhead seconds per lease,
+d_i = load seconds per *version switch* (a lease on a version the node had not leased before;
+a lease on the version it already holds reports no load and does not dilute d_i). The book is
+soft state, rebuilt from the next leases after a restart (the durable end-to-end
+``NodeRecord.rollouts_per_s`` covers the meantime).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: figures beyond this are not believed (seconds; a lease is never this long)
+MAX_SECONDS = 86400.0
+
+
+@dataclass
+class NodeFigures:
+    """Smoothed capacity figures of one node (see the module docstring)."""
+
+    #: μ_i: samples per second of generation
+    gen_rate: float
+    #: g_i: generation seconds per lease
+    lease_s: float
+    #: o_i: seconds per lease on round trips (asking, submitting, the verdict)
+    overhead_s: float
+    #: d_i: seconds the node could not generate per version switch (None: no switch seen yet)
+    load_s: float | None
+    #: the version of its last measured lease
+    version: int
+    leases: int = 1
+
+
+def _clean(x: float) -> float:
+    return min(MAX_SECONDS, x) if math.isfinite(x) and x > 0 else 0.0
+
+
+class ThroughputBook:
+    """:class:`NodeFigures` per node key, updated from accepted submissions."""
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError("ThroughputBook: alpha must be in (0, 1]")
+        self.alpha = alpha
+        self._figures: dict[bytes, NodeFigures] = {}
+
+    def get(self, node_key: bytes) -> NodeFigures | None:
+        return self._figures.get(node_key)
+
+    def forget(self, node_key: bytes) -> None:
+        self._figures.pop(node_key, None)
+
+    def record(
+        self,
+        node_key: bytes,
+        *,
+        samples: int,
+        version: int,
+        generate_s: float,
+        load_s: float,
+        overhead_s: float,
+        observed_s: float,
+    ) -> NodeFigures | None:
+        """Fold one accepted lease in; ``observed_s`` = receipt − issue on the coordinator's clock.
+
+        Returns the node's figures (None when the lease carries nothing to measure)."""
+        observed = _clean(observed_s)
+        gen = min(_clean(generate_s), observed) if observed > 0 else _clean(generate_s)
+        if samples <= 0 or gen <= 0:
+            return None
+        load = min(_clean(load_s), max(0.0, observed - gen)) if observed > 0 else _clean(load_s)
+        overhead = max(_clean(overhead_s), observed - gen - load)
+        rate = samples / gen
+        old = self._figures.get(node_key)
+        if old is None:  # its first load is the start-up download, not a steady-state switch
+            fig = NodeFigures(rate, gen, overhead, None, version)
+            self._figures[node_key] = fig
+            return fig
+        a = self.alpha
+        old.gen_rate = (1 - a) * old.gen_rate + a * rate
+        old.lease_s = (1 - a) * old.lease_s + a * gen
+        old.overhead_s = (1 - a) * old.overhead_s + a * overhead
+        if version != old.version:  # a version switch: its load (0 when the prefetch hid it)
+            old.load_s = load if old.load_s is None else (1 - a) * old.load_s + a * load
+        old.version = version
+        old.leases += 1
+        return old

@@ -1,0 +1,203 @@
+"""``swarm simulate``: a small scenario through the real coordinator keeps the invariants; the
+models around it (catalogue, dissemination, broadcast fit, admission) and the scenario loader."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordinator.sim.catalogue import load_catalogue
+from coordinator.sim.cli import parse_sets, run_cli
+from coordinator.sim.costs import RECORDED, load_figures, token_check_cost
+from coordinator.sim.learner import admitted
+from coordinator.sim.network import Dissemination, NodeDownloads
+from coordinator.sim.results import RunResult
+from coordinator.sim.runner import build_pool, provision, run_one
+from coordinator.sim.scenario import ScenarioError, load_scenario, parse_scenario
+from trainer.loss import admission_mask
+
+CATALOGUE = load_catalogue()
+
+#: 200 nodes for 10 simulated minutes: long completions keep the message count (and the test) small.
+SMALL = {
+    "name": "test",
+    "nodes": 200,
+    "hours": 10 / 60,
+    "warmup_minutes": 3.0,
+    "seed": 5,
+    "model": {"params_b": 4.0, "version_fraction": 0.02, "completion_tokens_mean": 8000,
+              "completion_tokens_max": 16000, "load_s": 2.0},
+    "learner": {"batch_rollouts": 128, "group_size": 8, "step_s": 10.0, "staleness_bound": 4},
+    "churn": {"per_hour": 0.3, "stall_s_median": 60.0, "rejoin_s_mean": 30.0, "ramp_s": 20.0},
+    "byzantine": {"fraction": 0.1},
+    "verification": {"workers": 4, "verifier_tflops": 2000.0},  # every lease is re-scored
+    "coordinator": {"intake": {"spot_check_fraction": 1.0}},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def small_runs() -> dict[str, RunResult]:
+    sc = parse_scenario(SMALL)
+    figures = load_figures()
+    return {p: run_one(sc, p, CATALOGUE, figures) for p in ("cost_aware", "all_nodes")}
+
+
+def test_small_swarm_keeps_the_invariants(small_runs: dict[str, RunResult]) -> None:
+    for policy, r in small_runs.items():
+        broken = {k: d for k, (ok, d) in r.invariants.items() if not ok}
+        assert not broken, (policy, broken)
+        assert r.accepted > 0 and r.trained > 0, policy
+        assert r.bad_submissions > 0 and r.bad_trained == 0, policy  # cheaters caught, none used
+        assert r.banned > 0, policy
+        assert sum(r.departures.values()) + r.stalls > 0, policy  # churn happened
+        assert r.coordinator_cpu["submit"][0] > 0 and r.coordinator_cpu["heartbeat"][0] > 0
+
+
+def test_activation_costs_no_more_per_accepted_rollout_than_all_nodes(
+    small_runs: dict[str, RunResult],
+) -> None:
+    ca, al = small_runs["cost_aware"], small_runs["all_nodes"]
+    assert ca.cost_per_accepted <= al.cost_per_accepted, (ca.plan, ca.cost_per_accepted)
+    assert ca.billed_nodes_mean < al.billed_nodes_mean  # some nodes were put on standby
+
+
+def test_a_run_is_reproducible_from_its_seed() -> None:
+    sc = parse_scenario({**SMALL, "nodes": 40, "hours": 4 / 60, "warmup_minutes": 1.0})
+    a = run_one(sc, "cost_aware", CATALOGUE, RECORDED)
+    b = run_one(sc, "cost_aware", CATALOGUE, RECORDED)
+    assert (a.accepted_total, a.trained, a.verdicts, a.staleness) == (
+        b.accepted_total, b.trained, b.verdicts, b.staleness,
+    )  # fmt: skip
+
+
+def test_adaptive_check_rates_keep_forged_logprobs_out_where_a_flat_rate_does_not() -> None:
+    """The hole the simulation found: at a flat 10 % spot-check rate a forger's leases are trained
+    on until its first check. Issue 12's adaptive rate (a new node's leases all re-scored, the rate
+    halving with clean checks) catches every forger before anything of it is used."""
+    base = {**SMALL, "nodes": 60, "hours": 6 / 60, "warmup_minutes": 1.0,
+            "byzantine": {"fraction": 0.3, "garbage": 0.0, "forger": 1.0}}  # fmt: skip
+    flat = {"spot_check_fraction": 0.1, "new_node_check_rate": 0.1}
+    r = run_one(
+        parse_scenario({**base, "coordinator": {"intake": flat}}), "all_nodes", CATALOGUE, RECORDED
+    )
+    assert r.bad_trained > 0 and not r.invariants["no_bad_trained"][0]
+    assert all(r.invariants[k][0] for k in ("acked_durable", "one_group_per_prompt"))
+    adaptive = {"spot_check_fraction": 0.1}  # new_node_check_rate: the default, 1.0
+    r = run_one(
+        parse_scenario({**base, "coordinator": {"intake": adaptive}}), "all_nodes", CATALOGUE,
+        RECORDED,
+    )  # fmt: skip
+    assert r.bad_submissions > 0 and r.bad_trained == 0 and r.banned > 0
+    assert all(ok for ok, _ in r.invariants.values()), r.invariants
+
+
+def test_learner_admission_is_the_trainers_rule() -> None:
+    deltas = list(range(-3, 11))
+    for s in range(1, 7):
+        want = admission_mask(torch.tensor(deltas), s).tolist()
+        assert [admitted(d, s) for d in deltas] == want
+
+
+def test_shipped_scenarios_load_and_provision() -> None:
+    for name, nodes in (("nodes100", 100), ("nodes1000", 1000), ("nodes10000", 10000)):
+        sc = load_scenario(name)
+        pool = build_pool(sc, CATALOGUE)
+        assert len(pool) == nodes
+        premium = provision("premium_only", pool, sc)
+        assert premium and all(p.gpu.premium for p in premium)
+        fastest = provision("fastest_first", pool, sc)
+        slowest_taken = min(p.tps for p in fastest)
+        assert all(p.tps <= slowest_taken for p in pool if p not in fastest)
+
+
+def test_scenario_errors_name_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    for text, needle in [
+        ("nodes = 0", "nodes"),
+        ("nodez = 10", "nodez"),
+        ('[sweep]\n"learner.nope" = [1]', "learner.nope"),
+        ("hours = 0.1\nwarmup_minutes = 30", "warmup_minutes"),
+        ("[churn]\nper_hour = -1", "churn.per_hour"),
+    ]:
+        bad.write_text(text)
+        with pytest.raises(ScenarioError, match=needle) as e:
+            load_scenario(bad)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ScenarioError, match="no such config file"):
+        load_scenario(tmp_path / "missing.toml")
+    sc = parse_scenario({"mix": {"tpu": 1.0}})
+    with pytest.raises(ScenarioError, match="unknown GPU kind"):
+        build_pool(sc, CATALOGUE)
+
+
+def test_overrides_replace_dotted_fields_and_keep_the_rest() -> None:
+    base = load_scenario("nodes100")
+    sc = load_scenario(
+        "nodes100",
+        parse_sets(["churn.per_hour=0.3", "learner.staleness_bound = 6", "store=file",
+                    "coordinator.intake.spot_check_fraction=0.5"]),
+    )  # fmt: skip
+    assert (sc.churn.per_hour, sc.learner.staleness_bound, sc.store) == (0.3, 6, "file")
+    assert sc.coordinator["intake"] == {"spot_check_fraction": 0.5}
+    assert sc.learner.batch_rollouts == base.learner.batch_rollouts and sc.nodes == base.nodes
+    assert sc.with_values({"learner.staleness_bound": 2}).learner.staleness_bound == 2
+
+
+def test_cli_refuses_bad_input_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    bad: list[tuple[dict[str, object], str]] = [
+        ({"sets": ["learner.staleness_bound=0"]}, "learner.staleness_bound"),
+        ({"sets": ["nonsense"]}, "KEY=VALUE"),
+        ({"sets": ["learner.nope=1"]}, "learner.nope"),
+        ({"sets": ["churn.per_hour=fast"]}, "churn.per_hour"),
+        ({"sets": ["coordinator.intake.nope=1"]}, "intake.nope"),
+        ({"sets": ["coordinator.intake.spot_check_fraction=2"]}, "spot_check_fraction"),
+        ({"policies": ["cheapest"]}, "cheapest"),
+        ({"hours": -1.0}, "hours"),
+    ]
+    for kwargs, needle in bad:
+        assert run_cli(["nodes100"], write=False, **kwargs) == 2, kwargs  # type: ignore[arg-type]
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
+    assert run_cli(["no-such-scenario"], write=False) == 2
+    assert "no such config file" in capsys.readouterr().err
+
+
+def test_catalogue_interpolates_in_log_space() -> None:
+    g = CATALOGUE["rtx4090"]
+    assert g.tokens_per_s(4.0) == pytest.approx(2100)
+    mid = g.tokens_per_s(2.5)
+    assert 2100 < mid < 5200
+    assert g.tokens_per_s(16.0) == pytest.approx(1100 * 8 / 16)  # beyond the table: ∝ 1/size
+    assert CATALOGUE["rtx3060"].tokens_per_s(8.0) == 0.0  # does not fit
+    assert g.failures_per_hour == pytest.approx(-math.log(0.97))
+
+
+def test_broadcast_fit_matches_the_measured_points() -> None:
+    for n, ratio in RECORDED.broadcast:
+        assert RECORDED.broadcast_ratio(n) == pytest.approx(ratio, abs=0.1)
+    assert RECORDED.broadcast_ratio(10_000) > RECORDED.broadcast_ratio(1000) > 1.0
+
+
+def test_downloads_are_sequential_skip_superseded_versions_and_start_full() -> None:
+    diss = Dissemination(
+        full_bytes=1000.0, version_fraction=0.1, coordinator_bps=1e9, heartbeat_s=10.0
+    )
+    for v, at in ((0, 0.0), (1, 100.0), (2, 101.0), (3, 300.0)):
+        diss.publish(v, at)
+    fresh = NodeDownloads(diss, hb_phase=0.0, down_bps=10.0, joined=0.0)
+    assert fresh.ready_at(0, 0.0) == pytest.approx(100.0)  # the full checkpoint at 10 B/s
+    # v1 and v2 are both known at the heartbeat at t=110: v1 is skipped, v2 is a 100-byte delta
+    assert fresh.ready_at(2, 150.0) == pytest.approx(110.0 + 10.0)
+    assert fresh.ready_at(3, 300.0) == pytest.approx(300.0 + 10.0)  # asked by a lease at once
+    base = NodeDownloads(diss, hb_phase=5.0, down_bps=10.0, joined=0.0, holds_base=True)
+    assert base.ready_at(0, 0.0) == 0.0
+    assert base.ready_at(1, 100.0) == pytest.approx(100.0 + 10.0)  # a delta, asked at once
+
+
+def test_token_check_cost_runs_the_real_checks() -> None:
+    """The per-token intake cost is measured at start-up on a sample the real checks accept."""
+    per_token = token_check_cost(tokens=256, repeats=1)
+    assert 0.0 < per_token < 1e-3  # ~0.3 µs here; a millisecond per token would be a broken check
