@@ -241,12 +241,18 @@ def test_node_page_agrees_with_the_node_and_the_coordinator(swarm: Swarm, chrome
     _close(kpi["tokens_per_s"], st["tokens_per_s"])
     assert kpi["loaded_version"] == f"v{st['loaded_version']}"
     assert kpi["leases_accepted"] == f"{st['leases_accepted']:,}"
-    assert kpi["leases_rejected"] == f"{st['leases_rejected']:,}" == "0"
+    assert kpi["leases_rejected"] == f"{st['leases_rejected']:,}"
     assert kv["leases_done"] == f"{st['leases_done']:,}"
     assert kv["hardware"] == st["hardware"]
     assert re.fullmatch(r"CPU \d+ cores, .+ GiB", kv["hardware"])
     assert kv["backend"] == st["backend"] == "hf/float32"
-    assert kv["last_reject"] == "none"
+    # an honest node is refused nothing but `too_stale` (no strike: the learner moved more than S
+    # versions on while it generated; with the overlapped learner the demo does ~1 step/s)
+    if st["leases_rejected"] == 0:
+        assert kv["last_reject"] == "none" and st["last_reject"] is None
+    else:
+        assert st["last_reject"].startswith("too_stale: "), st["last_reject"]
+        assert kv["last_reject"].startswith(st["last_reject"]), kv["last_reject"]
     assert st["versions_held"] and st["loaded_version"] in st["versions_held"]
     # the volunteer's view and the coordinator's agree on who this is and that it works
     fp = st["fingerprint"]
