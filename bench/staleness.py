@@ -99,6 +99,7 @@ MONITORS = (
     "grad_norm",
     "entropy",
     "reward_mean",
+    "step_kl",
 )
 
 

@@ -76,6 +76,22 @@ def test_equal_rewards_leave_weights_unchanged_without_entropy(tmp_path: Path) -
     assert (tr.step, tr.version) == (1, 1)
 
 
+def test_informative_entropy_leaves_solved_groups_alone(tmp_path: Path) -> None:
+    """entropy_groups = "informative": a batch whose groups all have equal rewards (A = 0
+    everywhere) gets no bonus either, so the weights do not move; with "all" the bonus alone
+    moves them (it pushes solved prompts away from their answer, unopposed)."""
+    batch = make_rollouts(1, 4, 4, version=0, equal_rewards=True)
+    tr = _trainer(tmp_path / "inf", entropy_coef=0.1, entropy_groups="informative")
+    before = _params(tr.model)
+    rec = tr.train_step(batch)
+    assert rec["updates"] == tr.config.minibatches and rec["loss"] == 0.0
+    assert all(torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
+    plain = _trainer(tmp_path / "all", entropy_coef=0.1)
+    before = _params(plain.model)
+    plain.train_step(batch)
+    assert any(not torch.equal(before[k], v) for k, v in plain.model.state_dict().items())
+
+
 def test_step_metrics_are_written(tmp_path: Path) -> None:
     tr = _trainer(tmp_path, max_staleness=4)
     tr.version = 2
