@@ -40,7 +40,9 @@ class StepSnapshot:
 
     @classmethod
     @torch.no_grad()
-    def take(cls, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> StepSnapshot:
+    def take(
+        cls, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer
+    ) -> StepSnapshot:
         return cls(
             params=[p.detach().clone() for p in params],
             state=[

@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_trainer_recipe import _params, _trainer, make_rollouts
 
 from trainer.batch import build_batch, group_rollouts
 from trainer.loss import token_logprobs
 from trainer.recipe import Trainer
 from trainer.rollback import StepSnapshot, kl_k3_sums
-
-from test_trainer_recipe import _params, _trainer, make_rollouts
 
 torch.set_num_threads(1)
 
