@@ -74,6 +74,35 @@ OPTIONS: dict[str, dict[str, Any]] = {
     },
     # no correction (w = 1); the PPO clip against π_prox stays
     "off": {"weight_mode": "off"},
+    # TIS plus the step rollback: a step that moved the policy > 1 nat/token is undone
+    "rollback": {
+        "weight_mode": "truncate",
+        "weight_level": "token",
+        "weight_cap": 2.0,
+        "max_step_kl": 1.0,
+    },
+    # TIS, entropy bonus only on the tokens of samples with a non-zero advantage
+    "ent-informative": {
+        "weight_mode": "truncate",
+        "weight_level": "token",
+        "weight_cap": 2.0,
+        "entropy_groups": "informative",
+    },
+    # TIS with optimizer variants: no momentum (asynchrony already acts as momentum), a faster
+    # second moment, a smaller step
+    "beta1-0": {
+        "weight_mode": "truncate",
+        "weight_level": "token",
+        "weight_cap": 2.0,
+        "adam_beta1": 0.0,
+    },
+    "beta2-0.99": {
+        "weight_mode": "truncate",
+        "weight_level": "token",
+        "weight_cap": 2.0,
+        "adam_beta2": 0.99,
+    },
+    "lr-3e-4": {"weight_mode": "truncate", "weight_level": "token", "weight_cap": 2.0, "lr": 3e-4},
 }
 
 #: Per task: step cap, post-target window.

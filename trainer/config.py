@@ -135,12 +135,6 @@ class TrainerConfig(BaseModel):
         "so a batch of solved groups gets no bonus either and the two terms keep their balance "
         "as the task gets solved).",
     )
-    entropy_target: float | None = Field(
-        None,
-        gt=0.0,
-        description="H* (nats per token): the bonus only lifts tokens whose entropy is below H* "
-        "(loss −β_H·min(H, H*)), so it cannot push the policy towards uniform; None: plain bonus.",
-    )
 
     # --- stability monitors (trainer/monitors.py; thresholds from bench/staleness.py) --------
     warn_window: int = Field(

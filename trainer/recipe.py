@@ -775,7 +775,6 @@ class Trainer:
                 ent_mask,
                 coef=cfg.entropy_coef,
                 normalizer=global_tokens,
-                target=cfg.entropy_target,
             )
             loss.backward()  # type: ignore[no-untyped-call]
             sums["loss"] += float(loss.detach())

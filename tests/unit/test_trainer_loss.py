@@ -258,23 +258,3 @@ def test_entropy_and_logprob_helpers() -> None:
     mask = torch.tensor([[1.0, 0.0]])
     bonus = entropy_bonus(ent, mask, coef=0.5, normalizer=1.0)
     assert bonus.item() == pytest.approx(-0.5 * math.log(4), rel=1e-6)
-
-
-def test_entropy_target_makes_the_bonus_a_floor() -> None:
-    """With H* the bonus is −β·Σ min(H, H*)/n: tokens above H* count H* and get no gradient.
-
-    Hand computation: H = [ln 4 ≈ 1.386, 0.2, 0.05] on completion tokens, β = 0.5, n = 3, H* = 0.3:
-    bonus = −0.5·(0.3 + 0.2 + 0.05)/3 = −0.091667; d bonus/dH = [0, −1/6, −1/6]. Without H*:
-    −0.5·(1.386 + 0.25)/3 and −1/6 on every token (the plain bonus pushes every token up).
-    """
-    ent = torch.tensor([[math.log(4), 0.2, 0.05]], requires_grad=True)
-    mask = torch.ones(1, 3)
-    bonus = entropy_bonus(ent, mask, coef=0.5, normalizer=3.0, target=0.3)
-    assert bonus.item() == pytest.approx(-0.5 * 0.55 / 3, rel=1e-6)
-    bonus.backward()
-    assert ent.grad is not None
-    assert ent.grad[0].tolist() == pytest.approx([0.0, -1 / 6, -1 / 6], abs=1e-7)
-    plain = torch.tensor([[math.log(4), 0.2, 0.05]], requires_grad=True)
-    entropy_bonus(plain, mask, coef=0.5, normalizer=3.0).backward()
-    assert plain.grad is not None
-    assert plain.grad[0].tolist() == pytest.approx([-1 / 6] * 3, abs=1e-7)
