@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from _staleness_report import WEIGHT_KEYS  # noqa: E402
+
 SECTION = "staleness"
 
 #: The corrections compared (TrainerConfig overrides); docs/trainer.md gives each one's source.
@@ -314,9 +316,13 @@ def build_specs(args: argparse.Namespace, base: dict[str, Any]) -> list[Spec]:
         max_steps = args.max_steps or caps["max_steps"]
         post = args.post_steps if args.post_steps is not None else caps["post_steps"]
         for s in args.S:
-            # At S = 0 the behaviour policy is π_prox itself: every option gives w ≡ 1 (up to
-            # rounding), so S = 0 is run once per seed, with the first option named.
-            options = args.options[:1] if s == 0 and not args.s0_all else args.options
+            # At S = 0 the behaviour policy is π_prox itself: every weight option gives w ≡ 1
+            # (up to rounding), so S = 0 is run once per seed for them (the first one named);
+            # options that change something else (optimizer, entropy, rollback) run their own.
+            options = args.options
+            if s == 0 and not args.s0_all:
+                weight_only = [o for o in args.options if set(OPTIONS[o]) <= WEIGHT_KEYS]
+                options = weight_only[:1] + [o for o in args.options if o not in weight_only]
             for opt in options:
                 for seed in args.seeds:
                     specs.append(
