@@ -60,7 +60,13 @@ def tables(results: list[dict[str, Any]], options: list[str]) -> list[str]:
     tasks = sorted({k[0] for k in groups}, key=lambda t: (len(t), t))
     for task in tasks:
         s_values = sorted({k[1] for k in groups if k[0] == task})
-        base_runs = [r for k, v in groups.items() if k[0] == task and k[1] == 0 for r in v]
+        # the S = 0 runs every weight option shares (options that change more have their own)
+        base_runs = [
+            r
+            for k, v in groups.items()
+            if k[:2] == (task, 0) and _weights_only(groups, k[2])
+            for r in v
+        ]
         base = median_steps(base_runs) if base_runs else math.nan
         target = results[0]["spec"]["target"]
         lines += [
@@ -75,9 +81,7 @@ def tables(results: list[dict[str, Any]], options: list[str]) -> list[str]:
             opt_base = median_steps(own_base) if own_base else base
             for s in s_values:
                 runs = groups.get((task, s, opt)) or (
-                    [r for k, v in groups.items() if k[:2] == (task, 0) for r in v]
-                    if s == 0 and _weights_only(groups, opt)
-                    else []
+                    base_runs if s == 0 and _weights_only(groups, opt) else []
                 )
                 if not runs:
                     cells.append("")
