@@ -9,8 +9,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from _staleness_report import tables  # noqa: E402
-from staleness import build_specs, collapse_of  # noqa: E402
+from _staleness_report import tables
+from staleness import build_specs, collapse_of
 
 
 def _args(**kw: Any) -> argparse.Namespace:
