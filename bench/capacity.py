@@ -37,6 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _age import render as render_age  # noqa: E402
 from _demo_window import Window, measure  # noqa: E402
 from _report import write_section  # noqa: E402
 
@@ -50,7 +51,7 @@ SECTION = "capacity"
 TARGET_PP = 5.0
 #: the learner of these runs: one optimizer update per step (minibatches = 1), so that one demo
 #: node on this CPU cannot keep up with it and the grid spans short and ample pools
-TRAINER = {"minibatches": 1}
+TRAINER = {"minibatches": 1, "trace_rollouts": True}
 
 
 def _key(w: dict[str, Any]) -> str:
@@ -297,6 +298,8 @@ def run_point(nodes: int, s: int, *, overlap: bool, seconds: float, root: Path) 
         + (f"; ERROR {w.error}" if w.error else ""),
         flush=True,
     )
+    if w.age:
+        print("   age: " + render_age(w.age), flush=True)
     return w
 
 

@@ -14,12 +14,15 @@ usable until the learner is S versions past it. Symbols (docs/capacity.md has th
 
 With the learner stepping every T seconds, node i delivers admissible rollouts at
 
-    ρ_i(T) = μ_i · r_i · g_i/(g_i + o_i) · (1 − d_i / max(κ·T, g_i + o_i + d_i)) · a_i(T)
-    a_i(T) = clamp(((S + 1)·T − T_train − T_bcast − g_i − o_i) / (κ·T), 0, 1)
+    ρ_i(T) = μ_i · r_i · g_i/(g_i + o_i) · (1 − d_i / W_i) · a_i(T)
+    a_i(T) = clamp((X_i − d_i) / (W_i − d_i), 0, 1)
+    W_i = max(κ·T, g_i + o_i + d_i),   X_i = (S + 1)·T − T_train − T_bcast − g_i − o_i
 
-(a_i: the share of a version's leases whose results arrive before the learner is S versions
-past it). The learner is busy when Σ ρ_i(T_train) ≥ B / T_train; otherwise it steps every
-T* > T_train with T*·Σ ρ_i(T*) = B and its predicted idle fraction is 1 − T_train / T*.
+(a_i: the share of a node's generation on a version whose results arrive before the learner is
+S versions past it; generation on a version starts d_i after it became leasable, the node
+loading it first, so together ρ_i = μ_i·r_i·g_i/(g_i + o_i)·clamp(X_i − d_i, 0, W_i − d_i)/W_i).
+The learner is busy when Σ ρ_i(T_train) ≥ B / T_train; otherwise it steps every T* > T_train
+with T*·Σ ρ_i(T*) = B and its predicted idle fraction is 1 − T_train / T*.
 
 Activation: the cheapest set meeting the rule with headroom (ρ_i at T = T_train); exact search
 for pools of at most :data:`EXACT_LIMIT` paid nodes, otherwise greedy by c_i/ρ_i followed by a
@@ -107,20 +110,34 @@ def _lease_figures(node: NodeCapacity, pipe: Pipeline) -> tuple[float, float, fl
     return g, max(0.0, o), max(0.0, d)
 
 
+def _window(pipe: Pipeline, period: float, g: float, o: float, d: float) -> float:
+    """W_i: the stretch of time one version of a node's work covers — the κ·T seconds a version
+    is the newest, or the node's own lease cycle with a load when that is longer (it then
+    switches at most once per cycle)."""
+    return max(pipe.kappa * period, g + o + d)
+
+
 def admissible_fraction(node: NodeCapacity, pipe: Pipeline, period: float) -> float:
-    """a_i(T): the share of a version's leases on ``node`` whose results still arrive within S
-    versions when the learner steps every ``period`` seconds (1 when S is not given)."""
+    """a_i(T): the share of a node's generation on a version whose results still arrive within
+    S versions when the learner steps every ``period`` seconds (1 when S is not given).
+
+    The node starts generating on a version d_i after the version became leasable at the
+    earliest (it loads it first) and keeps generating on it until W_i; its generation starts
+    spread evenly over [d_i, W_i], and a lease started at t arrives t + g_i + o_i later."""
     if pipe.staleness_bound is None:
         return 1.0
     figures = _lease_figures(node, pipe)
     if figures is None:
         return 0.0
-    g, o, _ = figures
+    g, o, d = figures
     # A result of version u is used if it arrives before the learner, at version u + S, starts
     # training: (S + 1)·T − T_train after u was made (the step's wait for rollouts counts).
     deadline = (pipe.staleness_bound + 1) * period - pipe.t_train
-    slack = deadline - pipe.t_bcast - g - o
-    return min(1.0, max(0.0, slack / (pipe.kappa * period)))
+    latest_start = deadline - pipe.t_bcast - g - o  # X_i: the last generation start in time
+    span = _window(pipe, period, g, o, d) - d  # ≥ g + o
+    if span <= 0:
+        return 1.0 if latest_start >= d else 0.0
+    return min(1.0, max(0.0, (latest_start - d) / span))
 
 
 def node_rate(node: NodeCapacity, pipe: Pipeline, period: float | None = None) -> float:
@@ -133,7 +150,7 @@ def node_rate(node: NodeCapacity, pipe: Pipeline, period: float | None = None) -
         return 0.0
     g, o, d = figures
     duty = g / (g + o) if g + o > 0 else 1.0  # share of a lease cycle spent generating
-    loading = d / max(pipe.kappa * period, g + o + d) if d > 0 else 0.0
+    loading = d / _window(pipe, period, g, o, d) if d > 0 else 0.0
     return rate * duty * (1.0 - loading) * admissible_fraction(node, pipe, period)
 
 

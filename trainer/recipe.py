@@ -338,6 +338,8 @@ class Trainer:
                 idle=self.idle,
                 background=cfg.overlap,
             )
+            if cfg.trace_rollouts:
+                feed.fetched_at = {}
         self._feed = feed
         slot = PublicationSlot()
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-step")
@@ -537,7 +539,7 @@ class Trainer:
         With several ranks every rank calls it; rank 0's ``rollouts`` count (it scatters each
         rank its share of the groups) and its returned record is the complete one."""
         cfg = self.config
-        t0 = time.monotonic()
+        t0, started_at = time.monotonic(), time.time()
         groups = group_rollouts(rollouts)
         flat = [r for g in groups for r in g]
         rewards = torch.tensor([float(r.reward) for r in flat], dtype=torch.float64)
@@ -577,12 +579,30 @@ class Trainer:
             step_time if self.t_train_s is None else 0.8 * self.t_train_s + 0.2 * step_time
         )
         record = self._record(flat, staleness, admitted, sums, updates, step_time)
+        if cfg.trace_rollouts:
+            record["trace"] = self._trace(flat, started_at)
         record["stability_warning"] = self.monitor.observe(record)
         if self.metrics is not None:
             self.metrics.write(record)
         for callback in self.on_step:
             callback(record)
         return record
+
+    def _trace(self, flat: Sequence[Rollout], started_at: float) -> dict[str, Any]:
+        """The step's part of the per-rollout age breakdown (``trace_rollouts``): when it started
+        and ended (Unix time; its end is when the new version's weights exist) and, per rollout,
+        ``[seq, policy_version, fetched_at]`` (fetched_at: when the feed received it, null if
+        unknown)."""
+        stamps = self._feed.fetched_at if self._feed is not None else None
+        rows = []
+        for r in flat:
+            at = stamps.pop(r.seq, None) if stamps is not None else None
+            rows.append([r.seq, r.policy_version, None if at is None else round(at, 4)])
+        if stamps:  # forget the ones dropped before training (all below the resume cursor)
+            cursor = self.cursor  # (the feed adds stamps on the event loop meanwhile)
+            for seq in [s for s in list(stamps) if s <= cursor]:
+                stamps.pop(seq, None)
+        return {"start": round(started_at, 4), "end": round(time.time(), 4), "rollouts": rows}
 
     def _local_minibatches(
         self, kept: list[list[tuple[Rollout, float, int]]]

@@ -109,6 +109,7 @@ class PipelineSim:
         activation: bool = False,
         headroom: float = 0.2,
         jitter: float = 0.3,
+        ewma: float = 0.3,
         seed: int = 0,
         start: float = 1_000_000.0,
     ) -> None:
@@ -132,6 +133,7 @@ class PipelineSim:
                     "min_deadline_s": 120.0,
                     "max_prompts_per_lease": max_prompts,
                     "target_lease_s": 1e6,  # lease size = max_prompts
+                    "throughput_ewma": ewma,
                 },
                 "intake": {"spot_check_fraction": 0.0},
                 "capacity": {

@@ -40,11 +40,17 @@ def test_admissible_fraction_hand_computed() -> None:
     # S = 2, κ = 1, T_train = 1, T_bcast = 0.5; g + o = 1.25
     pipe = Pipeline(batch=100, t_train=1.0, kappa=1, t_bcast=0.5, staleness_bound=2)
     node = NodeCapacity("a", 100.0, lease_s=1.0, overhead_s=0.25)
-    # at T = 1: deadline (S+1)·T − T_train = 2, slack 2 − 0.5 − 1.25 = 0.25 of a 1 s window
-    assert admissible_fraction(node, pipe, 1.0) == pytest.approx(0.25)
-    # the learner waiting (T = 2) gives results more time: slack 5 − 1.75 = 3.25 > 2 → all
+    # at T = 1: deadline (S+1)·T − T_train = 2, latest start X = 2 − 0.5 − 1.25 = 0.25; the
+    # window W = max(κ·T, g + o + d) = 1.25 (its lease cycle is longer than a version)
+    assert admissible_fraction(node, pipe, 1.0) == pytest.approx(0.25 / 1.25)
+    # the learner waiting (T = 2) gives results more time: X = 5 − 1.75 = 3.25 > W = 2 → all
     assert admissible_fraction(node, pipe, 2.0) == 1.0
-    assert node_rate(node, pipe) == pytest.approx(80.0 * 0.25)
+    assert node_rate(node, pipe) == pytest.approx(80.0 * 0.2)
+    # a load delay is age too: with d = 0.1 generation on a version starts 0.1 s late
+    # (X − d)/(W − d) = 0.15/1.25, and the load costs d/W of the time: ρ = 80·(0.15/1.35)
+    loads = NodeCapacity("b", 100.0, lease_s=1.0, overhead_s=0.25, load_s=0.1)
+    assert admissible_fraction(loads, pipe, 1.0) == pytest.approx(0.15 / 1.25)
+    assert node_rate(loads, pipe) == pytest.approx(80.0 * 0.15 / 1.35)
     # without S nothing is late
     assert admissible_fraction(node, Pipeline(100, 1.0, 1, 0.5), 1.0) == 1.0
 
