@@ -41,6 +41,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from coordinator.capacity_fluid import Flow, fluid_period
+
 #: Pools up to this size are searched exhaustively (2^12 = 4096 subsets).
 EXACT_LIMIT = 12
 _EPS = 1e-12
@@ -166,9 +168,113 @@ def required_rate(batch: int, t_train: float) -> float:
     return batch / t_train
 
 
+def handover_supply(
+    nodes: Sequence[NodeCapacity], pipe: Pipeline, period: float, t: float
+) -> float:
+    """Rollouts of a published version u and the later ones that have reached the coordinator
+    ``t`` seconds after u was made, with the learner stepping every ``period`` seconds: node i
+    generates version u + jκ from jκ·T + T_bcast + d_i (it loads it first) until the next one is
+    leasable, (j + 1)κ·T + T_bcast, at μ_i·r_i·g_i/(g_i + o_i), each result arriving g_i + o_i
+    after its generation started."""
+    window = pipe.kappa * period
+    total = 0.0
+    for node in nodes:
+        figures = _lease_figures(node, pipe)
+        rate = node.effective_rate
+        if figures is None or rate <= 0:
+            continue
+        g, o, d = figures
+        q = rate * (g / (g + o) if g + o > 0 else 1.0)
+        lag = pipe.t_bcast + d + g + o
+        span = max(0.0, window - d)
+        j = 0
+        while j * window + lag < t:
+            total += q * min(span, t - j * window - lag)
+            j += 1
+    return total
+
+
+def handover_period(nodes: Sequence[NodeCapacity], pipe: Pipeline) -> float:
+    """T_h: the learner's seconds per step as the *hand-over* of versions allows (T_train when
+    it costs nothing; docs/capacity.md, "The hand-over").
+
+    A published version u − κ is too stale from step u − κ + S + 1 on, and that step can train
+    only on version u and later ones; it comes S − κ + 1 steps after the step that made u. So
+    each version's first B rollouts must be in by then, whatever the pool delivers on average:
+    oldest-first service does not help (the older version's surplus expires, u's rollouts are
+    not there yet). The learner runs its steps at T_train and waits w before each hand-over
+    step (one every κ steps); of those waits, n_w = ⌊(S − κ + 1)/κ⌋ + 1 fall between u being
+    made and its hand-over step, so (S − κ + 1)·T_train + n_w·w = τ, with τ the time the
+    swarm takes to deliver B rollouts of u and later versions (:func:`handover_supply`), and
+    T_h = T_train + w/κ. For κ = 1 this is the rule's own staleness cut; it bites when κ is
+    close to S (the default κ = S − 1)."""
+    s, kappa, t_train = pipe.staleness_bound, pipe.kappa, pipe.t_train
+    if s is None:
+        return t_train
+    steps = max(0.0, s - kappa + 1)
+    waits = math.floor(steps / kappa) + 1
+    period = t_train
+    for _ in range(4):  # later versions are made every κ·T_h: settle T_h (a few rounds suffice)
+        tau = _first_batch_s(nodes, pipe, period)
+        if math.isinf(tau):
+            return math.inf
+        period = t_train + max(0.0, (tau - steps * t_train) / waits) / kappa
+    return period
+
+
+def _first_batch_s(nodes: Sequence[NodeCapacity], pipe: Pipeline, period: float) -> float:
+    """τ: the first time :func:`handover_supply` reaches B (``math.inf`` if never)."""
+    if handover_supply(nodes, pipe, period, 0.0) >= pipe.batch:
+        return 0.0
+    lo, hi = 0.0, max(period, pipe.t_train)
+    while handover_supply(nodes, pipe, period, hi) < pipe.batch:
+        lo, hi = hi, 2 * hi
+        if hi > 1e6 * max(period, pipe.t_train):
+            return math.inf
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if handover_supply(nodes, pipe, period, mid) >= pipe.batch:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-9 * hi:
+            break
+    return hi
+
+
 def step_period(nodes: Sequence[NodeCapacity], pipe: Pipeline) -> float:
     """T*: the learner's predicted seconds per step with ``nodes`` (T_train when they keep up;
-    ``math.inf`` when they deliver no admissible rollout at any pace)."""
+    ``math.inf`` when they deliver no admissible rollout at any pace).
+
+    The closed forms give two bounds: the period at which the pool's admissible supply covers B
+    per step (:func:`_supply_period`) and the one the hand-over of versions allows
+    (:func:`handover_period`). With S given, the prediction is the fluid model's period
+    (:mod:`coordinator.capacity_fluid`: the same inputs, run step by step), which also sees
+    thin and fat versions; never below the supply bound."""
+    period = _supply_period(nodes, pipe)
+    if math.isinf(period) or pipe.staleness_bound is None:
+        return period
+    flows = []
+    for node in nodes:
+        figures = _lease_figures(node, pipe)
+        rate = node.effective_rate
+        if figures is None or rate <= 0:
+            continue
+        g, o, d = figures
+        flows.append(Flow(rate * (g / (g + o) if g + o > 0 else 1.0), d, g + o))
+    fluid = fluid_period(
+        flows,
+        batch=pipe.batch,
+        t_train=pipe.t_train,
+        kappa=pipe.kappa,
+        t_bcast=pipe.t_bcast,
+        staleness_bound=pipe.staleness_bound,
+    )
+    return max(period, fluid)
+
+
+def _supply_period(nodes: Sequence[NodeCapacity], pipe: Pipeline) -> float:
+    """The smallest T ≥ T_train with T·Σρ_i(T) ≥ B."""
     if supply(nodes, pipe) * pipe.t_train >= pipe.batch * (1 - 1e-9):
         return pipe.t_train
     lo, hi = pipe.t_train, 2 * pipe.t_train

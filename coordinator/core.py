@@ -441,7 +441,10 @@ class Coordinator:
             accepted = await self.intake.verify(sub, ctx)
         except IntakeRejection as exc:
             ctx.report.failed = ctx.report.failed or exc.code.value
-            return self._refuse(node_key, lease.lease_id, exc, digest, lease, ctx.report)
+            refused = self._refuse(node_key, lease.lease_id, exc, digest, lease, ctx.report)
+            if exc.code is ReasonCode.TOO_STALE:  # its version only ages: free the lease now
+                self.leases.close_unfulfillable(lease)
+            return refused
         fault_point("submit.before_commit")
         now = self.clock()
         with self.store.transaction():

@@ -43,6 +43,20 @@ CASES: dict[str, tuple[Any, ...]] = {
         [SimNode(f"n{i}", 2000.0, 0.05, 0.2) for i in range(4)],
         SimLearner(batch=256, t_train=0.3, kappa=1, staleness_bound=1, t_bcast=0.1),
     ),
+    # κ = S − 1 with fast nodes: on average the pool keeps up (the mean rule: 3 % idle), but the
+    # step after a version expires can train on the next published one only, whose first B
+    # rollouts take T_bcast + d + g + o + B/rate; the learner waits there every κ steps
+    "hand-over (κ = 3, S = 4)": (
+        [SimNode(f"n{i}", 2000.0, 0.1, 0.2) for i in range(3)],
+        SimLearner(batch=256, t_train=0.3, kappa=3, staleness_bound=4, t_bcast=0.4),
+    ),
+    # κ = 1, rollouts that arrive in the last step before they expire (the demo's regime): a
+    # step run at full speed leaves a thin version, a wait a fat one whose surplus expires;
+    # the mean rule predicts 21 % idle where the learner waits 31 %
+    "thin and fat versions (κ = 1)": (
+        [SimNode(f"n{i}", 1600.0, 0.1, 0.18) for i in range(3)],
+        SimLearner(batch=256, t_train=0.3, kappa=1, staleness_bound=2, t_bcast=0.35),
+    ),
     # generation times that vary ±60 % from lease to lease (a shared CPU): μ_i must be samples
     # over generation seconds (a ratio of means); a mean of each lease's rate overstates it
     # (E[n/g] > n/E[g]) and predicted 16 % idle where the learner waits 30 %. A slow running

@@ -12,11 +12,13 @@ from coordinator.capacity import (
     NodeCapacity,
     Pipeline,
     admissible_fraction,
+    handover_period,
     node_rate,
     plan_activation,
     predicted_idle,
     required_rate,
     step_period,
+    supply,
 )
 
 
@@ -100,9 +102,17 @@ def test_broadcast_longer_than_the_staleness_budget_slows_the_learner() -> None:
     )
     assert not plan.meets_rule and plan.active == ("a", "b") and plan.standby == ()
     assert plan.available == 0.0 and plan.staleness_ok is False
-    # a(T) = (5T − 1 − 5)/(3T); T·Σρ = 2000·(5T − 6)/3 = 256 → T = 1.2768
-    assert plan.step_period == pytest.approx((256 * 3 / 2000 + 6) / 5)
-    assert 0 < plan.predicted_idle < 0.25
+    # on average: a(T) = (5T − 1 − 5)/(3T); T·Σρ = 2000·(5T − 6)/3 = 256 at T = 1.2768
+    pipe = Pipeline(256, 1.0, 3, 5.0, 4)
+    mean_period = (256 * 3 / 2000 + 6) / 5
+    assert supply(nodes, pipe, mean_period) * mean_period == pytest.approx(256)
+    # but the hand-over binds: the step after version u − 3 expires (u + 2) has only u, which
+    # needs T_bcast + B/2000 = 5.128 s to deliver a batch, and comes (S − κ + 1)·T_train = 2 s
+    # of training plus one wait w after u was made: w = 3.128 s per κ = 3 steps
+    assert handover_period(nodes, pipe) == pytest.approx(1.0 + (5.0 + 256 / 2000 - 2.0) / 3)
+    # the prediction (the fluid model, step by step) agrees with the hand-over bound
+    assert plan.step_period == pytest.approx(handover_period(nodes, pipe), rel=0.03)
+    assert plan.step_period > mean_period and 0.4 < plan.predicted_idle < 0.55
 
 
 @pytest.mark.parametrize(
