@@ -32,6 +32,7 @@ STATUS_KEYS = (
     "plan_required_rollouts_per_s",
     "plan_available_rollouts_per_s",
     "plan_t_train_s",
+    "plan_t_train_cv",
     "plan_t_bcast_s",
     "plan_batch_rollouts",
     "plan_kappa",

@@ -96,6 +96,9 @@ class Pipeline:
     staleness_bound: int | None = None
     #: generation seconds of one lease for nodes that do not know theirs (0 = negligible).
     t_gen: float = 0.0
+    #: coefficient of variation of the learner's step time (0: every step takes T_train); the
+    #: fluid model draws its steps from T_train·(1 ± √3·cv), uniform
+    t_train_cv: float = 0.0
 
     def __post_init__(self) -> None:
         if self.batch <= 0 or not self.t_train > 0 or self.kappa <= 0 or not self.t_bcast >= 0:
@@ -269,6 +272,7 @@ def step_period(nodes: Sequence[NodeCapacity], pipe: Pipeline) -> float:
         kappa=pipe.kappa,
         t_bcast=pipe.t_bcast,
         staleness_bound=pipe.staleness_bound,
+        t_train_cv=pipe.t_train_cv,
     )
     return max(period, fluid)
 
@@ -395,13 +399,14 @@ def plan_activation(
     headroom: float = 0.2,
     staleness_bound: int | None = None,
     t_gen: float | None = None,
+    t_train_cv: float = 0.0,
     exact_limit: int = EXACT_LIMIT,
 ) -> Plan:
     """Choose the active set: the cheapest nodes whose admissible rate at T_train meets
     B / T_train with ``headroom``; predict the learner's idle fraction with it and with all.
 
     ``t_gen`` is the generation time of one lease for nodes whose ``lease_s`` is unknown."""
-    pipe = Pipeline(batch, t_train, kappa, t_bcast, staleness_bound, t_gen or 0.0)
+    pipe = Pipeline(batch, t_train, kappa, t_bcast, staleness_bound, t_gen or 0.0, t_train_cv)
     ids = sorted(n.node_id for n in nodes)
     rates = {n.node_id: node_rate(n, pipe) for n in nodes}
     available = sum(rates.values())

@@ -17,21 +17,24 @@ generates on the newest leasable version at μ_i·r_i·g_i/(g_i + o_i) rollouts/
 switches, and each result arrives g_i + o_i after its generation started; a version is leasable
 T_bcast after the step that made it ends, every κ-th version is published; the learner starts
 step k as soon as B rollouts of versions ≥ k − S are in (oldest version first), trains T_train,
-and makes version k + 1. Discrete leases and noise are left out. The mean step period over the
-settled steps is the prediction.
+and makes version k + 1 (its step times varying as the trainer reports: a short step outruns
+the rollouts of the next). Discrete leases and the nodes' noise are left out. The mean step
+period over the settled steps is the prediction.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-#: steps simulated; the period is measured over the last ``MEASURED`` of them
-STEPS = 96
-MEASURED = 48
+#: steps simulated; the period is measured over the last ``MEASURED`` of them (more when the
+#: step times vary: the mean over a sample of draws must settle)
+STEPS, MEASURED = 96, 48
+STEPS_VARYING, MEASURED_VARYING = 240, 200
 
 
 @dataclass(frozen=True)
@@ -77,9 +80,12 @@ def fluid_period(
     kappa: float,
     t_bcast: float,
     staleness_bound: int,
+    t_train_cv: float = 0.0,
 ) -> float:
     """The learner's mean seconds per step in the fluid dynamics (module docstring);
-    ``math.inf`` when the pool never delivers a batch."""
+    ``math.inf`` when the pool never delivers a batch. With ``t_train_cv`` > 0 the steps take
+    T_train·(1 + √3·cv·u), u uniform in [−1, 1] from a fixed seed (the same sequence every
+    call: the prediction is deterministic); the mean step is still T_train."""
     live = _grouped([f for f in flows if f.rate > 0 and math.isfinite(f.rate)])
     if not live:
         return math.inf
@@ -101,10 +107,13 @@ def fluid_period(
     def available(t: float, first: int) -> float:
         return sum(arrived(i, t) - consumed[i] for i in range(first, len(published)))
 
+    spread = math.sqrt(3.0) * min(max(0.0, t_train_cv), 0.5)  # at most ±87 %: steps stay > 0
+    draws = random.Random(0)
+    steps, measured = (STEPS_VARYING, MEASURED_VARYING) if spread > 0 else (STEPS, MEASURED)
     first = 0  # index of the oldest published version still admissible
     ready = 0.0  # when the learner can start its next step
     starts: list[float] = []
-    for k in range(STEPS):
+    for k in range(steps):
         while first < len(published) - 1 and published[first] < k - staleness_bound:
             first += 1
         if published[first] < k - staleness_bound:
@@ -123,7 +132,7 @@ def fluid_period(
                     hi = mid
                 else:
                     lo = mid
-                if hi - lo <= 1e-7 * max(hi, 1.0):
+                if hi - lo <= 1e-6 * max(hi, 1.0):
                     break
             start = hi
         need = float(batch)
@@ -134,10 +143,10 @@ def fluid_period(
             if need <= 1e-9:
                 break
         starts.append(start)
-        ready = start + t_train
+        ready = start + t_train * (1.0 + spread * (2.0 * draws.random() - 1.0))
         version = k + 1
         if math.floor(version / kappa) > math.floor((version - 1) / kappa):
             published.append(version)
             leasable.append(ready + t_bcast)
             consumed.append(0.0)
-    return (starts[-1] - starts[-MEASURED]) / (MEASURED - 1)
+    return (starts[-1] - starts[-measured]) / (measured - 1)

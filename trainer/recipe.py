@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -210,6 +211,8 @@ class Trainer:
         self.idle = IdleClock(window_s=config.idle_window_s)
         #: T_train: exponential moving average of the time in train_step (weight 0.2 per step)
         self.t_train_s: float | None = None
+        #: running mean of the squared step time (same weight): T_train's variability
+        self._t_train_sq: float | None = None
         #: seconds the last publication took (weights copied -> the publisher returned)
         self.publish_s: float | None = None
         #: publications deferred because the previous one was still in flight
@@ -578,6 +581,8 @@ class Trainer:
         self.t_train_s = (
             step_time if self.t_train_s is None else 0.8 * self.t_train_s + 0.2 * step_time
         )
+        sq = step_time * step_time
+        self._t_train_sq = sq if self._t_train_sq is None else 0.8 * self._t_train_sq + 0.2 * sq
         record = self._record(flat, staleness, admitted, sums, updates, step_time)
         if cfg.trace_rollouts:
             record["trace"] = self._trace(flat, started_at)
@@ -603,6 +608,16 @@ class Trainer:
             for seq in [s for s in list(stamps) if s <= cursor]:
                 stamps.pop(seq, None)
         return {"start": round(started_at, 4), "end": round(time.time(), 4), "rollouts": rows}
+
+    @property
+    def t_train_cv(self) -> float | None:
+        """Coefficient of variation of the step time (running, weight 0.2): on a shared machine
+        a step takes 0.3–0.8 s where T_train is 0.5, and a learner whose steps vary outruns its
+        rollouts after the short ones (docs/capacity.md, the fluid model)."""
+        if self.t_train_s is None or self._t_train_sq is None or self.t_train_s <= 0:
+            return None
+        var = max(0.0, self._t_train_sq - self.t_train_s * self.t_train_s)
+        return math.sqrt(var) / self.t_train_s
 
     def _local_minibatches(
         self, kept: list[list[tuple[Rollout, float, int]]]
@@ -830,6 +845,7 @@ class Trainer:
             "updates": updates,
             "step_time_s": step_time,
             "t_train_s": self.t_train_s,
+            "t_train_cv": self.t_train_cv,
             "batch_rollouts": self.config.batch_prompts * self.config.group_size,
             "completion_tokens": int(g["tokens"]),
             "publish_s": self.publish_s,

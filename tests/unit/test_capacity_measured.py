@@ -57,6 +57,15 @@ CASES: dict[str, tuple[Any, ...]] = {
         [SimNode(f"n{i}", 1600.0, 0.1, 0.18) for i in range(3)],
         SimLearner(batch=256, t_train=0.3, kappa=1, staleness_bound=2, t_bcast=0.35),
     ),
+    # a learner whose steps vary ±80 % (a shared machine): with steady 0.45 s steps this pool
+    # keeps it busy (0.1 % idle), but a short step outruns the rollouts of the next one and the
+    # learner waits 17 % of the time; the rule sees it through the trainer's t_train_cv
+    "a learner whose steps vary": (
+        [SimNode(f"n{i}", 1600.0, 0.1, 0.18) for i in range(3)],
+        SimLearner(
+            batch=256, t_train=0.45, kappa=1, staleness_bound=2, t_bcast=0.35, t_train_jitter=0.8
+        ),
+    ),
     # generation times that vary ±60 % from lease to lease (a shared CPU): μ_i must be samples
     # over generation seconds (a ratio of means); a mean of each lease's rate overstates it
     # (E[n/g] > n/E[g]) and predicted 16 % idle where the learner waits 30 %. A slow running
