@@ -56,7 +56,7 @@ TRAINER = {"minibatches": 1, "trace_rollouts": True}
 
 def _key(w: dict[str, Any]) -> str:
     epochs = w.get("epochs", 1)
-    suffix = "" if epochs == 1 else f"-e{epochs}"
+    suffix = ("" if epochs == 1 else f"-e{epochs}") + ("-pair" if w.get("pair") else "")
     return f"{w['nodes']}-{w['staleness']}-{'overlap' if w['overlap'] else 'serial'}{suffix}"
 
 
@@ -111,7 +111,9 @@ def _live(w: dict[str, Any]) -> float | None:
 
 def grid_rows(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     rows = [
-        w for w in runs.values() if w["overlap"] and not w.get("error") and w.get("epochs", 1) == 1
+        w
+        for w in runs.values()
+        if w["overlap"] and not w.get("error") and w.get("epochs", 1) == 1 and not w.get("pair")
     ]
     return sorted(rows, key=lambda w: (w["staleness"], w["nodes"]))
 
@@ -148,7 +150,9 @@ def headroom_table(runs: dict[str, dict[str, Any]]) -> list[str]:
     """Runs of a slower learner (``--epochs`` > 1), for the issue's second target: a pool
     that meets the rule with 20 % headroom keeps the learner ≤ 5 % idle."""
     rows = [
-        w for w in runs.values() if w.get("epochs", 1) != 1 and w["overlap"] and not w.get("error")
+        w
+        for w in runs.values()
+        if w.get("epochs", 1) != 1 and w["overlap"] and not w.get("error") and not w.get("pair")
     ]
     if not rows:
         return []
@@ -220,7 +224,7 @@ def verdict(runs: dict[str, dict[str, Any]]) -> str:
 def compare_table(runs: dict[str, dict[str, Any]]) -> list[str]:
     pairs = []
     for w in runs.values():
-        if not w["overlap"] and not w.get("error"):
+        if not w["overlap"] and not w.get("error") and w.get("pair"):
             other = runs.get(_key({**w, "overlap": True}))
             if other and not other.get("error"):
                 pairs.append((other, w))
@@ -369,14 +373,22 @@ def render(runs: dict[str, dict[str, Any]]) -> None:
 
 
 def run_point(
-    nodes: int, s: int, *, overlap: bool, seconds: float, root: Path, epochs: int = 1
+    nodes: int,
+    s: int,
+    *,
+    overlap: bool,
+    seconds: float,
+    root: Path,
+    epochs: int = 1,
+    pair: bool = False,
 ) -> dict[str, Any]:
     print(f"-- {nodes} nodes, S = {s}, overlap {overlap}, epochs {epochs}: load "
           f"{os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     t0 = time.monotonic()
     w = measure(nodes, s, seconds=seconds, overlap=overlap, run_root=root,
                 trainer_overrides={**TRAINER, "ppo_epochs": epochs})  # fmt: skip
-    run = {**dataclasses.asdict(w), "epochs": epochs}
+    # a --compare pair is kept apart from the validation grid (the two loops back to back)
+    run = {**dataclasses.asdict(w), "epochs": epochs, "pair": pair}
     (root / f"{_key(run)}.json").write_text(json.dumps(run, indent=1))
     pred = rule_on_window_means(run)
     print(
@@ -412,7 +424,7 @@ def main() -> int:
                 modes = [True, False] if args.compare else [True]
                 for overlap in modes:
                     w = run_point(n, s, overlap=overlap, seconds=args.seconds, root=root,
-                                  epochs=args.epochs)  # fmt: skip
+                                  epochs=args.epochs, pair=args.compare)  # fmt: skip
                     if args.no_write:
                         continue
                     runs[_key(w)] = w

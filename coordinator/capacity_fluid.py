@@ -132,7 +132,7 @@ def fluid_period(
                     hi = mid
                 else:
                     lo = mid
-                if hi - lo <= 1e-6 * max(hi, 1.0):
+                if hi - lo <= 1e-9 * max(hi, 1.0):
                     break
             start = hi
         need = float(batch)
