@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _age import breakdown
+
 from coordinator.status import CAPACITY_FIELDS
 from swarm.demo import Demo, DemoOptions
 from trainer.metrics import IDLE_CAUSES
@@ -30,6 +32,7 @@ STATUS_KEYS = (
     "plan_required_rollouts_per_s",
     "plan_available_rollouts_per_s",
     "plan_t_train_s",
+    "plan_t_train_cv",
     "plan_t_bcast_s",
     "plan_batch_rollouts",
     "plan_kappa",
@@ -64,6 +67,9 @@ class Window:
     figures: dict[str, Any] = field(default_factory=dict)
     loadavg: tuple[float, float] = (0.0, 0.0)
     error: str | None = None
+    #: the per-rollout age breakdown of the window (``bench/_age.py``; needs the trainer's
+    #: ``trace_rollouts``)
+    age: dict[str, Any] = field(default_factory=dict)
 
 
 def mean_figures(series: list[dict[str, Any]]) -> dict[str, Any]:
@@ -126,6 +132,7 @@ def measure(
         trainer_overrides=overrides,
     )
     out = Window(nodes=nodes, staleness=staleness, overlap=overlap, seconds=seconds)
+    window: tuple[float, float] | None = None
     load0 = os.getloadavg()[0]
     demo = Demo(opts)
     metrics = run_dir / "trainer" / "metrics.jsonl"
@@ -139,6 +146,7 @@ def measure(
                 return out
             time.sleep(1.0)
         first = _rows(metrics)[-1]
+        t_from = time.time()
         samples: list[dict[str, Any]] = []
         end = time.monotonic() + seconds
         series: list[dict[str, Any]] = []
@@ -147,6 +155,7 @@ def measure(
             samples.append({k: status.get(k) for k in STATUS_KEYS})
             series.append({k: status.get(k) for k in (*CAPACITY_FIELDS, *STATUS_KEYS)})
             time.sleep(1.0)
+        t_to = time.time()
         rows = [r for r in _rows(metrics) if r["step"] > first["step"]]
         if not rows:
             out.error = "no learner step during the window"
@@ -175,7 +184,10 @@ def measure(
             for k, v in last.items()
             if k.startswith("plan") or k in CAPACITY_FIELDS or k.startswith("trainer_idle")
         }
+        window = (t_from, t_to)
         return out
     finally:
         demo.stop()
         out.loadavg = (load0, os.getloadavg()[0])
+        if window is not None and (overrides.get("trace_rollouts")):
+            out.age = breakdown(run_dir, staleness, *window)

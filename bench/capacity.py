@@ -37,7 +37,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _demo_window import Window, measure  # noqa: E402
+from _age import render as render_age  # noqa: E402
+from _demo_window import measure  # noqa: E402
 from _report import write_section  # noqa: E402
 
 from coordinator.capacity import NodeCapacity, Pipeline, predicted_idle  # noqa: E402
@@ -50,11 +51,13 @@ SECTION = "capacity"
 TARGET_PP = 5.0
 #: the learner of these runs: one optimizer update per step (minibatches = 1), so that one demo
 #: node on this CPU cannot keep up with it and the grid spans short and ample pools
-TRAINER = {"minibatches": 1}
+TRAINER = {"minibatches": 1, "trace_rollouts": True}
 
 
 def _key(w: dict[str, Any]) -> str:
-    return f"{w['nodes']}-{w['staleness']}-{'overlap' if w['overlap'] else 'serial'}"
+    epochs = w.get("epochs", 1)
+    suffix = ("" if epochs == 1 else f"-e{epochs}") + ("-pair" if w.get("pair") else "")
+    return f"{w['nodes']}-{w['staleness']}-{'overlap' if w['overlap'] else 'serial'}{suffix}"
 
 
 def load_runs() -> dict[str, dict[str, Any]]:
@@ -80,7 +83,8 @@ def rule_on_window_means(w: dict[str, Any]) -> float | None:
     kappa, t_bcast = fig.get("plan_kappa"), fig.get("plan_t_bcast_s")
     if not (t_train and batch and kappa) or t_bcast is None:
         return None
-    pipe = Pipeline(round(batch), t_train, kappa, t_bcast, w["staleness"])
+    cv = fig.get("plan_t_train_cv") or 0.0
+    pipe = Pipeline(round(batch), t_train, kappa, t_bcast, w["staleness"], t_train_cv=cv)
     nodes = [
         NodeCapacity(
             fp,
@@ -106,7 +110,11 @@ def _live(w: dict[str, Any]) -> float | None:
 
 
 def grid_rows(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = [w for w in runs.values() if w["overlap"] and not w.get("error")]
+    rows = [
+        w
+        for w in runs.values()
+        if w["overlap"] and not w.get("error") and w.get("epochs", 1) == 1 and not w.get("pair")
+    ]
     return sorted(rows, key=lambda w: (w["staleness"], w["nodes"]))
 
 
@@ -138,6 +146,67 @@ def validation_table(runs: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def headroom_table(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """Runs of a slower learner (``--epochs`` > 1), for the issue's second target: a pool
+    that meets the rule with 20 % headroom keeps the learner ≤ 5 % idle."""
+    rows = [
+        w
+        for w in runs.values()
+        if w.get("epochs", 1) != 1 and w["overlap"] and not w.get("error") and not w.get("pair")
+    ]
+    if not rows:
+        return []
+    lines = [
+        "| nodes | S | epochs | T_train s | step s | Σρ / (B/T_train) | predicted idle % | "
+        "measured idle % | rollouts | fetch | publish | other |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for w in sorted(rows, key=lambda w: (w["staleness"], w["nodes"])):
+        st, b = w["status"], w["breakdown"]
+        need, have = st.get("plan_required_rollouts_per_s"), st.get("plan_available_rollouts_per_s")
+        ratio = f"{have / need:.2f}" if need and have is not None else "–"
+        lines.append(
+            f"| {w['nodes']} | {w['staleness']} | {w['epochs']} | {w['t_train_s']:.2f} | "
+            f"{w['mean_step_s']:.2f} | {ratio} | {_pct(_predicted(w))} | {_pct(w['idle'])} | "
+            f"{_pct(b.get('rollouts', 0) + b.get('stale', 0))} | {_pct(b.get('fetch'))} | "
+            f"{_pct(b.get('publish'))} | {_pct(b.get('checkpoint', 0) + b.get('other', 0))} |"
+        )
+    return lines
+
+
+def age_table(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """Per point: where a trained rollout's age went (``bench/_age.py``), and what became of
+    the rollouts accepted in the window (in time for their last step, and used)."""
+    rows = [w for w in grid_rows(runs) if (w.get("age") or {}).get("trained")]
+    if not rows:
+        return []
+    stages = list(rows[0]["age"]["stages_s"])
+    lines = [
+        "| nodes | S | step s | age s | mean Δ | "
+        + " | ".join(stages)
+        + " | lease switch / repeat s | accepted in time % | of those trained % |",
+        "|---:|---:|---:|---:|---:|" + "---:|" * len(stages) + "---|---:|---:|",
+    ]
+    for w in rows:
+        a = w["age"]
+        lease = a.get("lease_s") or {}
+        in_time = a.get("in_time_frac")
+        used = (
+            100 * a["trained"] / (a["accepted"] * in_time)
+            if in_time and a.get("accepted")
+            else None
+        )
+        lines.append(
+            f"| {w['nodes']} | {w['staleness']} | {a['step_period_s']:.2f} | {a['age_s']:.2f} | "
+            f"{a['delta']:.2f} | "
+            + " | ".join(f"{a['stages_s'][k]:.2f}" for k in stages)
+            + f" | {lease.get('switch', 0):.2f} / {lease.get('repeat', 0):.2f} | "
+            f"{'–' if in_time is None else f'{100 * in_time:.0f}'} | "
+            f"{'–' if used is None else f'{min(100.0, used):.0f}'} |"
+        )
+    return lines
+
+
 def verdict(runs: dict[str, dict[str, Any]]) -> str:
     rows = [w for w in grid_rows(runs) if _predicted(w) is not None]
     if not rows:
@@ -155,22 +224,24 @@ def verdict(runs: dict[str, dict[str, Any]]) -> str:
 def compare_table(runs: dict[str, dict[str, Any]]) -> list[str]:
     pairs = []
     for w in runs.values():
-        if not w["overlap"] and not w.get("error"):
+        if not w["overlap"] and not w.get("error") and w.get("pair"):
             other = runs.get(_key({**w, "overlap": True}))
             if other and not other.get("error"):
                 pairs.append((other, w))
     if not pairs:
         return []
     lines = [
-        "| nodes | S | loop | load avg | steps/min | idle % | rollouts | stale | fetch | publish "
-        "| other |",
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| nodes | S | epochs | loop | load avg | steps/min | idle % | rollouts | stale | "
+        "fetch | publish | other |",
+        "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for on, off in sorted(pairs, key=lambda p: (p[0]["staleness"], p[0]["nodes"])):
+    order = sorted(pairs, key=lambda p: (p[0].get("epochs", 1), p[0]["staleness"], p[0]["nodes"]))
+    for on, off in order:
         for w, name in ((off, "serial (overlap = false)"), (on, "overlapped (default)")):
             b = w["breakdown"]
             lines.append(
-                f"| {w['nodes']} | {w['staleness']} | {name} | {w['loadavg'][0]:.0f} → "
+                f"| {w['nodes']} | {w['staleness']} | {w.get('epochs', 1)} | {name} | "
+                f"{w['loadavg'][0]:.0f} → "
                 f"{w['loadavg'][1]:.0f} | {60 * w['steps'] / w['seconds']:.1f} | "
                 f"{_pct(w['idle'])} | {_pct(b.get('rollouts'))} | {_pct(b.get('stale'))} | "
                 f"{_pct(b.get('fetch'))} | {_pct(b.get('publish'))} | "
@@ -222,13 +293,13 @@ def conditions(runs: dict[str, dict[str, Any]]) -> str:
     loads = [w["loadavg"][i] for w in runs.values() for i in (0, 1)]
     load = f"{min(loads):.0f}–{max(loads):.0f}" if loads else "?"
     return (
-        f"`swarm demo` processes on 127.0.0.1 of one machine with {os.cpu_count()} CPUs shared "
-        f"with other work (1-minute load average {load} during the runs), Python "
+        f"`swarm demo` processes on 127.0.0.1 of one machine with {os.cpu_count()} CPUs (the "
+        f"demo's own processes load it; 1-minute load average {load} during the runs), Python "
         f"{platform.python_version()}; embedded model and task (reverse3), B = 256 (32 prompts × "
         f"8), trainer with one optimizer update per step (`minibatches = 1`), S and κ = max(1, "
         f"S − 1) as in the demo, every node free (all active). Each point: warm-up of 5 learner "
-        f"steps, then a {'/'.join(map(str, seconds))} s window; the runs are sequential and "
-        "`nice`d. Measured idle = 1 − (time in `train_step`) / wall time over the window, from the "
+        f"steps, then a {'/'.join(map(str, seconds))} s window; the runs are sequential. "
+        "Measured idle = 1 − (time in `train_step`) / wall time over the window, from the "
         "trainer's cumulative counters. Predicted = `predicted_idle` of coordinator/capacity.py on "
         "the window means of its inputs as the coordinator measured them in the same run "
         "(sampled from `/status` once a second: per node r, μ, g, o, d; the trainer's smoothed "
@@ -245,6 +316,26 @@ def render(runs: dict[str, dict[str, Any]]) -> None:
     has_plot = plot(runs)
     table = validation_table(runs)
     compare = compare_table(runs)
+    ages = age_table(runs)
+    age_text = []
+    if ages:
+        age_text = [
+            "",
+            "Where a trained rollout's age went (seconds, means over the rollouts trained in the "
+            "window; `bench/_age.py`: the trainer's `trace_rollouts` joined with the "
+            "coordinator's database), and what became of the rollouts accepted in the window:",
+            "",
+            *ages,
+        ]
+    headroom = headroom_table(runs)
+    if headroom:
+        age_text += [
+            "",
+            "A slower learner (`--epochs`: passes over each batch, `ppo_epochs`), for the "
+            "target *learner idle ≤ 5 % when the pool meets the rule with 20 % headroom*:",
+            "",
+            *headroom,
+        ]
     text = [
         f"<!-- bench:{SECTION}:start -->",
         "## Capacity rule against measurement (`bench/capacity.py`)",
@@ -254,6 +345,7 @@ def render(runs: dict[str, dict[str, Any]]) -> None:
         *table,
         "",
         verdict(runs),
+        *age_text,
     ]
     if compare:
         text += [
@@ -275,20 +367,30 @@ def render(runs: dict[str, dict[str, Any]]) -> None:
     ]
     if has_plot:
         doc += ["", "![predicted vs measured learner idle](capacity-validation.png)"]
+    doc += age_text
     doc.append("<!-- bench:capacity-validation:end -->")
     write_section("capacity-validation", "\n".join(doc), path=CAPACITY_DOC)
 
 
-def run_point(nodes: int, s: int, *, overlap: bool, seconds: float, root: Path) -> Window:
-    print(f"-- {nodes} nodes, S = {s}, overlap {overlap}: load {os.getloadavg()[0]:.1f}",
-          flush=True)  # fmt: skip
+def run_point(
+    nodes: int,
+    s: int,
+    *,
+    overlap: bool,
+    seconds: float,
+    root: Path,
+    epochs: int = 1,
+    pair: bool = False,
+) -> dict[str, Any]:
+    print(f"-- {nodes} nodes, S = {s}, overlap {overlap}, epochs {epochs}: load "
+          f"{os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     t0 = time.monotonic()
     w = measure(nodes, s, seconds=seconds, overlap=overlap, run_root=root,
-                trainer_overrides=TRAINER)  # fmt: skip
-    (root / f"{_key(dataclasses.asdict(w))}.json").write_text(
-        json.dumps(dataclasses.asdict(w), indent=1)
-    )
-    pred = rule_on_window_means(dataclasses.asdict(w))
+                trainer_overrides={**TRAINER, "ppo_epochs": epochs})  # fmt: skip
+    # a --compare pair is kept apart from the validation grid (the two loops back to back)
+    run = {**dataclasses.asdict(w), "epochs": epochs, "pair": pair}
+    (root / f"{_key(run)}.json").write_text(json.dumps(run, indent=1))
+    pred = rule_on_window_means(run)
     print(
         f"   {time.monotonic() - t0:.0f} s: idle {_pct(w.idle)} % (predicted {_pct(pred)} %, "
         f"live plan {_pct(w.status.get('plan_predicted_idle_frac'))} %), "
@@ -297,7 +399,9 @@ def run_point(nodes: int, s: int, *, overlap: bool, seconds: float, root: Path) 
         + (f"; ERROR {w.error}" if w.error else ""),
         flush=True,
     )
-    return w
+    if w.age:
+        print("   age: " + render_age(w.age), flush=True)
+    return run
 
 
 def main() -> int:
@@ -306,6 +410,9 @@ def main() -> int:
     ap.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--compare", action="store_true", help="also run the serial loop")
+    ap.add_argument("--epochs", type=int, default=1,
+                    help="passes over each batch per learner step (ppo_epochs; > 1: a slower "
+                    "learner, the headroom table)")  # fmt: skip
     ap.add_argument("--render", action="store_true", help="only re-draw the docs from the runs")
     ap.add_argument("--no-write", action="store_true", help="print, do not touch the docs")
     args = ap.parse_args()
@@ -316,10 +423,11 @@ def main() -> int:
             for n in args.nodes:
                 modes = [True, False] if args.compare else [True]
                 for overlap in modes:
-                    w = run_point(n, s, overlap=overlap, seconds=args.seconds, root=root)
+                    w = run_point(n, s, overlap=overlap, seconds=args.seconds, root=root,
+                                  epochs=args.epochs, pair=args.compare)  # fmt: skip
                     if args.no_write:
                         continue
-                    runs[_key(dataclasses.asdict(w))] = dataclasses.asdict(w)
+                    runs[_key(w)] = w
                     save_runs(runs)
     if args.no_write:
         print("\n".join(validation_table(runs)))

@@ -14,12 +14,15 @@ usable until the learner is S versions past it. Symbols (docs/capacity.md has th
 
 With the learner stepping every T seconds, node i delivers admissible rollouts at
 
-    ρ_i(T) = μ_i · r_i · g_i/(g_i + o_i) · (1 − d_i / max(κ·T, g_i + o_i + d_i)) · a_i(T)
-    a_i(T) = clamp(((S + 1)·T − T_train − T_bcast − g_i − o_i) / (κ·T), 0, 1)
+    ρ_i(T) = μ_i · r_i · g_i/(g_i + o_i) · (1 − d_i / W_i) · a_i(T)
+    a_i(T) = clamp((X_i − d_i) / (W_i − d_i), 0, 1)
+    W_i = max(κ·T, g_i + o_i + d_i),   X_i = (S + 1)·T − T_train − T_bcast − g_i − o_i
 
-(a_i: the share of a version's leases whose results arrive before the learner is S versions
-past it). The learner is busy when Σ ρ_i(T_train) ≥ B / T_train; otherwise it steps every
-T* > T_train with T*·Σ ρ_i(T*) = B and its predicted idle fraction is 1 − T_train / T*.
+(a_i: the share of a node's generation on a version whose results arrive before the learner is
+S versions past it; generation on a version starts d_i after it became leasable, the node
+loading it first, so together ρ_i = μ_i·r_i·g_i/(g_i + o_i)·clamp(X_i − d_i, 0, W_i − d_i)/W_i).
+The learner is busy when Σ ρ_i(T_train) ≥ B / T_train; otherwise it steps every T* > T_train
+with T*·Σ ρ_i(T*) = B and its predicted idle fraction is 1 − T_train / T*.
 
 Activation: the cheapest set meeting the rule with headroom (ρ_i at T = T_train); exact search
 for pools of at most :data:`EXACT_LIMIT` paid nodes, otherwise greedy by c_i/ρ_i followed by a
@@ -37,6 +40,8 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from coordinator.capacity_fluid import Flow, fluid_period
 
 #: Pools up to this size are searched exhaustively (2^12 = 4096 subsets).
 EXACT_LIMIT = 12
@@ -91,6 +96,9 @@ class Pipeline:
     staleness_bound: int | None = None
     #: generation seconds of one lease for nodes that do not know theirs (0 = negligible).
     t_gen: float = 0.0
+    #: coefficient of variation of the learner's step time (0: every step takes T_train); the
+    #: fluid model draws its steps from T_train·(1 ± √3·cv), uniform
+    t_train_cv: float = 0.0
 
     def __post_init__(self) -> None:
         if self.batch <= 0 or not self.t_train > 0 or self.kappa <= 0 or not self.t_bcast >= 0:
@@ -107,20 +115,34 @@ def _lease_figures(node: NodeCapacity, pipe: Pipeline) -> tuple[float, float, fl
     return g, max(0.0, o), max(0.0, d)
 
 
+def _window(pipe: Pipeline, period: float, g: float, o: float, d: float) -> float:
+    """W_i: the stretch of time one version of a node's work covers — the κ·T seconds a version
+    is the newest, or the node's own lease cycle with a load when that is longer (it then
+    switches at most once per cycle)."""
+    return max(pipe.kappa * period, g + o + d)
+
+
 def admissible_fraction(node: NodeCapacity, pipe: Pipeline, period: float) -> float:
-    """a_i(T): the share of a version's leases on ``node`` whose results still arrive within S
-    versions when the learner steps every ``period`` seconds (1 when S is not given)."""
+    """a_i(T): the share of a node's generation on a version whose results still arrive within
+    S versions when the learner steps every ``period`` seconds (1 when S is not given).
+
+    The node starts generating on a version d_i after the version became leasable at the
+    earliest (it loads it first) and keeps generating on it until W_i; its generation starts
+    spread evenly over [d_i, W_i], and a lease started at t arrives t + g_i + o_i later."""
     if pipe.staleness_bound is None:
         return 1.0
     figures = _lease_figures(node, pipe)
     if figures is None:
         return 0.0
-    g, o, _ = figures
+    g, o, d = figures
     # A result of version u is used if it arrives before the learner, at version u + S, starts
     # training: (S + 1)·T − T_train after u was made (the step's wait for rollouts counts).
     deadline = (pipe.staleness_bound + 1) * period - pipe.t_train
-    slack = deadline - pipe.t_bcast - g - o
-    return min(1.0, max(0.0, slack / (pipe.kappa * period)))
+    latest_start = deadline - pipe.t_bcast - g - o  # X_i: the last generation start in time
+    span = _window(pipe, period, g, o, d) - d  # ≥ g + o
+    if span <= 0:
+        return 1.0 if latest_start >= d else 0.0
+    return min(1.0, max(0.0, (latest_start - d) / span))
 
 
 def node_rate(node: NodeCapacity, pipe: Pipeline, period: float | None = None) -> float:
@@ -133,7 +155,7 @@ def node_rate(node: NodeCapacity, pipe: Pipeline, period: float | None = None) -
         return 0.0
     g, o, d = figures
     duty = g / (g + o) if g + o > 0 else 1.0  # share of a lease cycle spent generating
-    loading = d / max(pipe.kappa * period, g + o + d) if d > 0 else 0.0
+    loading = d / _window(pipe, period, g, o, d) if d > 0 else 0.0
     return rate * duty * (1.0 - loading) * admissible_fraction(node, pipe, period)
 
 
@@ -149,9 +171,114 @@ def required_rate(batch: int, t_train: float) -> float:
     return batch / t_train
 
 
+def handover_supply(
+    nodes: Sequence[NodeCapacity], pipe: Pipeline, period: float, t: float
+) -> float:
+    """Rollouts of a published version u and the later ones that have reached the coordinator
+    ``t`` seconds after u was made, with the learner stepping every ``period`` seconds: node i
+    generates version u + jκ from jκ·T + T_bcast + d_i (it loads it first) until the next one is
+    leasable, (j + 1)κ·T + T_bcast, at μ_i·r_i·g_i/(g_i + o_i), each result arriving g_i + o_i
+    after its generation started."""
+    window = pipe.kappa * period
+    total = 0.0
+    for node in nodes:
+        figures = _lease_figures(node, pipe)
+        rate = node.effective_rate
+        if figures is None or rate <= 0:
+            continue
+        g, o, d = figures
+        q = rate * (g / (g + o) if g + o > 0 else 1.0)
+        lag = pipe.t_bcast + d + g + o
+        span = max(0.0, window - d)
+        j = 0
+        while j * window + lag < t:
+            total += q * min(span, t - j * window - lag)
+            j += 1
+    return total
+
+
+def handover_period(nodes: Sequence[NodeCapacity], pipe: Pipeline) -> float:
+    """T_h: the learner's seconds per step as the *hand-over* of versions allows (T_train when
+    it costs nothing; docs/capacity.md, "The hand-over").
+
+    A published version u − κ is too stale from step u − κ + S + 1 on, and that step can train
+    only on version u and later ones; it comes S − κ + 1 steps after the step that made u. So
+    each version's first B rollouts must be in by then, whatever the pool delivers on average:
+    oldest-first service does not help (the older version's surplus expires, u's rollouts are
+    not there yet). The learner runs its steps at T_train and waits w before each hand-over
+    step (one every κ steps); of those waits, n_w = ⌊(S − κ + 1)/κ⌋ + 1 fall between u being
+    made and its hand-over step, so (S − κ + 1)·T_train + n_w·w = τ, with τ the time the
+    swarm takes to deliver B rollouts of u and later versions (:func:`handover_supply`), and
+    T_h = T_train + w/κ. For κ = 1 this is the rule's own staleness cut; it bites when κ is
+    close to S (the default κ = S − 1)."""
+    s, kappa, t_train = pipe.staleness_bound, pipe.kappa, pipe.t_train
+    if s is None:
+        return t_train
+    steps = max(0.0, s - kappa + 1)
+    waits = math.floor(steps / kappa) + 1
+    period = t_train
+    for _ in range(4):  # later versions are made every κ·T_h: settle T_h (a few rounds suffice)
+        tau = _first_batch_s(nodes, pipe, period)
+        if math.isinf(tau):
+            return math.inf
+        period = t_train + max(0.0, (tau - steps * t_train) / waits) / kappa
+    return period
+
+
+def _first_batch_s(nodes: Sequence[NodeCapacity], pipe: Pipeline, period: float) -> float:
+    """τ: the first time :func:`handover_supply` reaches B (``math.inf`` if never)."""
+    if handover_supply(nodes, pipe, period, 0.0) >= pipe.batch:
+        return 0.0
+    lo, hi = 0.0, max(period, pipe.t_train)
+    while handover_supply(nodes, pipe, period, hi) < pipe.batch:
+        lo, hi = hi, 2 * hi
+        if hi > 1e6 * max(period, pipe.t_train):
+            return math.inf
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if handover_supply(nodes, pipe, period, mid) >= pipe.batch:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-9 * hi:
+            break
+    return hi
+
+
 def step_period(nodes: Sequence[NodeCapacity], pipe: Pipeline) -> float:
     """T*: the learner's predicted seconds per step with ``nodes`` (T_train when they keep up;
-    ``math.inf`` when they deliver no admissible rollout at any pace)."""
+    ``math.inf`` when they deliver no admissible rollout at any pace).
+
+    The closed forms give two bounds: the period at which the pool's admissible supply covers B
+    per step (:func:`_supply_period`) and the one the hand-over of versions allows
+    (:func:`handover_period`). With S given, the prediction is the fluid model's period
+    (:mod:`coordinator.capacity_fluid`: the same inputs, run step by step), which also sees
+    thin and fat versions; never below the supply bound."""
+    period = _supply_period(nodes, pipe)
+    if math.isinf(period) or pipe.staleness_bound is None:
+        return period
+    flows = []
+    for node in nodes:
+        figures = _lease_figures(node, pipe)
+        rate = node.effective_rate
+        if figures is None or rate <= 0:
+            continue
+        g, o, d = figures
+        flows.append(Flow(rate * (g / (g + o) if g + o > 0 else 1.0), d, g + o))
+    fluid = fluid_period(
+        flows,
+        batch=pipe.batch,
+        t_train=pipe.t_train,
+        kappa=pipe.kappa,
+        t_bcast=pipe.t_bcast,
+        staleness_bound=pipe.staleness_bound,
+        t_train_cv=pipe.t_train_cv,
+    )
+    return max(period, fluid)
+
+
+def _supply_period(nodes: Sequence[NodeCapacity], pipe: Pipeline) -> float:
+    """The smallest T ≥ T_train with T·Σρ_i(T) ≥ B."""
     if supply(nodes, pipe) * pipe.t_train >= pipe.batch * (1 - 1e-9):
         return pipe.t_train
     lo, hi = pipe.t_train, 2 * pipe.t_train
@@ -272,13 +399,14 @@ def plan_activation(
     headroom: float = 0.2,
     staleness_bound: int | None = None,
     t_gen: float | None = None,
+    t_train_cv: float = 0.0,
     exact_limit: int = EXACT_LIMIT,
 ) -> Plan:
     """Choose the active set: the cheapest nodes whose admissible rate at T_train meets
     B / T_train with ``headroom``; predict the learner's idle fraction with it and with all.
 
     ``t_gen`` is the generation time of one lease for nodes whose ``lease_s`` is unknown."""
-    pipe = Pipeline(batch, t_train, kappa, t_bcast, staleness_bound, t_gen or 0.0)
+    pipe = Pipeline(batch, t_train, kappa, t_bcast, staleness_bound, t_gen or 0.0, t_train_cv)
     ids = sorted(n.node_id for n in nodes)
     rates = {n.node_id: node_rate(n, pipe) for n in nodes}
     available = sum(rates.values())

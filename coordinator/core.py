@@ -166,6 +166,8 @@ class Coordinator:
         self.t_bcast_s = config.capacity.t_bcast_s
         #: T_train estimate: the configured value until the trainer reports its step time.
         self.t_train_s = config.capacity.t_train_s
+        #: the variability of the learner's step time (coefficient of variation), as reported
+        self.t_train_cv = 0.0
         #: B and κ: configured until the trainer reports its own (the learner's figures win)
         self.batch_rollouts = config.capacity.batch_rollouts
         self.kappa = config.kappa
@@ -441,7 +443,10 @@ class Coordinator:
             accepted = await self.intake.verify(sub, ctx)
         except IntakeRejection as exc:
             ctx.report.failed = ctx.report.failed or exc.code.value
-            return self._refuse(node_key, lease.lease_id, exc, digest, lease, ctx.report)
+            refused = self._refuse(node_key, lease.lease_id, exc, digest, lease, ctx.report)
+            if exc.code is ReasonCode.TOO_STALE:  # its version only ages: free the lease now
+                self.leases.close_unfulfillable(lease)
+            return refused
         fault_point("submit.before_commit")
         now = self.clock()
         with self.store.transaction():
@@ -725,6 +730,7 @@ class Coordinator:
             t_train=self.t_train_s,
             kappa=self.effective_kappa,
             t_bcast=self.t_bcast_s,
+            t_train_cv=self.t_train_cv,
             headroom=cap.headroom,
             staleness_bound=self.config.staleness_bound,
             t_gen=t_gen,
@@ -795,6 +801,7 @@ class Coordinator:
             "plan_pool_idle_frac": self.plan.pool_idle if self.plan else None,
             "plan_step_period_s": self.plan.step_period if self.plan else None,
             "plan_t_train_s": self.t_train_s,
+            "plan_t_train_cv": self.t_train_cv,
             "plan_t_bcast_s": self.t_bcast_s,
             "plan_batch_rollouts": self.batch_rollouts,
             "plan_kappa": self.effective_kappa,

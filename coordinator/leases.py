@@ -180,6 +180,23 @@ class LeaseManager:
         log.info("lease %s released by its node; %d prompts re-queued", lease_id, len(held))
         return held
 
+    def close_unfulfillable(self, lease: LeaseRecord) -> list[int]:
+        """Close an active lease whose result can never be accepted (refused ``too_stale``: its
+        version only ages) at once, instead of at its deadline: its prompts are reassignable and
+        the node holds one lease fewer. Closed as expired without counting against the node's
+        reliability (an honest, late node); a re-send of the refused submission still gets its
+        stored verdict. Returns the re-queued prompts."""
+        with self.store.transaction():
+            current = self.store.get_lease(lease.lease_id)
+            if current is None or current.state != "active":
+                return []
+            self.store.close_lease(lease.lease_id, "expired", self.clock())
+            held = self._held(current)
+            self.store.requeue_prompts(held)
+        log.info("lease %s can no longer be fulfilled; %d prompts re-queued", lease.lease_id,
+                 len(held))  # fmt: skip
+        return held
+
     def check_holder(self, node_key: bytes, lease_id: str, epoch: int) -> LeaseRecord:
         """The lease, if ``node_key`` holds it at ``epoch``; else a :class:`Rejection`."""
         lease = self.store.get_lease(lease_id)

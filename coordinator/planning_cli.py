@@ -201,8 +201,8 @@ def render(inp: PlanInputs, nodes: list[NodeCapacity] | None) -> tuple[list[str]
         f"rollouts/s; with {inp.headroom:.0%} headroom {_num(target)}"
     )
     out.append(
-        "per node at T = T_train: ρ = μ·r · g/(g+o) · (1 − d/max(κ·T, g+o+d)) · a, "
-        "a = clamp(((S+1)·T − T_train − T_bcast − g − o)/(κ·T), 0, 1)"
+        "per node at T = T_train: ρ = μ·r · g/(g+o) · (1 − d/W) · a, W = max(κ·T, g+o+d), "
+        "a = clamp((X − d)/(W − d), 0, 1), X = (S+1)·T − T_train − T_bcast − g − o"
     )
     slack = inp.staleness_bound * inp.t_train - inp.t_bcast
     if slack <= 0:

@@ -581,6 +581,9 @@ class CoordinatorService:
         t_train = _positive(stats.get("t_train_s", stats.get("step_time_s")))
         if t_train is not None:
             self.core.t_train_s = t_train
+        cv = stats.get("t_train_cv")
+        if isinstance(cv, int | float) and not isinstance(cv, bool) and 0 <= cv < 10:
+            self.core.t_train_cv = float(cv)
         batch, kappa = _count(stats.get("batch_rollouts")), _count(stats.get("kappa"))
         if batch is not None:
             self.core.batch_rollouts = batch

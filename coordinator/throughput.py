@@ -11,8 +11,12 @@ observed the time from issuing the lease to receiving the result, and bounds the
 So a node that under-reports its generation time to look fast gains nothing: the rule uses
 μ_i·g_i/(g_i + o_i) = samples / (g_i + o_i), and the time it hid reappears in o_i.
 
-:class:`NodeFigures` keeps exponential moving averages (weight ``alpha`` per lease): μ_i = samples
-per second of generation, g_i = generation seconds per lease, o_i = overhead seconds per lease,
+:class:`NodeFigures` keeps exponential moving averages (weight ``alpha`` per lease) of the samples
+per lease n_i, g_i = generation seconds per lease, o_i = overhead seconds per lease, and
+μ_i = n_i / g_i samples per second of generation — a ratio of the means, not a mean of each
+lease's ratio: generation times that vary from lease to lease (a shared CPU) would make the mean
+of ratios overstate the rate (Jensen's inequality; E[n/g] > n/E[g]), and the rule's
+μ_i·g_i/(g_i + o_i) must be the samples per lease cycle;
 d_i = load seconds per *version switch* (a lease on a version the node had not leased before;
 a lease on the version it already holds reports no load and does not dilute d_i). The book is
 soft state, rebuilt from the next leases after a restart (the durable end-to-end
@@ -32,7 +36,7 @@ MAX_SECONDS = 86400.0
 class NodeFigures:
     """Smoothed capacity figures of one node (see the module docstring)."""
 
-    #: μ_i: samples per second of generation
+    #: μ_i: samples per second of generation (= samples / lease_s)
     gen_rate: float
     #: g_i: generation seconds per lease
     lease_s: float
@@ -43,6 +47,12 @@ class NodeFigures:
     #: the version of its last measured lease
     version: int
     leases: int = 1
+    #: n_i: samples per lease (0: taken as gen_rate × lease_s)
+    samples: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.samples <= 0:
+            self.samples = self.gen_rate * self.lease_s
 
 
 def _clean(x: float) -> float:
@@ -87,12 +97,13 @@ class ThroughputBook:
         rate = samples / gen
         old = self._figures.get(node_key)
         if old is None:  # its first load is the start-up download, not a steady-state switch
-            fig = NodeFigures(rate, gen, overhead, None, version)
+            fig = NodeFigures(rate, gen, overhead, None, version, samples=samples)
             self._figures[node_key] = fig
             return fig
         a = self.alpha
-        old.gen_rate = (1 - a) * old.gen_rate + a * rate
+        old.samples = (1 - a) * old.samples + a * samples
         old.lease_s = (1 - a) * old.lease_s + a * gen
+        old.gen_rate = old.samples / old.lease_s
         old.overhead_s = (1 - a) * old.overhead_s + a * overhead
         if version != old.version:  # a version switch: its load (0 when the prefetch hid it)
             old.load_s = load if old.load_s is None else (1 - a) * old.load_s + a * load

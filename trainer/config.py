@@ -235,6 +235,12 @@ class TrainerConfig(BaseModel):
         gt=0.0,
         description="idle_frac and its breakdown are measured over this many recent seconds.",
     )
+    trace_rollouts: bool = Field(
+        False,
+        description="Record each step's start and end (Unix time) and, per trained rollout, its "
+        "seq, policy version and when the trainer fetched it (``trace`` in metrics.jsonl): the "
+        "trainer's half of the per-rollout age breakdown (bench/_age.py, docs/capacity.md).",
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> TrainerConfig:

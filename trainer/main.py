@@ -473,6 +473,7 @@ async def _coordinator_public_key(peer: Any, fingerprint: str) -> bytes:
 #: Step-record keys reported to the coordinator for capacity planning and the idle breakdown.
 CAPACITY_STATS = (
     "t_train_s",
+    "t_train_cv",
     "batch_rollouts",
     "publish_s",
     "publish_deferred",

@@ -43,6 +43,7 @@ GAUGE_KEYS: tuple[str, ...] = (
     "idle_other_frac",
     "step_time_s",
     "t_train_s",
+    "t_train_cv",
 )
 
 

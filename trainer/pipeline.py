@@ -80,6 +80,9 @@ class RolloutFeed:
         self._cause = "rollouts"
         self._task: asyncio.Task[None] | None = None
         self.fetches = 0
+        #: with tracing on (a dict): Unix time each admissible rollout arrived here, by seq (the
+        #: learner pops what it trains; see ``TrainerConfig.trace_rollouts``)
+        self.fetched_at: dict[int, float] | None = None
 
     # --- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -166,6 +169,7 @@ class RolloutFeed:
             self._finished = True
             return None
         fresh = []
+        now = time.time()
         for r in items:
             if low is not None and r.seq > self.cursor + 1:
                 # seqs are dense: the source skipped the ones in between as too stale
@@ -173,6 +177,8 @@ class RolloutFeed:
             self.cursor = max(self.cursor, r.seq)
             if self.admissible(r):
                 fresh.append(r)
+                if self.fetched_at is not None:
+                    self.fetched_at[r.seq] = now
             else:
                 self._dropped += 1
         if len(items) < want:

@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -211,6 +212,8 @@ class Trainer:
         self.idle = IdleClock(window_s=config.idle_window_s)
         #: T_train: exponential moving average of the time in train_step (weight 0.2 per step)
         self.t_train_s: float | None = None
+        #: running mean of the squared step time (same weight): T_train's variability
+        self._t_train_sq: float | None = None
         #: seconds the last publication took (weights copied -> the publisher returned)
         self.publish_s: float | None = None
         #: publications deferred because the previous one was still in flight
@@ -341,6 +344,8 @@ class Trainer:
                 idle=self.idle,
                 background=cfg.overlap,
             )
+            if cfg.trace_rollouts:
+                feed.fetched_at = {}
         self._feed = feed
         slot = PublicationSlot()
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-step")
@@ -540,7 +545,7 @@ class Trainer:
         With several ranks every rank calls it; rank 0's ``rollouts`` count (it scatters each
         rank its share of the groups) and its returned record is the complete one."""
         cfg = self.config
-        t0 = time.monotonic()
+        t0, started_at = time.monotonic(), time.time()
         groups = group_rollouts(rollouts)
         flat = [r for g in groups for r in g]
         rewards = torch.tensor([float(r.reward) for r in flat], dtype=torch.float64)
@@ -593,16 +598,46 @@ class Trainer:
         self.t_train_s = (
             step_time if self.t_train_s is None else 0.8 * self.t_train_s + 0.2 * step_time
         )
+        sq = step_time * step_time
+        self._t_train_sq = sq if self._t_train_sq is None else 0.8 * self._t_train_sq + 0.2 * sq
         record = self._record(flat, staleness, admitted, sums, updates, step_time)
         record["step_kl"] = step_kl
         record["rolled_back"] = step_kl is not None and step_kl > (cfg.max_step_kl or 0.0)
         record["rollbacks"] = self.rollbacks
+        if cfg.trace_rollouts:
+            record["trace"] = self._trace(flat, started_at)
         record["stability_warning"] = self.monitor.observe(record)
         if self.metrics is not None:
             self.metrics.write(record)
         for callback in self.on_step:
             callback(record)
         return record
+
+    def _trace(self, flat: Sequence[Rollout], started_at: float) -> dict[str, Any]:
+        """The step's part of the per-rollout age breakdown (``trace_rollouts``): when it started
+        and ended (Unix time; its end is when the new version's weights exist) and, per rollout,
+        ``[seq, policy_version, fetched_at]`` (fetched_at: when the feed received it, null if
+        unknown)."""
+        stamps = self._feed.fetched_at if self._feed is not None else None
+        rows = []
+        for r in flat:
+            at = stamps.pop(r.seq, None) if stamps is not None else None
+            rows.append([r.seq, r.policy_version, None if at is None else round(at, 4)])
+        if stamps:  # forget the ones dropped before training (all below the resume cursor)
+            cursor = self.cursor  # (the feed adds stamps on the event loop meanwhile)
+            for seq in [s for s in list(stamps) if s <= cursor]:
+                stamps.pop(seq, None)
+        return {"start": round(started_at, 4), "end": round(time.time(), 4), "rollouts": rows}
+
+    @property
+    def t_train_cv(self) -> float | None:
+        """Coefficient of variation of the step time (running, weight 0.2): on a shared machine
+        a step takes 0.3–0.8 s where T_train is 0.5, and a learner whose steps vary outruns its
+        rollouts after the short ones (docs/capacity.md, the fluid model)."""
+        if self.t_train_s is None or self._t_train_sq is None or self.t_train_s <= 0:
+            return None
+        var = max(0.0, self._t_train_sq - self.t_train_s * self.t_train_s)
+        return math.sqrt(var) / self.t_train_s
 
     def _local_minibatches(
         self, kept: list[list[tuple[Rollout, float, int]]]
@@ -859,6 +894,7 @@ class Trainer:
             "updates": updates,
             "step_time_s": step_time,
             "t_train_s": self.t_train_s,
+            "t_train_cv": self.t_train_cv,
             "batch_rollouts": self.config.batch_prompts * self.config.group_size,
             "completion_tokens": int(g["tokens"]),
             "publish_s": self.publish_s,

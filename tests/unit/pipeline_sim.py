@@ -74,6 +74,9 @@ class SimLearner:
     kappa: int
     staleness_bound: int
     t_bcast: float = 0.0
+    #: each step takes t_train × U(1 − j, 1 + j) (a learner sharing its machine); the trainer
+    #: reports the coefficient of variation, j/√3, as ``t_train_cv``
+    t_train_jitter: float = 0.0
 
 
 @dataclass
@@ -109,6 +112,7 @@ class PipelineSim:
         activation: bool = False,
         headroom: float = 0.2,
         jitter: float = 0.3,
+        ewma: float = 0.3,
         seed: int = 0,
         start: float = 1_000_000.0,
     ) -> None:
@@ -117,6 +121,7 @@ class PipelineSim:
         #: real nodes do not tick like clocks (and identical clocks phase-lock to the learner)
         self.jitter = jitter
         self.rng = random.Random(seed)
+        self.steps_rng = random.Random(seed + 1)
         self.learner = learner
         self.clock = FakeClock(start)
         self.start = start
@@ -132,6 +137,7 @@ class PipelineSim:
                     "min_deadline_s": 120.0,
                     "max_prompts_per_lease": max_prompts,
                     "target_lease_s": 1e6,  # lease size = max_prompts
+                    "throughput_ewma": ewma,
                 },
                 "intake": {"spot_check_fraction": 0.0},
                 "capacity": {
@@ -182,6 +188,7 @@ class PipelineSim:
             self.core.register(node.ident.public_key, ad)
             self.at(self.start + 0.001 * i, self._asker(node))
         self.core.t_train_s = self.learner.t_train  # what the trainer reports
+        self.core.t_train_cv = self.learner.t_train_jitter / 3**0.5
         self.at(self.start, self._learner_try)
         self.at(self.start + 1.0, self._tick)
         end = self.start + warmup + seconds
@@ -307,7 +314,9 @@ class PipelineSim:
             self.waiting_since = None
         self.pending = self.pending[self.learner.batch :]
         self.training = True
-        self.at(self.clock() + self.learner.t_train, self._learner_done)
+        j = self.learner.t_train_jitter
+        step = self.learner.t_train * (1.0 + j * (2 * self.steps_rng.random() - 1))
+        self.at(self.clock() + step, self._learner_done)
 
     async def _learner_done(self) -> None:
         self.training = False

@@ -12,11 +12,13 @@ from coordinator.capacity import (
     NodeCapacity,
     Pipeline,
     admissible_fraction,
+    handover_period,
     node_rate,
     plan_activation,
     predicted_idle,
     required_rate,
     step_period,
+    supply,
 )
 
 
@@ -40,11 +42,17 @@ def test_admissible_fraction_hand_computed() -> None:
     # S = 2, κ = 1, T_train = 1, T_bcast = 0.5; g + o = 1.25
     pipe = Pipeline(batch=100, t_train=1.0, kappa=1, t_bcast=0.5, staleness_bound=2)
     node = NodeCapacity("a", 100.0, lease_s=1.0, overhead_s=0.25)
-    # at T = 1: deadline (S+1)·T − T_train = 2, slack 2 − 0.5 − 1.25 = 0.25 of a 1 s window
-    assert admissible_fraction(node, pipe, 1.0) == pytest.approx(0.25)
-    # the learner waiting (T = 2) gives results more time: slack 5 − 1.75 = 3.25 > 2 → all
+    # at T = 1: deadline (S+1)·T − T_train = 2, latest start X = 2 − 0.5 − 1.25 = 0.25; the
+    # window W = max(κ·T, g + o + d) = 1.25 (its lease cycle is longer than a version)
+    assert admissible_fraction(node, pipe, 1.0) == pytest.approx(0.25 / 1.25)
+    # the learner waiting (T = 2) gives results more time: X = 5 − 1.75 = 3.25 > W = 2 → all
     assert admissible_fraction(node, pipe, 2.0) == 1.0
-    assert node_rate(node, pipe) == pytest.approx(80.0 * 0.25)
+    assert node_rate(node, pipe) == pytest.approx(80.0 * 0.2)
+    # a load delay is age too: with d = 0.1 generation on a version starts 0.1 s late
+    # (X − d)/(W − d) = 0.15/1.25, and the load costs d/W of the time: ρ = 80·(0.15/1.35)
+    loads = NodeCapacity("b", 100.0, lease_s=1.0, overhead_s=0.25, load_s=0.1)
+    assert admissible_fraction(loads, pipe, 1.0) == pytest.approx(0.15 / 1.25)
+    assert node_rate(loads, pipe) == pytest.approx(80.0 * 0.15 / 1.35)
     # without S nothing is late
     assert admissible_fraction(node, Pipeline(100, 1.0, 1, 0.5), 1.0) == 1.0
 
@@ -94,9 +102,17 @@ def test_broadcast_longer_than_the_staleness_budget_slows_the_learner() -> None:
     )
     assert not plan.meets_rule and plan.active == ("a", "b") and plan.standby == ()
     assert plan.available == 0.0 and plan.staleness_ok is False
-    # a(T) = (5T − 1 − 5)/(3T); T·Σρ = 2000·(5T − 6)/3 = 256 → T = 1.2768
-    assert plan.step_period == pytest.approx((256 * 3 / 2000 + 6) / 5)
-    assert 0 < plan.predicted_idle < 0.25
+    # on average: a(T) = (5T − 1 − 5)/(3T); T·Σρ = 2000·(5T − 6)/3 = 256 at T = 1.2768
+    pipe = Pipeline(256, 1.0, 3, 5.0, 4)
+    mean_period = (256 * 3 / 2000 + 6) / 5
+    assert supply(nodes, pipe, mean_period) * mean_period == pytest.approx(256)
+    # but the hand-over binds: the step after version u − 3 expires (u + 2) has only u, which
+    # needs T_bcast + B/2000 = 5.128 s to deliver a batch, and comes (S − κ + 1)·T_train = 2 s
+    # of training plus one wait w after u was made: w = 3.128 s per κ = 3 steps
+    assert handover_period(nodes, pipe) == pytest.approx(1.0 + (5.0 + 256 / 2000 - 2.0) / 3)
+    # the prediction (the fluid model, step by step) agrees with the hand-over bound
+    assert plan.step_period == pytest.approx(handover_period(nodes, pipe), rel=0.03)
+    assert plan.step_period > mean_period and 0.4 < plan.predicted_idle < 0.55
 
 
 @pytest.mark.parametrize(

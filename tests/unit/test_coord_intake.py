@@ -15,7 +15,15 @@ from protocol.codec import decode, encode
 from protocol.envelope import seal
 from protocol.errors import ProtocolError, ReasonCode
 from protocol.identity import Identity
-from protocol.messages import Ack, Reject, RolloutSubmission, pack_logprobs, unpack_tokens
+from protocol.messages import (
+    Ack,
+    LeaseRequest,
+    Reject,
+    RolloutSubmission,
+    Standby,
+    pack_logprobs,
+    unpack_tokens,
+)
 
 
 @pytest.fixture
@@ -81,6 +89,30 @@ async def test_versions_other_than_the_lease_and_stale_beyond_s(h: Harness) -> N
         h.publish(v)
     late = submission(lease2, version=lease2.policy_version)
     assert await rejected(h, node, late) is ReasonCode.TOO_STALE
+
+
+async def test_a_lease_refused_too_stale_is_closed_at_once(h: Harness) -> None:
+    """Its version only ages, so no result of it can ever be accepted: the coordinator frees it
+    at once (prompts reassignable, one active lease fewer for the node) instead of holding it
+    to its deadline — a node at its cap of active leases would otherwise be put on standby
+    (measured in the demo at S = 1: first leases on a version up to 4 s late)."""
+    cap = h.core.config.leases.max_active_per_node
+    node = h.node()
+    leases = [h.lease(node, max_prompts=1) for _ in range(cap)]
+    assert isinstance(h.core.request_lease(node.public_key, LeaseRequest(
+        peer_id="peer", policy_version=1, max_prompts=1)), Standby)  # fmt: skip
+    for v in (2, 3, 4):
+        h.publish(v)
+    late = submission(leases[0], version=leases[0].policy_version)
+    assert await rejected(h, node, late) is ReasonCode.TOO_STALE
+    assert h.core.store.get_lease(leases[0].lease_id).state == "expired"
+    assert h.core.store.node_count() and h.core.reputation.strikes(node.public_key) == {}
+    again = h.lease(node, max_prompts=1)  # below the cap again, and gets the freed prompt
+    assert again.policy_version == 4 and again.prompts == leases[0].prompts
+    # the same bytes sent again still get their verdict; the node's record is not charged
+    assert await rejected(h, node, late) is ReasonCode.TOO_STALE
+    record = h.core.store.get_node(node.public_key)
+    assert record is not None and record.leases_expired == 0
 
 
 async def test_token_and_length_checks(h: Harness) -> None:

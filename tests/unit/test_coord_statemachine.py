@@ -330,6 +330,10 @@ class Model:
             self.strikes[sender.public_key] += 1
         if exp.stored and exp.situation != "replay":
             self.verdicts[lease.id, digest] = got
+        if exp.situation == "too_stale" and lease.state == "active":
+            # its version only ages: the coordinator closes the lease at once (no expiry charged)
+            lease.state = "expired"
+            self._requeue(lease)
         if exp.situation != "ack":
             return
         for p in exp.prompts:

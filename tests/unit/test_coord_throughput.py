@@ -87,3 +87,19 @@ def test_the_coordinator_plans_with_measured_figures(tmp_path: Path) -> None:
     status = h.core.status()
     assert status["plan_predicted_idle_frac"] == pytest.approx(0.96)
     assert status["plan_batch_rollouts"] == 100 and status["plan_t_train_s"] == 2.0
+
+
+def test_generation_rate_is_a_ratio_of_means() -> None:
+    """μ_i = samples per lease / generation seconds per lease (both running means): with
+    generation times that vary, a running mean of each lease's own rate overstates it (here
+    (640 + 213.3)/2 = 426.7 against 64 / 0.2 = 320), and the rule's μ_i·g_i would exceed the
+    samples a lease really carries."""
+    book = ThroughputBook(alpha=0.5)
+    book.record(KEY, samples=64, version=1, generate_s=0.1, load_s=0.0, overhead_s=0.0,
+                observed_s=0.1)  # fmt: skip
+    fig = book.record(KEY, samples=64, version=1, generate_s=0.3, load_s=0.0, overhead_s=0.0,
+                      observed_s=0.3)  # fmt: skip
+    assert fig is not None
+    assert fig.lease_s == pytest.approx(0.2)
+    assert fig.gen_rate == pytest.approx(320.0)
+    assert fig.gen_rate * fig.lease_s == pytest.approx(64.0)

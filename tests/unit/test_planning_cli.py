@@ -33,22 +33,31 @@ def test_example_pool_hand_computed() -> None:
     assert code == 0 and err == ""
     assert "B / T_train = 256 / 1 = 256 admissible rollouts/s; with 20% headroom 307.2" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("    ")}
-    # rtx4090: 120 · 1/(1 + 0.1) · (1 − 1.5/max(3, 2.6)) · a, a = (5·1 − 1 − 0.5 − 1 − 0.1)/3 = 0.8
-    assert rows["rtx4090-a"][6:8] == ["0.80", "43.64"]
-    # h100: 320 · 0.5/0.55 · (1 − 0.5/3) · (5 − 1 − 0.5 − 0.5 − 0.05)/3 = 238.38
-    assert rows["h100-sxm"][6:8] == ["0.98", "238.4"]
-    # volunteer: 40 · 0.9 · 1/1.3 · (1 − 4/max(3, 5.3)) · 2.2/3: a 4 s load per switch costs it
-    # three quarters of its time
-    assert rows["volunteer-3060"][6:8] == ["0.73", "4.981"]
-    # cheapest set reaching 307.2: h100 + both 4090s + the free volunteer = 330.64 at 3.30/h
-    assert "active (4): Σρ = 330.6 rollouts/s, cost 3.3 per hour" in out
-    active = out.split("active (4)")[1].split("standby")[0]
-    for node in ("h100-sxm", "rtx4090-a", "rtx4090-b", "volunteer-3060"):
+    # generation on a version starts after the node's load d and must start by
+    # X = (S+1)·T − T_train − T_bcast − g − o = 3.5 − g − o to arrive in time; W = max(κ·T, g+o+d)
+    # rtx4090: 120 · 1/(1 + 0.1) · (1 − 1.5/3) · a, a = (X − d)/(W − d) = (2.4 − 1.5)/1.5 = 0.6
+    assert rows["rtx4090-a"][6:8] == ["0.60", "32.73"]
+    # h100: 320 · 0.5/0.55 · (1 − 0.5/3) · (2.95 − 0.5)/2.5 = 237.6
+    assert rows["h100-sxm"][6:8] == ["0.98", "237.6"]
+    # volunteer: its 4 s load ends after X = 2.2 s: nothing it makes on a version arrives in time
+    assert rows["volunteer-3060"][6:8] == ["0.00", "0"]
+    # a100: 200 · 0.8/0.85 · (1 − 0.5/3) · (2.65 − 0.5)/2.5 = 134.9
+    assert rows["a100-80g"][6:8] == ["0.86", "134.9"]
+    # cheapest set reaching 307.2: h100 + both 4090s give 303.1 (short); h100 + a100 give 372.5
+    # at 3.70/h
+    assert "active (3): Σρ = 372.5 rollouts/s, cost 3.7 per hour" in out
+    active = out.split("active (3)")[1].split("standby")[0]
+    for node in ("h100-sxm", "a100-80g"):
         assert node in active
-    standby = out.split("standby (2)")[1].split("predicted")[0]
-    assert "a100-80g" in standby and "l4-spot" in standby
-    assert "saves 1.55 per hour" in out  # 1.20 + 0.35
-    assert "predicted learner idle: 0.0% with the active set (a step every 1 s)" in out
+    standby = out.split("standby (3)")[1].split("predicted")[0]
+    for node in ("rtx4090-a", "rtx4090-b", "l4-spot"):
+        assert node in standby
+    assert "saves 1.15 per hour" in out  # 0.40 + 0.40 + 0.35
+    # but every 3rd step hands over to a version that must deliver its first 256 rollouts
+    # within (S − κ + 1)·T_train = 2 s: the h100's arrive from T_bcast + d + g + o = 1.55 s at
+    # 290.9/s, the a100's from 1.85 s at 188.2/s: 87.3 by 1.85 s, 256 by 2.202 s; so the learner
+    # waits 0.202 s per 3 steps (step every 1.067 s, 6.3 %; the fluid model, step by step: 6.4 %)
+    assert "predicted learner idle: 6.4% with the active set (a step every 1.069 s)" in out
 
 
 def test_a_short_pool_predicts_the_learner_idle(tmp_path: Path) -> None:

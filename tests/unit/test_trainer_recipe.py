@@ -229,3 +229,20 @@ def test_incomplete_group_that_turns_stale_is_evicted(tmp_path: Path) -> None:
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["dropped_stale"] for r in rows] == [0, 0, 2]  # evicted once Δ = 2 > S
     assert tr.cursor == 2 + 48  # nothing pending pins the cursor
+
+
+def test_step_time_variability_is_reported(tmp_path: Path) -> None:
+    """``t_train_cv``: the coefficient of variation of the step time, from running means of the
+    step time and its square (weight 0.2), reported with every step (the capacity rule's fluid
+    model uses it: a learner whose steps vary outruns its rollouts after the short ones); and
+    ``trace_rollouts`` adds the step's times and each rollout's seq, version and fetch time."""
+    tr = _trainer(tmp_path, max_staleness=4, trace_rollouts=True)
+    rec = tr.train_step(make_rollouts(0, 4, 4, version=0))
+    assert rec["t_train_cv"] == 0.0  # one step: no spread yet
+    assert rec["trace"]["start"] <= rec["trace"]["end"]
+    # no feed here (train_step called directly): seq 0, version 0, fetch time unknown
+    assert rec["trace"]["rollouts"] == [[0, 0, None]] * 16
+    # the running means after steps of 1 s and 3 s: mean 0.8·1 + 0.2·3 = 1.4, mean square
+    # 0.8·1 + 0.2·9 = 2.6, variance 2.6 − 1.96 = 0.64, cv = 0.8 / 1.4
+    tr.t_train_s, tr._t_train_sq = 0.8 * 1.0 + 0.2 * 3.0, 0.8 * 1.0 + 0.2 * 9.0
+    assert tr.t_train_cv == pytest.approx(0.8 / 1.4)
