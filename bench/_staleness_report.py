@@ -119,9 +119,10 @@ def tables(results: list[dict[str, Any]], options: list[str]) -> list[str]:
 
 
 #: TrainerConfig keys that only change the behaviour weights: at S = 0 (μ = π_prox) an option
-#: made of these alone trains exactly as any other, so the S = 0 runs of one stand for all.
+#: made of these alone trains exactly as any other, so the S = 0 runs of one stand for all
+#: (VCPO's step-size factor depends on the weights' ESS only: 1 at S = 0).
 WEIGHT_KEYS = frozenset({"weight_mode", "weight_level", "weight_cap", "weight_cap_low",
-                         "m2_threshold", "staleness_decay"})  # fmt: skip
+                         "m2_threshold", "staleness_decay", "ess_lr_scaling"})  # fmt: skip
 
 
 def _weights_only(groups: Group, opt: str) -> bool:

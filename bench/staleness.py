@@ -106,6 +106,11 @@ OPTIONS: dict[str, dict[str, Any]] = {
     },
     "lr-3e-4": {"weight_mode": "truncate", "weight_level": "token", "weight_cap": 2.0, "lr": 3e-4},
 }
+# Every option names VCPO's step size explicitly (off unless the option is about it), so that what
+# an option means -- and its key in the results file -- does not change with TrainerConfig's
+# default (on since this benchmark chose `vcpo-ess`).
+for _overrides in OPTIONS.values():
+    _overrides.setdefault("ess_lr_scaling", False)
 
 #: Per task: step cap, post-target window.
 TASKS: dict[str, dict[str, int]] = {

@@ -119,12 +119,15 @@ def test_stability_monitors_are_in_every_record_and_warn(tmp_path: Path) -> None
     for key in ("ess_frac", "mismatch_kl", "clip_frac", "mask_frac", "grad_norm", "mismatch_m2"):
         assert isinstance(rec[key], float), key
     assert rec["stability_warning"] == ""
-    loud = _trainer(tmp_path / "b", warn_window=1, warn_mismatch_kl_above=1e-6)
+    loud = _trainer(
+        tmp_path / "b", warn_window=1, warn_mismatch_kl_above=1e-6, ess_lr_scaling=False
+    )
     rec = loud.train_step(make_rollouts(3, 4, 4, version=0))
     assert rec["stability_warning"].startswith("mismatch_kl ")
     assert rec["lr_scale"] == 1.0
-    # VCPO: the learning rate of each update is damped by the sequence-level ESS (< 1 here)
-    damped = _trainer(tmp_path / "d", ess_lr_scaling=True)
+    assert loud.optimizer.param_groups[0]["lr"] == loud.config.lr  # off: the lr is left alone
+    # VCPO (the default): each update's learning rate is damped by the sequence-level ESS
+    damped = _trainer(tmp_path / "d")
     rec = damped.train_step(make_rollouts(3, 4, 4, version=0))
     assert 0 < rec["lr_scale"] < 1
     assert damped.optimizer.param_groups[0]["lr"] < damped.config.lr
