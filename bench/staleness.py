@@ -300,12 +300,22 @@ def _worker(spec: Spec, nice: int) -> dict[str, Any]:
     return run_one(spec)
 
 
+def _open(path: Path, mode: str) -> Any:
+    """The results file; a ``.gz`` one (the committed docs/staleness-runs.jsonl.gz) is read and
+    appended to as gzip (each append a gzip member)."""
+    if path.suffix == ".gz":
+        import gzip
+
+        return gzip.open(path, mode, encoding="utf-8")
+    return path.open(mode, encoding="utf-8")
+
+
 def load_results(path: Path) -> dict[str, dict[str, Any]]:
     """Finished runs by key (a torn last line, from a kill mid-write, is ignored)."""
     out: dict[str, dict[str, Any]] = {}
     if not path.is_file():
         return out
-    for line in path.read_text().splitlines():
+    for line in _open(path, "rt").read().splitlines():
         try:
             rec = json.loads(line)
         except ValueError:
@@ -423,7 +433,7 @@ def _run_pool(
             for fut in finished:
                 spec = running.pop(fut)
                 rec = fut.result()
-                with path.open("a") as fh:
+                with _open(path, "at") as fh:
                     fh.write(json.dumps(rec) + "\n")
                 done[rec["key"]] = rec
                 n = len(todo) - len(queue) - len(running)
