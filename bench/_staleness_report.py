@@ -379,4 +379,6 @@ def _argv(args: argparse.Namespace) -> list[str]:
     out += ["--options", *args.options]
     if args.set:
         out += ["--set", *args.set]
+    if args.results != "runs/bench-staleness/results.jsonl":
+        out += ["--results", args.results]
     return out
