@@ -60,7 +60,13 @@ def tables(results: list[dict[str, Any]], options: list[str]) -> list[str]:
     tasks = sorted({k[0] for k in groups}, key=lambda t: (len(t), t))
     for task in tasks:
         s_values = sorted({k[1] for k in groups if k[0] == task})
-        base_runs = [r for k, v in groups.items() if k[0] == task and k[1] == 0 for r in v]
+        # the S = 0 runs every weight option shares (options that change more have their own)
+        base_runs = [
+            r
+            for k, v in groups.items()
+            if k[:2] == (task, 0) and _weights_only(groups, k[2])
+            for r in v
+        ]
         base = median_steps(base_runs) if base_runs else math.nan
         target = results[0]["spec"]["target"]
         lines += [
@@ -71,17 +77,17 @@ def tables(results: list[dict[str, Any]], options: list[str]) -> list[str]:
         ]
         for opt in options:
             cells = []
+            own_base = groups.get((task, 0, opt))
+            opt_base = median_steps(own_base) if own_base else base
             for s in s_values:
                 runs = groups.get((task, s, opt)) or (
-                    [r for k, v in groups.items() if k[:2] == (task, 0) for r in v]
-                    if s == 0
-                    else []
+                    base_runs if s == 0 and _weights_only(groups, opt) else []
                 )
                 if not runs:
                     cells.append("")
                     continue
                 med = median_steps(runs)
-                ratio = "" if math.isinf(med) or not base else f" ({med / base:.2f}×)"
+                ratio = "" if math.isinf(med) or not opt_base else f" ({med / opt_base:.2f}×)"
                 miss = sum(r["steps_to_target"] is None for r in runs)
                 cells.append(f"{_fmt_steps(med)}{ratio}" + (f", {miss} ✗" if miss else ""))
             lines.append(f"| {opt} | " + " | ".join(cells) + " |")
@@ -97,7 +103,7 @@ def tables(results: list[dict[str, Any]], options: list[str]) -> list[str]:
         for (t, s, opt), runs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2])):
             if t != task:
                 continue
-            label = opt if s else f"{opt} (every option: w ≡ 1)"
+            label = opt if s or not _weights_only(groups, opt) else f"{opt} (weight options: w ≡ 1)"
             lines.append(
                 f"| {s} | {label} | {sum(r['steps_to_target'] is not None for r in runs)}/"
                 f"{len(runs)} | {_fmt_steps(median_steps(runs))} | {_spread(runs)} | "
@@ -110,6 +116,20 @@ def tables(results: list[dict[str, Any]], options: list[str]) -> list[str]:
             )
         lines += ["", "</details>", ""]
     return lines
+
+
+#: TrainerConfig keys that only change the behaviour weights: at S = 0 (μ = π_prox) an option
+#: made of these alone trains exactly as any other, so the S = 0 runs of one stand for all
+#: (VCPO's step-size factor depends on the weights' ESS only: 1 at S = 0).
+WEIGHT_KEYS = frozenset({"weight_mode", "weight_level", "weight_cap", "weight_cap_low",
+                         "m2_threshold", "staleness_decay", "ess_lr_scaling"})  # fmt: skip
+
+
+def _weights_only(groups: Group, opt: str) -> bool:
+    for (_t, _s, o), runs in groups.items():
+        if o == opt:
+            return set(runs[0]["spec"]["overrides"]) <= WEIGHT_KEYS
+    return True
 
 
 def _rolling(vals: list[float | None], n: int) -> list[float | None]:
@@ -329,8 +349,10 @@ def write_report(results: list[dict[str, Any]], args: argparse.Namespace, *, wri
         "worst case the admission rule allows). Exact match of the current policy on 256 fresh "
         f"samples every {spec0['eval_every']} steps; target {spec0['target']}; seeds {seeds}; "
         f"caps {caps}. 'final' = mean of the last 3 evaluations; a collapse = exact match "
-        "falling more than 0.3 below an earlier evaluation ≥ 0.7. At S = 0 every option "
-        "gives w ≡ 1, so S = 0 is run once per seed. Options (docs/trainer.md): "
+        "falling more than 0.3 below an earlier evaluation ≥ 0.7. At S = 0 every weight "
+        "option gives w ≡ 1, so S = 0 is run once per seed for them; an option that changes "
+        "anything else is run at S = 0 too and its ratio is to its own S = 0. "
+        "Options (docs/trainer.md): "
         + "; ".join(f"`{o}` = {_overrides(results, o)}" for o in options)
         + ".",
         "",
@@ -357,4 +379,6 @@ def _argv(args: argparse.Namespace) -> list[str]:
     out += ["--options", *args.options]
     if args.set:
         out += ["--set", *args.set]
+    if args.results != "runs/bench-staleness/results.jsonl":
+        out += ["--results", args.results]
     return out

@@ -122,8 +122,9 @@ def write(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         + (f" `--demo-args {' '.join(args.demo_args)}`" if args.demo_args else ""),
         "",
         "Each seed is one real local swarm (coordinator, trainer, 3 `hf` nodes, separate "
-        "processes) with the demo's defaults (S = 2, 32 prompts × 8, target exact 0.9, 300 s "
-        "limit), run one after another on the shared 2-core machine. Exact match = the trainer's "
+        "processes) with the demo's defaults (S = 2, 32 prompts × 8, target exact 0.9; time "
+        "limit 300 s unless `--time-limit` is given), run one after another on the shared "
+        "2-core machine. Exact match = the trainer's "
         "batch (samples from policies at most S versions old). Collapse = a fall of more than 0.3 "
         f"below an earlier reading ≥ 0.7. **{n_col} of {len(results)} runs collapsed.**",
         "",

@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from _staleness_report import WEIGHT_KEYS  # noqa: E402
+
 SECTION = "staleness"
 
 #: The corrections compared (TrainerConfig overrides); docs/trainer.md gives each one's source.
@@ -74,7 +76,41 @@ OPTIONS: dict[str, dict[str, Any]] = {
     },
     # no correction (w = 1); the PPO clip against π_prox stays
     "off": {"weight_mode": "off"},
+    # TIS plus the step rollback: a step that moved the policy > 1 nat/token is undone
+    "rollback": {
+        "weight_mode": "truncate",
+        "weight_level": "token",
+        "weight_cap": 2.0,
+        "max_step_kl": 1.0,
+    },
+    # TIS, entropy bonus only on the tokens of samples with a non-zero advantage
+    "ent-informative": {
+        "weight_mode": "truncate",
+        "weight_level": "token",
+        "weight_cap": 2.0,
+        "entropy_groups": "informative",
+    },
+    # TIS with optimizer variants: no momentum (asynchrony already acts as momentum), a faster
+    # second moment, a smaller step
+    "beta1-0": {
+        "weight_mode": "truncate",
+        "weight_level": "token",
+        "weight_cap": 2.0,
+        "adam_beta1": 0.0,
+    },
+    "beta2-0.99": {
+        "weight_mode": "truncate",
+        "weight_level": "token",
+        "weight_cap": 2.0,
+        "adam_beta2": 0.99,
+    },
+    "lr-3e-4": {"weight_mode": "truncate", "weight_level": "token", "weight_cap": 2.0, "lr": 3e-4},
 }
+# Every option names VCPO's step size explicitly (off unless the option is about it), so that what
+# an option means -- and its key in the results file -- does not change with TrainerConfig's
+# default (on since this benchmark chose `vcpo-ess`).
+for _overrides in OPTIONS.values():
+    _overrides.setdefault("ess_lr_scaling", False)
 
 #: Per task: step cap, post-target window.
 TASKS: dict[str, dict[str, int]] = {
@@ -99,6 +135,7 @@ MONITORS = (
     "grad_norm",
     "entropy",
     "reward_mean",
+    "step_kl",
 )
 
 
@@ -263,12 +300,22 @@ def _worker(spec: Spec, nice: int) -> dict[str, Any]:
     return run_one(spec)
 
 
+def _open(path: Path, mode: str) -> Any:
+    """The results file; a ``.gz`` one (the committed docs/staleness-runs.jsonl.gz) is read and
+    appended to as gzip (each append a gzip member)."""
+    if path.suffix == ".gz":
+        import gzip
+
+        return gzip.open(path, mode, encoding="utf-8")
+    return path.open(mode, encoding="utf-8")
+
+
 def load_results(path: Path) -> dict[str, dict[str, Any]]:
     """Finished runs by key (a torn last line, from a kill mid-write, is ignored)."""
     out: dict[str, dict[str, Any]] = {}
     if not path.is_file():
         return out
-    for line in path.read_text().splitlines():
+    for line in _open(path, "rt").read().splitlines():
         try:
             rec = json.loads(line)
         except ValueError:
@@ -284,9 +331,13 @@ def build_specs(args: argparse.Namespace, base: dict[str, Any]) -> list[Spec]:
         max_steps = args.max_steps or caps["max_steps"]
         post = args.post_steps if args.post_steps is not None else caps["post_steps"]
         for s in args.S:
-            # At S = 0 the behaviour policy is π_prox itself: every option gives w ≡ 1 (up to
-            # rounding), so S = 0 is run once per seed, with the first option named.
-            options = args.options[:1] if s == 0 and not args.s0_all else args.options
+            # At S = 0 the behaviour policy is π_prox itself: every weight option gives w ≡ 1
+            # (up to rounding), so S = 0 is run once per seed for them (the first one named);
+            # options that change something else (optimizer, entropy, rollback) run their own.
+            options = args.options
+            if s == 0 and not args.s0_all:
+                weight_only = [o for o in args.options if set(OPTIONS[o]) <= WEIGHT_KEYS]
+                options = weight_only[:1] + [o for o in args.options if o not in weight_only]
             for opt in options:
                 for seed in args.seeds:
                     specs.append(
@@ -382,7 +433,7 @@ def _run_pool(
             for fut in finished:
                 spec = running.pop(fut)
                 rec = fut.result()
-                with path.open("a") as fh:
+                with _open(path, "at") as fh:
                     fh.write(json.dumps(rec) + "\n")
                 done[rec["key"]] = rec
                 n = len(todo) - len(queue) - len(running)

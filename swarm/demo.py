@@ -32,7 +32,8 @@ BYZANTINE_MODES = ("forge_logprobs", "inflate_reward", "wrong_version", "oov_tok
 STARTUP_TIMEOUT_S = 90.0
 #: trainer figures recorded in curve.jsonl next to reward and exact match
 MONITOR_FIGURES = (
-    "ess_frac", "mismatch_kl", "clip_frac", "mask_frac", "grad_norm", "stability_warning",
+    "ess_frac", "mismatch_kl", "clip_frac", "mask_frac", "grad_norm", "entropy", "step_kl",
+    "stability_warning",
 )  # fmt: skip
 STOP_TIMEOUT_S = 20.0
 

@@ -112,9 +112,11 @@ class TrainerConfig(BaseModel):
         "mean over the tokens left is ≤ τ_M2; None disables (M2PO uses 0.04).",
     )
     ess_lr_scaling: bool = Field(
-        False,
+        True,
         description="VCPO: scale each update's learning rate by sqrt(min(1, ESS/n)) of the "
-        "minibatch's sequence-level ratios π_prox/μ (damps updates on degenerate weights).",
+        "minibatch's sequence-level ratios π_prox/μ (damps updates on degenerate weights; 1 on "
+        "fresh rollouts). On by default: measured the steadiest under staleness "
+        "(docs/trainer.md, 'How the defaults were chosen').",
     )
     staleness_decay: float = Field(
         1.0, gt=0.0, le=1.0, description="λ: weights are multiplied by λ^Δ (1.0 disables)."
@@ -128,6 +130,13 @@ class TrainerConfig(BaseModel):
     std_normalize: bool = Field(True, description="Divide group-centred rewards by the group std.")
     adv_eps: float = Field(1e-4, gt=0.0, description="Added to the group std (TRL uses 1e-4).")
     entropy_coef: float = Field(0.1, ge=0.0, description="β_H: entropy bonus coefficient.")
+    entropy_groups: Literal["all", "informative"] = Field(
+        "all",
+        description="Tokens the entropy bonus acts on: 'all' completion tokens, or only those of "
+        "samples with a non-zero advantage ('informative': the tokens the policy term acts on, "
+        "so a batch of solved groups gets no bonus either and the two terms keep their balance "
+        "as the task gets solved).",
+    )
 
     # --- stability monitors (trainer/monitors.py; thresholds from bench/staleness.py) --------
     warn_window: int = Field(
@@ -152,6 +161,14 @@ class TrainerConfig(BaseModel):
     # --- optimizer -------------------------------------------------------------------------
     lr: float = Field(5e-4, gt=0.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    adam_beta1: float = Field(
+        0.9,
+        ge=0.0,
+        lt=1.0,
+        description="AdamW β1 (decay of the gradient average, momentum). Rollouts S versions old "
+        "already act as momentum (the update follows gradients of older policies); a lower β1 "
+        "keeps the two from compounding.",
+    )
     adam_beta2: float = Field(
         0.999,
         gt=0.0,
@@ -164,6 +181,14 @@ class TrainerConfig(BaseModel):
         gt=1.0,
         description="Skip an optimizer update whose gradient norm is more than this many times "
         "the median of the last 50 updates' (a single outlier batch); None disables.",
+    )
+    max_step_kl: float | None = Field(
+        None,
+        gt=0.0,
+        description="Undo a learner step (weights and optimizer state) that moved the policy by "
+        "more than this KL (nats per token, k3 estimate on the step's own tokens; "
+        "trainer/rollback.py); costs one forward pass per step and a copy of the parameters and "
+        "optimizer state. None: off (step_kl is then not measured).",
     )
     max_grad_norm: float | None = Field(
         1.0, gt=0.0, description="Clip the global gradient norm to this; None disables."

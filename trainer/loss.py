@@ -375,6 +375,7 @@ def entropy_bonus(entropy: Tensor, mask: Tensor, *, coef: float, normalizer: flo
     """Scalar ``−coef · Σ mask·H / normalizer``: added to the loss, it rewards keeping entropy.
 
     ``entropy``/``mask``: ``[N, T]``. Without it the tiny default model collapses to one answer
-    per prompt before it finds the right one (DESIGN.md §10).
+    per prompt before it finds the right one (DESIGN.md §10). ``mask`` selects the tokens it acts
+    on (``entropy_groups``: all completion tokens, or those of informative samples only).
     """
     return -coef * (entropy * mask).sum() / normalizer

@@ -512,6 +512,10 @@ def _attach_stats(
                 "mask_frac": record["mask_frac"],
                 "weight_modified_frac": record["weight_modified_frac"],
                 "grad_norm": record["grad_norm"],
+                "entropy": record["entropy"],
+                # the step rollback (max_step_kl; step_kl is None while it is off)
+                "step_kl": record.get("step_kl"),
+                "rollbacks": record.get("rollbacks", 0),
                 "stability_warning": record["stability_warning"],
                 "idle_frac": record["idle_frac"],
                 "step_time_s": record["step_time_s"],

@@ -61,6 +61,7 @@ from trainer.metrics import IdleClock, MetricsWriter
 from trainer.microbatch import MicroBatch, plan_micro_batches
 from trainer.monitors import GradSpikeGuard, monitor_from_config
 from trainer.pipeline import PublicationSlot, RolloutFeed
+from trainer.rollback import StepSnapshot, kl_k3_sums
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -188,7 +189,7 @@ class Trainer:
             [p for p in model.parameters() if p.requires_grad],
             lr=config.lr,
             weight_decay=config.weight_decay,
-            betas=(0.9, config.adam_beta2),
+            betas=(config.adam_beta1, config.adam_beta2),
         )
         self.out_dir = Path(config.out_dir)
         self.metrics = metrics
@@ -220,6 +221,8 @@ class Trainer:
         #: rolling stability checks; each step's record carries its ``stability_warning``.
         self.monitor = monitor_from_config(config)
         self.spike_guard = GradSpikeGuard(config.grad_spike_factor)
+        #: learner steps undone because they moved the policy more than ``max_step_kl``
+        self.rollbacks = 0
         #: called with each step's metrics record (after it is written), e.g. to report upstream.
         self.on_step: list[Callable[[dict[str, Any]], None]] = []
 
@@ -568,10 +571,24 @@ class Trainer:
         plans = self._micro_plans(minibatches)
         prox = self._proximal(minibatches, plans)  # π_prox: weights before the first update
         weights = [self._weights(mb, p, sums) for mb, p in zip(minibatches, prox, strict=True)]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        snapshot = (
+            StepSnapshot.take(params, self.optimizer) if cfg.max_step_kl is not None else None
+        )
         updates = 0
         for _epoch in range(cfg.ppo_epochs):
             for mb, plan, p, w in zip(minibatches, plans, prox, weights, strict=True):
                 updates += self._update(mb, plan, p, w, sums)
+        step_kl = None
+        if snapshot is not None:
+            step_kl = self._step_kl(minibatches, plans, prox)
+            if cfg.max_step_kl is not None and step_kl > cfg.max_step_kl:
+                snapshot.restore(params, self.optimizer)
+                self.rollbacks += 1
+                log.warning(
+                    "step %d moved the policy by %.3g nats/token (> max_step_kl %.3g): undone",
+                    self.step + 1, step_kl, cfg.max_step_kl,
+                )  # fmt: skip
 
         self.step += 1
         self.version += 1
@@ -584,6 +601,9 @@ class Trainer:
         sq = step_time * step_time
         self._t_train_sq = sq if self._t_train_sq is None else 0.8 * self._t_train_sq + 0.2 * sq
         record = self._record(flat, staleness, admitted, sums, updates, step_time)
+        record["step_kl"] = step_kl
+        record["rolled_back"] = step_kl is not None and step_kl > (cfg.max_step_kl or 0.0)
+        record["rollbacks"] = self.rollbacks
         if cfg.trace_rollouts:
             record["trace"] = self._trace(flat, started_at)
         record["stability_warning"] = self.monitor.observe(record)
@@ -701,6 +721,29 @@ class Trainer:
             out.append(prox)
         return out
 
+    @torch.no_grad()
+    def _step_kl(
+        self,
+        minibatches: list[TrainBatch | None],
+        plans: list[list[MicroBatch | None]],
+        prox: list[Tensor | None],
+    ) -> float:
+        """How far this step moved the policy on its own tokens (rollback.kl_k3_sums), one
+        forward pass per micro-batch after the updates; the same value on every rank."""
+        kl_sum = tokens = 0.0
+        for mb, plan, p in zip(minibatches, plans, prox, strict=True):
+            for micro in plan:
+                if micro is None:
+                    self.engine.pad_pass(self.model, backward=False)
+                    continue
+                assert mb is not None and p is not None
+                new = self._forward(micro.batch, entropy=False)[0]
+                k, n = kl_k3_sums(new, micro.take(p), micro.batch.completion_mask)
+                kl_sum += k
+                tokens += n
+        kl_sum, tokens = self.dist.sum_floats([kl_sum, tokens])
+        return kl_sum / tokens if tokens > 0 else 0.0
+
     def _weights(
         self, mb: TrainBatch | None, prox: Tensor | None, sums: defaultdict[str, float]
     ) -> Tensor | None:
@@ -759,8 +802,14 @@ class Trainer:
                 eps_high=cfg.eps_high,
                 normalizer=global_tokens,
             )
+            ent_mask = part.completion_mask
+            if cfg.entropy_groups == "informative":  # the bonus only where the policy term acts
+                ent_mask = ent_mask * (part.advantages != 0).to(ent_mask.dtype).unsqueeze(-1)
             loss = pl.loss + entropy_bonus(
-                ent, part.completion_mask, coef=cfg.entropy_coef, normalizer=global_tokens
+                ent,
+                ent_mask,
+                coef=cfg.entropy_coef,
+                normalizer=global_tokens,
             )
             loss.backward()  # type: ignore[no-untyped-call]
             sums["loss"] += float(loss.detach())
@@ -973,7 +1022,7 @@ class Trainer:
         for group in self.optimizer.param_groups:  # the config wins over the saved values
             group["lr"] = self.config.lr
             group["weight_decay"] = self.config.weight_decay
-            group["betas"] = (group["betas"][0], self.config.adam_beta2)
+            group["betas"] = (self.config.adam_beta1, self.config.adam_beta2)
         self.step = int(state["step"])
         published = state.get("published_version")
         logged = self._logged_published()

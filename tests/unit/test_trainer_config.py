@@ -47,6 +47,8 @@ def test_cross_field_rules_name_the_field() -> None:
         TrainerConfig(m2_threshold=0.0)
     with pytest.raises(ValidationError, match="adam_beta2"):
         TrainerConfig(adam_beta2=1.0)
+    with pytest.raises(ValidationError, match="adam_beta1"):
+        TrainerConfig(adam_beta1=1.0)
     with pytest.raises(ValidationError, match="warn_ess_frac_below"):
         TrainerConfig(warn_ess_frac_below=2.0)
 

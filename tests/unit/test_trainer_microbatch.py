@@ -168,8 +168,9 @@ def test_bf16_autocast_trains_with_fp32_logprobs(tmp_path: Path) -> None:
         {"weight_mode": "raw", "m2_threshold": 0.04},  # M2PO
         {"ess_lr_scaling": True},  # VCPO's step size
         {"grad_spike_factor": 5.0},  # the guard (judges from its 5th norm on)
+        {"max_step_kl": 1e9},  # step_kl measured, no step undone
     ],
-    ids=["mis", "geo-rs", "icepop", "m2po", "vcpo-ess", "spike-guard"],
+    ids=["mis", "geo-rs", "icepop", "m2po", "vcpo-ess", "spike-guard", "step-kl"],
 )
 def test_staleness_options_keep_the_step_in_micro_batches(
     tmp_path: Path, option: dict[str, object]
@@ -193,3 +194,6 @@ def test_staleness_options_keep_the_step_in_micro_batches(
         assert any(r["mask_frac"] > 0 for r in ref_rec)  # the band / M2 mask was exercised
     if option.get("ess_lr_scaling"):
         assert all(r["lr_scale"] < 1.0 for r in ref_rec)  # degenerate weights damp the step
+    if "max_step_kl" in option:
+        for a, b in zip(ref_rec, got_rec, strict=True):
+            assert a["step_kl"] > 0 and a["step_kl"] == pytest.approx(b["step_kl"], rel=1e-3)

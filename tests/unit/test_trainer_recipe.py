@@ -76,6 +76,22 @@ def test_equal_rewards_leave_weights_unchanged_without_entropy(tmp_path: Path) -
     assert (tr.step, tr.version) == (1, 1)
 
 
+def test_informative_entropy_leaves_solved_groups_alone(tmp_path: Path) -> None:
+    """entropy_groups = "informative": a batch whose groups all have equal rewards (A = 0
+    everywhere) gets no bonus either, so the weights do not move; with "all" the bonus alone
+    moves them (it pushes solved prompts away from their answer, unopposed)."""
+    batch = make_rollouts(1, 4, 4, version=0, equal_rewards=True)
+    tr = _trainer(tmp_path / "inf", entropy_coef=0.1, entropy_groups="informative")
+    before = _params(tr.model)
+    rec = tr.train_step(batch)
+    assert rec["updates"] == tr.config.minibatches and rec["loss"] == 0.0
+    assert all(torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
+    plain = _trainer(tmp_path / "all", entropy_coef=0.1)
+    before = _params(plain.model)
+    plain.train_step(batch)
+    assert any(not torch.equal(before[k], v) for k, v in plain.model.state_dict().items())
+
+
 def test_step_metrics_are_written(tmp_path: Path) -> None:
     tr = _trainer(tmp_path, max_staleness=4)
     tr.version = 2
@@ -103,12 +119,15 @@ def test_stability_monitors_are_in_every_record_and_warn(tmp_path: Path) -> None
     for key in ("ess_frac", "mismatch_kl", "clip_frac", "mask_frac", "grad_norm", "mismatch_m2"):
         assert isinstance(rec[key], float), key
     assert rec["stability_warning"] == ""
-    loud = _trainer(tmp_path / "b", warn_window=1, warn_mismatch_kl_above=1e-6)
+    loud = _trainer(
+        tmp_path / "b", warn_window=1, warn_mismatch_kl_above=1e-6, ess_lr_scaling=False
+    )
     rec = loud.train_step(make_rollouts(3, 4, 4, version=0))
     assert rec["stability_warning"].startswith("mismatch_kl ")
     assert rec["lr_scale"] == 1.0
-    # VCPO: the learning rate of each update is damped by the sequence-level ESS (< 1 here)
-    damped = _trainer(tmp_path / "d", ess_lr_scaling=True)
+    assert loud.optimizer.param_groups[0]["lr"] == loud.config.lr  # off: the lr is left alone
+    # VCPO (the default): each update's learning rate is damped by the sequence-level ESS
+    damped = _trainer(tmp_path / "d")
     rec = damped.train_step(make_rollouts(3, 4, 4, version=0))
     assert 0 < rec["lr_scale"] < 1
     assert damped.optimizer.param_groups[0]["lr"] < damped.config.lr

@@ -61,9 +61,12 @@ def test_a_resumed_optimizer_takes_the_new_config_learning_rate(tmp_path: Path) 
     tr = _trainer(tmp_path, lr=5e-4)
     tr.train_step(make_rollouts(1, 4, 4, version=0))
     tr.save_checkpoint()
-    tr2 = _trainer(tmp_path, lr=1e-4, weight_decay=0.01)  # edited trainer.toml, then restart
+    assert [g["betas"] for g in tr.optimizer.param_groups] == [(0.9, 0.999)]
+    # edited trainer.toml, then restart
+    tr2 = _trainer(tmp_path, lr=1e-4, weight_decay=0.01, adam_beta1=0.5, adam_beta2=0.99)
     assert tr2.step == 1 and tr2.optimizer.state  # the moments came back...
     assert [(g["lr"], g["weight_decay"]) for g in tr2.optimizer.param_groups] == [(1e-4, 0.01)]
+    assert [g["betas"] for g in tr2.optimizer.param_groups] == [(0.5, 0.99)]
 
 
 def test_killed_before_the_first_checkpoint_keeps_counting_versions(tmp_path: Path) -> None:

@@ -1,0 +1,58 @@
+"""bench/staleness.py's bookkeeping: which runs exist at S = 0, collapses, ratios in the table."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from _staleness_report import tables
+from staleness import build_specs, collapse_of
+
+
+def _args(**kw: Any) -> argparse.Namespace:
+    base = dict(tasks=["reverse3"], S=[0, 4], seeds=[0], max_steps=None, post_steps=None,
+                eval_every=10, s0_all=False, target=0.9, lag="fixed")  # fmt: skip
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_s0_runs_once_for_weight_options_and_per_option_otherwise() -> None:
+    specs = build_specs(_args(options=["tis", "mis", "rollback", "lr-3e-4"]), {})
+    at0 = sorted(s.option for s in specs if s.staleness == 0)
+    assert at0 == ["lr-3e-4", "rollback", "tis"]  # mis trains exactly as tis at S = 0
+    assert sorted(s.option for s in specs if s.staleness == 4) == [
+        "lr-3e-4", "mis", "rollback", "tis",
+    ]  # fmt: skip
+
+
+def test_collapse_is_a_fall_of_more_than_03_after_07() -> None:
+    assert collapse_of([10, 20, 30], [0.5, 0.75, 0.5]) is None  # fell 0.25
+    got = collapse_of([10, 20, 30, 40], [0.72, 0.9, 0.8, 0.55])
+    assert got == {"peak_step": 20, "peak": 0.9, "trough_step": 40, "trough": 0.55}
+    assert collapse_of([10, 20], [0.65, 0.2]) is None  # never reached 0.7
+
+
+def _run(option: str, s: int, steps: int | None, overrides: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "spec": {"task": "reverse3", "staleness": s, "option": option, "overrides": overrides,
+                 "seed": 0, "target": 0.9},
+        "steps_to_target": steps, "final_exact": 0.9, "final_reward": 0.95, "collapse": None,
+        "monitors": {},
+    }  # fmt: skip
+
+
+def test_ratios_use_the_options_own_s0_when_it_trains_differently() -> None:
+    tis = {"weight_mode": "truncate"}
+    slow = {"weight_mode": "truncate", "lr": 3e-4}
+    results = [
+        _run("tis", 0, 100, tis), _run("tis", 4, 150, tis),
+        _run("mis", 4, 120, {"weight_mode": "mask"}),
+        _run("slow", 0, 200, slow), _run("slow", 4, 240, slow),
+    ]  # fmt: skip
+    rows = {line.split(" | ")[0]: line for line in tables(results, ["tis", "mis", "slow"])}
+    assert "100 (1.00×) | 150 (1.50×)" in rows["| tis"]
+    assert "100 (1.00×) | 120 (1.20×)" in rows["| mis"]  # S = 0 of the weight options
+    assert "200 (1.00×) | 240 (1.20×)" in rows["| slow"]  # its own S = 0, not tis's
