@@ -173,8 +173,9 @@ def test_dashboard_draws_live_and_agrees_with_status(swarm: Swarm, chrome: Any) 
         assert row["node_price_per_hour"] == "free"
         _close(row["node_tokens_per_s"], st["node_tokens_per_s"][fp])
         assert row["node_leases_completed"] == f"{st['node_leases_completed'][fp]:,}"
+        held = st["node_versions_held"][fp]  # [] (a node between versions) is drawn as "none"
         assert row["node_versions_held"] == (
-            " ".join(f"v{v}" for v in st["node_versions_held"][fp]) or "–"
+            " ".join(f"v{v}" for v in held) if held else ("none" if held == [] else "–")
         )
         assert row["node_last_error"] == "–"
 
