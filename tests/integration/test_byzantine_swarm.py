@@ -115,8 +115,11 @@ def _sample_with(
 
 
 def _best_of(lease: Lease, n: int) -> RolloutSubmission:
-    """Each sample is the best (by reward) of ``n`` draws, the others from other seeds; the lease's
-    seeds are named and the log-probs are the honest ones of the drawn tokens."""
+    """Each sample is the best (by reward) of ``n`` draws from seeds other than the lease's; the
+    lease's seeds are named and the log-probs are the honest ones of the drawn tokens. The lease's
+    own draw is left out: with it among the ``n``, a lease whose seeded draws were already the
+    best ones *was* the honest submission, and its acceptance after a detection failed this test
+    now and then (CI, 2026-12-01)."""
     from node.backends.base import SampleOut
 
     backend = _backend(lease.policy_version)
@@ -126,7 +129,7 @@ def _best_of(lease: Lease, n: int) -> RolloutSubmission:
         backend.generate(
             [dataclasses.replace(r, seed=r.seed + 104729 * k) for r in requests], sampling
         )
-        for k in range(n)
+        for k in range(1, n + 1)
     ]
     outs: list[list[SampleOut]] = []
     for i, prompt in enumerate(lease.prompts):
