@@ -81,7 +81,10 @@ async def test_swarm_trains_a_chat_model_with_two_eos_ids(
     assert status["stop_token_ids"] == sorted(set(status["stop_token_ids"]))
     assert len(status["stop_token_ids"]) == 2  # <|im_end|> and <|endoftext|>
     assert status["sampling"]["prompt_template"] == "chat"
-    assert not status.get("rejected_by_reason"), status.get("rejected_by_reason")
+    # the learner may outrun a node by more than S versions (3 steps in about a second here):
+    # that node's late rollouts are refused too_stale, which is no fault (no strike); nothing else
+    rejected = status.get("rejected_by_reason") or {}
+    assert set(rejected) <= {"too_stale"}, rejected
     assert not status.get("nodes_banned")
     assert status["rollouts_accepted"] >= 3 * 2 * 4
 
