@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from coordinator.capacity_fluid import Flow, fluid_period
@@ -229,14 +229,25 @@ def _first_batch_s(nodes: Sequence[NodeCapacity], pipe: Pipeline, period: float)
     """τ: the first time :func:`handover_supply` reaches B (``math.inf`` if never)."""
     if handover_supply(nodes, pipe, period, 0.0) >= pipe.batch:
         return 0.0
-    lo, hi = 0.0, max(period, pipe.t_train)
-    while handover_supply(nodes, pipe, period, hi) < pipe.batch:
+    start = max(period, pipe.t_train)
+    return _least(
+        lambda w: handover_supply(nodes, pipe, period, w) >= pipe.batch,
+        0.0, start, limit=1e6 * start, rounds=60,
+    )  # fmt: skip
+
+
+def _least(
+    ok: Callable[[float], bool], lo: float, hi: float, *, limit: float, rounds: int
+) -> float:
+    """The smallest x in (lo, ∞) with ``ok(x)`` (``ok`` monotone): double ``hi`` until it holds
+    (``math.inf`` past ``limit``), then bisect to a relative 1e-9 in at most ``rounds`` halvings."""
+    while not ok(hi):
         lo, hi = hi, 2 * hi
-        if hi > 1e6 * max(period, pipe.t_train):
+        if hi > limit:
             return math.inf
-    for _ in range(60):
+    for _ in range(rounds):
         mid = (lo + hi) / 2
-        if handover_supply(nodes, pipe, period, mid) >= pipe.batch:
+        if ok(mid):
             hi = mid
         else:
             lo = mid
@@ -281,21 +292,11 @@ def _supply_period(nodes: Sequence[NodeCapacity], pipe: Pipeline) -> float:
     """The smallest T ≥ T_train with T·Σρ_i(T) ≥ B."""
     if supply(nodes, pipe) * pipe.t_train >= pipe.batch * (1 - 1e-9):
         return pipe.t_train
-    lo, hi = pipe.t_train, 2 * pipe.t_train
     # T · Σρ(T) grows with T (slower steps: fewer switches, fresher results): bracket, bisect.
-    while supply(nodes, pipe, hi) * hi < pipe.batch:
-        lo, hi = hi, 2 * hi
-        if hi > pipe.t_train * 2**60:
-            return math.inf
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        if supply(nodes, pipe, mid) * mid >= pipe.batch:
-            hi = mid
-        else:
-            lo = mid
-        if hi - lo <= 1e-9 * hi:
-            break
-    return hi
+    return _least(
+        lambda t: supply(nodes, pipe, t) * t >= pipe.batch,
+        pipe.t_train, 2 * pipe.t_train, limit=pipe.t_train * 2**60, rounds=100,
+    )  # fmt: skip
 
 
 def predicted_idle(nodes: Sequence[NodeCapacity], pipe: Pipeline) -> float:
