@@ -44,7 +44,7 @@ from coordinator.problems import Task
 from coordinator.receipts import ReceiptLog
 from coordinator.reputation import Reputation
 from coordinator.store import ACK, LeaseRecord, NodeRecord, RolloutRow, Store, Verdict
-from coordinator.throughput import ThroughputBook
+from coordinator.throughput import LeaseLag, ThroughputBook
 from coordinator.trust import Trust
 from policy.model import Tokenizer
 from policy.prompts import PromptRenderer
@@ -177,6 +177,8 @@ class Coordinator:
         self._last_published: int | None = None
         #: per-node μ_i, g_i, o_i, d_i measured from accepted leases (coordinator.throughput)
         self.throughput = ThroughputBook(config.leases.throughput_ewma)
+        #: publish call -> first lease naming the version (T_bcast's part after the trainer)
+        self.lease_lag = LeaseLag(config.leases.throughput_ewma)
         self.plan: Plan | None = None
         self._standby: frozenset[str] = frozenset()
         self._planned_at = -math.inf
@@ -358,6 +360,7 @@ class Coordinator:
             max_prompts=req.max_prompts,
             held_to=(node.backend, node.dtype),
         )
+        self.lease_lag.leased(version, self.clock())
         s = self.config.sampling
         return Lease(
             lease_id=lease.lease_id,
@@ -661,6 +664,7 @@ class Coordinator:
             self._check_delta_base(manifest)
             self.store.put_version(manifest.version, encode(manifest_env), self.clock())
         fault_point("publish.after_commit")
+        self.lease_lag.published(manifest.version, self.clock())
         step = manifest.version - (self._last_published or 0)
         # a jump far beyond κ is a restarted trainer renumbering, not its publication pace
         if self._last_published is not None and 0 < step <= 8 * self.kappa:

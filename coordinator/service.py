@@ -86,6 +86,9 @@ VERSION_FETCH_TIMEOUT_S = 60.0
 SPOT_CHECK_WAIT_S = 5.0
 #: cap of the back-off while the trainer starts seeding a version just published
 HOLD_RETRY_MAX_S = 0.25
+#: a lease request that finds no leasable version while one is being fetched from the trainer
+#: waits up to this long for it (instead of sending the node away for a 1 s standby)
+LEASE_VERSION_WAIT_S = 2.0
 #: a learner batch or κ above this in the trainer's report is not believed
 MAX_LEARNER_BATCH = 1 << 24
 
@@ -130,8 +133,10 @@ class CoordinatorService:
         self.verifier: InProcessLogprobVerifier | None = None
         self._preload_tasks: set[asyncio.Task[None]] = set()
         self._seeders: dict[int, str] = {}
-        #: running mean of publish call -> version held here (seconds; T_bcast's main part)
+        #: running mean of publish call -> version held here (seconds; T_bcast before a lease)
         self._hold_s: float | None = None
+        #: set (and replaced) each time a version is held in full: lease requests waiting for one
+        self._version_held = asyncio.Event()
         self.dialback: DialbackServer | None = None
         self._peer_ids: dict[str, str] = {}  # node fingerprint -> libp2p peer id (register, hb)
         self._upkeep: asyncio.Task[None] | None = None
@@ -388,7 +393,25 @@ class CoordinatorService:
     async def _on_lease(self, caller: str, request: bytes) -> bytes:
         assert self.core is not None
         node_key, msg = self._open(request, LeaseRequest)
+        await self._until_leasable()
         return encode(self.core.request_lease(node_key, msg))
+
+    async def _until_leasable(self) -> None:
+        """While no version can be leased but one is on its way from the trainer, wait for it
+        (up to ``LEASE_VERSION_WAIT_S``): with κ = 1 two versions can be published before the
+        coordinator holds either, and the ``Standby`` a node would get then costs it a whole
+        second of generation (at S = 1 one node lost 7–24 s of a 60 s demo run that way)."""
+        assert self.core is not None
+        deadline = time.monotonic() + LEASE_VERSION_WAIT_S
+        while self.core.lease_version() is None and any(
+            not t.done() for t in self._version_tasks.values()
+        ):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            held = self._version_held
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(held.wait(), left)
 
     async def _on_submit(self, caller: str, request: bytes) -> bytes:
         assert self.core is not None
@@ -472,6 +495,7 @@ class CoordinatorService:
             except Exception as exc:  # the seed may not serve it yet; retried until the deadline
                 if time.monotonic() > deadline:
                     log.error("could not fetch v%d from the trainer: %s", version, exc)
+                    self._wake_lease_waiters()  # no use waiting for this one
                     return
                 await asyncio.sleep(delay)
                 # The trainer starts seeding right after our answer: a short cap, so the back-off
@@ -482,6 +506,7 @@ class CoordinatorService:
             self._hold_s = elapsed if self._hold_s is None else 0.7 * self._hold_s + 0.3 * elapsed
             self._update_t_bcast()
         log.info("holding policy v%d (fetched in %.2fs)", version, elapsed)
+        self._wake_lease_waiters()
         # Its own task: submissions waiting for this one (see _on_submit) need the weights on
         # disk, not the model built.
         task = asyncio.create_task(self._preload(version), name=f"preload-v{version}")
@@ -491,14 +516,23 @@ class CoordinatorService:
             self._version_tasks.pop(old, None)
             self._seeders.pop(old, None)
 
+    def _wake_lease_waiters(self) -> None:
+        """Lease requests waiting for a leasable version (:meth:`_until_leasable`) look again."""
+        held, self._version_held = self._version_held, asyncio.Event()
+        held.set()
+
     def _update_t_bcast(self) -> None:
         """T_bcast of the capacity rule (docs/capacity.md): the trainer's serialise-and-hash time
-        of its last publication plus the running mean of publish call -> version held here
-        (from then on leases name it; each node's own load delay is measured separately)."""
+        of its last publication plus the running mean of publish call -> first lease naming the
+        version (``Coordinator.lease_lag``; until a version was leased, publish call -> version
+        held here). Each node's own download and load are measured separately (d_i)."""
         assert self.core is not None
         prepare_s = _positive(self.trainer_stats.get("publish_prepare_s")) or 0.0
-        if self._hold_s is not None:
-            self.core.t_bcast_s = prepare_s + self._hold_s
+        lag = self.core.lease_lag.mean_s
+        if lag is None:
+            lag = self._hold_s
+        if lag is not None:
+            self.core.t_bcast_s = prepare_s + lag
 
     def _holds(self, version: int) -> bool:
         """Every chunk of ``version`` is here: nodes can fetch it (leases name such versions)."""

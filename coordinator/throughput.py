@@ -110,3 +110,45 @@ class ThroughputBook:
         old.version = version
         old.leases += 1
         return old
+
+
+class LeaseLag:
+    """T_bcast's coordinator part, measured where it ends: from a version's publish call to the
+    first lease that names it (docs/capacity.md, "Measured inputs").
+
+    The time until the coordinator *holds* a version (its download from the trainer) is only part
+    of it: a version becomes leasable when held, but the first rollouts on it start only when a
+    node asks for work and is given it — after the coordinator's event loop answers, and after
+    the asking node finished the lease it was running. Measured in the capacity demos, publish
+    call -> held was 0.05–0.45 s and publish call -> first lease 0.20–0.60 s; the rule fed the
+    shorter figure under-predicted the learner's idle time by up to 15 points.
+
+    A version that no lease ever names (the next one was leasable first) is forgotten: no rollout
+    of it exists to be late. Running mean with weight ``alpha`` per leased version; soft state
+    (after a restart, the versions published before it are not measured)."""
+
+    #: versions remembered while waiting for their first lease (older ones are forgotten)
+    KEEP = 32
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        self.alpha = alpha
+        self._published: dict[int, float] = {}
+        #: the running mean (seconds); None until a version was leased
+        self.mean_s: float | None = None
+
+    def published(self, version: int, at: float) -> None:
+        self._published[version] = at
+        if len(self._published) > self.KEEP:
+            del self._published[min(self._published)]
+
+    def leased(self, version: int, at: float) -> None:
+        """A lease naming ``version`` was issued at ``at`` (cheap when it is not the first)."""
+        first = self._published.pop(version, None)
+        if first is None:
+            return
+        for older in [v for v in self._published if v < version]:  # skipped: never leased
+            del self._published[older]
+        lag = max(0.0, at - first)
+        self.mean_s = (
+            lag if self.mean_s is None else (1 - self.alpha) * self.mean_s + self.alpha * lag
+        )
