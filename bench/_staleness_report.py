@@ -87,7 +87,9 @@ def tables(results: list[dict[str, Any]], options: list[str]) -> list[str]:
                     cells.append("")
                     continue
                 med = median_steps(runs)
-                ratio = "" if math.isinf(med) or not opt_base else f" ({med / opt_base:.2f}×)"
+                # no ratio against an S = 0 that missed the target (it would read 0.00×)
+                known = math.isfinite(med) and math.isfinite(opt_base) and opt_base > 0
+                ratio = f" ({med / opt_base:.2f}×)" if known else ""
                 miss = sum(r["steps_to_target"] is None for r in runs)
                 cells.append(f"{_fmt_steps(med)}{ratio}" + (f", {miss} ✗" if miss else ""))
             lines.append(f"| {opt} | " + " | ".join(cells) + " |")

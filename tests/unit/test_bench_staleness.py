@@ -56,3 +56,12 @@ def test_ratios_use_the_options_own_s0_when_it_trains_differently() -> None:
     assert "100 (1.00×) | 150 (1.50×)" in rows["| tis"]
     assert "100 (1.00×) | 120 (1.20×)" in rows["| mis"]  # S = 0 of the weight options
     assert "200 (1.00×) | 240 (1.20×)" in rows["| slow"]  # its own S = 0, not tis's
+
+
+def test_no_ratio_against_an_s0_median_that_missed_the_target() -> None:
+    """reverse4 at S = 0 missed in 1 of 2 seeds (median ✗): S = 4's 740 steps read "0.00×"."""
+    tis = {"weight_mode": "truncate"}
+    results = [_run("tis", 0, None, tis), _run("tis", 0, None, tis), _run("tis", 4, 740, tis)]
+    rows = {line.split(" | ")[0]: line for line in tables(results, ["tis"])}
+    assert "| 740 |" in rows["| tis"] + " |"
+    assert "×)" not in rows["| tis"]
