@@ -177,7 +177,8 @@ class Coordinator:
         self._last_published: int | None = None
         #: per-node μ_i, g_i, o_i, d_i measured from accepted leases (coordinator.throughput)
         self.throughput = ThroughputBook(config.leases.throughput_ewma)
-        #: publish call -> first lease naming the version (T_bcast's part after the trainer)
+        #: publish call -> first lease naming the version (a diagnostic beside T_bcast: much
+        #: longer than the coordinator's download means nodes stall before asking for work)
         self.lease_lag = LeaseLag(config.leases.throughput_ewma)
         self.plan: Plan | None = None
         self._standby: frozenset[str] = frozenset()
@@ -278,7 +279,7 @@ class Coordinator:
         return RegisterAck(
             node_fingerprint=fingerprint_of(node_key),
             heartbeat_interval_s=self.config.heartbeat_interval_s,
-            current_policy_version=self.store.latest_version(),
+            current_policy_version=self.lease_version(),
             server_time=now,
         )
 
@@ -329,7 +330,7 @@ class Coordinator:
         self._seen[node_key] = now
         return HeartbeatAck(
             server_time=now,
-            current_policy_version=self.store.latest_version(),
+            current_policy_version=self.lease_version(),
             active=self.is_active(node_key),
         )
 
@@ -807,6 +808,7 @@ class Coordinator:
             "plan_t_train_s": self.t_train_s,
             "plan_t_train_cv": self.t_train_cv,
             "plan_t_bcast_s": self.t_bcast_s,
+            "plan_lease_lag_s": self.lease_lag.mean_s,
             "plan_batch_rollouts": self.batch_rollouts,
             "plan_kappa": self.effective_kappa,
             "plan_standby": [

@@ -133,7 +133,7 @@ class CoordinatorService:
         self.verifier: InProcessLogprobVerifier | None = None
         self._preload_tasks: set[asyncio.Task[None]] = set()
         self._seeders: dict[int, str] = {}
-        #: running mean of publish call -> version held here (seconds; T_bcast before a lease)
+        #: running mean of publish call -> version held here (seconds; T_bcast's main part)
         self._hold_s: float | None = None
         #: set (and replaced) each time a version is held in full: lease requests waiting for one
         self._version_held = asyncio.Event()
@@ -523,16 +523,13 @@ class CoordinatorService:
 
     def _update_t_bcast(self) -> None:
         """T_bcast of the capacity rule (docs/capacity.md): the trainer's serialise-and-hash time
-        of its last publication plus the running mean of publish call -> first lease naming the
-        version (``Coordinator.lease_lag``; until a version was leased, publish call -> version
-        held here). Each node's own download and load are measured separately (d_i)."""
+        of its last publication plus the running mean of publish call -> version held here
+        (from then on leases name it; each node's own download and load are its d_i, and the
+        time a node takes to finish its current lease is in the rule's spread of starts)."""
         assert self.core is not None
         prepare_s = _positive(self.trainer_stats.get("publish_prepare_s")) or 0.0
-        lag = self.core.lease_lag.mean_s
-        if lag is None:
-            lag = self._hold_s
-        if lag is not None:
-            self.core.t_bcast_s = prepare_s + lag
+        if self._hold_s is not None:
+            self.core.t_bcast_s = prepare_s + self._hold_s
 
     def _holds(self, version: int) -> bool:
         """Every chunk of ``version`` is here: nodes can fetch it (leases name such versions)."""

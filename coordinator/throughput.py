@@ -113,19 +113,20 @@ class ThroughputBook:
 
 
 class LeaseLag:
-    """T_bcast's coordinator part, measured where it ends: from a version's publish call to the
-    first lease that names it (docs/capacity.md, "Measured inputs").
+    """From a version's publish call to the first lease that names it (``plan_lease_lag_s`` on
+    ``/status``; docs/capacity.md, "Measured inputs").
 
-    The time until the coordinator *holds* a version (its download from the trainer) is only part
-    of it: a version becomes leasable when held, but the first rollouts on it start only when a
-    node asks for work and is given it — after the coordinator's event loop answers, and after
-    the asking node finished the lease it was running. Measured in the capacity demos, publish
-    call -> held was 0.05–0.45 s and publish call -> first lease 0.20–0.60 s; the rule fed the
-    shorter figure under-predicted the learner's idle time by up to 15 points.
+    Beside T_bcast (publish call -> the coordinator holds the version) it shows what happens
+    after: a version is leasable once held, and its first rollouts start when a node asks for
+    work — after it finished the lease it was running, a fraction of a lease cycle. A lag far
+    longer than that means the nodes stall before asking: in the capacity demos a node's lease
+    on the version it had loaded waited 2 s behind its prefetch of the next one (fixed in
+    node/checkpoints.py), which this figure showed as a lag of 0.17 s on average against a
+    download of 0.09 s.
 
     A version that no lease ever names (the next one was leasable first) is forgotten: no rollout
-    of it exists to be late. Running mean with weight ``alpha`` per leased version; soft state
-    (after a restart, the versions published before it are not measured)."""
+    of it exists. Running mean with weight ``alpha`` per leased version; soft state (after a
+    restart, the versions published before it are not measured)."""
 
     #: versions remembered while waiting for their first lease (older ones are forgotten)
     KEEP = 32

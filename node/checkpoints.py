@@ -161,6 +161,11 @@ class CheckpointManager:
 
     async def ensure(self, version: int) -> None:
         """Make ``version`` the loaded weights, or raise (nothing loaded on failure)."""
+        if self.loaded_version == version:
+            # Loaded already: do not queue behind a prefetch of a newer version holding the lock
+            # (a lease on the loaded version waited for a 2 s download in the capacity demos).
+            # Only this method loads, and the node runs one lease at a time.
+            return
         async with self._lock:
             if self.loaded_version == version:
                 return

@@ -164,7 +164,7 @@ class RegisterAck(MessageBase):
 
     node_fingerprint: Id  # fingerprint of the registered node key ("ed25519:...")
     heartbeat_interval_s: Finite  # send a Heartbeat at least this often, seconds (> 0)
-    current_policy_version: U64 | None  # latest published version; None = none yet
+    current_policy_version: U64 | None  # the version new leases name (held); None = none yet
     server_time: Finite  # coordinator clock, Unix seconds (for skew diagnosis)
 
 
@@ -182,7 +182,7 @@ class HeartbeatAck(MessageBase):
     """Coordinator -> node."""
 
     server_time: Finite  # coordinator clock, Unix seconds
-    current_policy_version: U64 | None  # latest published version; None = none yet
+    current_policy_version: U64 | None  # the version new leases name (held); None = none yet
     active: bool  # False: the node is on standby (capacity planner) and should not ask for work
 
 

@@ -6,6 +6,8 @@ BroadcastNode downloads them through the CheckpointManager into a recording back
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Mapping
@@ -98,7 +100,9 @@ class World:
         env, manifest, chunks = signed(signer or self.coord, version)
         self.seed_store.seed(env, manifest, chunks)  # bypasses the seed's own verification
 
-    async def manager(self, name: str = "node") -> tuple[CheckpointManager, RecordingBackend]:
+    async def manager(
+        self, name: str = "node", config: DownloadConfig = FAST
+    ) -> tuple[CheckpointManager, RecordingBackend]:
         """A fresh node process on the same state dir (a restart when called twice)."""
         if self.node is not None:
             await self.node.stop()
@@ -108,7 +112,7 @@ class World:
             ChunkStore(self.tmp / name / "checkpoints", keep_versions=self.keep_versions),
             self.dirs,
             bytes(32),
-            config=FAST,
+            config=config,
         )
         await self.node.start()
         backend = RecordingBackend()
@@ -266,3 +270,24 @@ def test_unreadable_record_is_an_error_not_a_reset(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(RuntimeError, match="unreadable"):
         AcceptedVersion(path, "ed25519:a").get()
+
+
+async def test_a_lease_on_the_loaded_version_does_not_wait_for_a_prefetch(world: World) -> None:
+    """A heartbeat announced v2 and the node started prefetching it, but its seed does not hold
+    v2 yet (the download retries). A lease on v1, already loaded, starts at once: in the
+    capacity demos such a lease waited 2 s for the prefetch's lock."""
+    await world.publish(1)
+    # a node's real back-off from a seed that does not serve the version yet: 1 s, then 2 s...
+    patient = DownloadConfig(seed_backoff=1.0, max_seed_failures=5, seed_grace=5.0)
+    mgr, backend = await world.manager(config=patient)
+    await mgr.ensure(1)
+    env, manifest, _ = signed(world.coord, 2)
+    world.seed_store.put_manifest(env, manifest)  # published, its chunks not there yet
+    prefetch = asyncio.create_task(mgr.prefetch(2))
+    await asyncio.sleep(0.2)
+    assert not prefetch.done()  # still trying to download v2
+    await asyncio.wait_for(mgr.ensure(1), 1.0)
+    assert backend.loaded_version == 1 and len(backend.loads) == 1
+    prefetch.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await prefetch
