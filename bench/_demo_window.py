@@ -34,6 +34,7 @@ STATUS_KEYS = (
     "plan_t_train_s",
     "plan_t_train_cv",
     "plan_t_bcast_s",
+    "plan_lease_lag_s",
     "plan_batch_rollouts",
     "plan_kappa",
     "plan_step_period_s",

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -55,8 +56,9 @@ TRAINER = {"minibatches": 1, "trace_rollouts": True}
 
 
 def _key(w: dict[str, Any]) -> str:
-    epochs = w.get("epochs", 1)
+    epochs, rep = w.get("epochs", 1), w.get("rep", 0)
     suffix = ("" if epochs == 1 else f"-e{epochs}") + ("-pair" if w.get("pair") else "")
+    suffix += f"-r{rep}" if rep else ""
     return f"{w['nodes']}-{w['staleness']}-{'overlap' if w['overlap'] else 'serial'}{suffix}"
 
 
@@ -67,7 +69,9 @@ def load_runs() -> dict[str, dict[str, Any]]:
 
 
 def save_runs(runs: dict[str, dict[str, Any]]) -> None:
-    ordered = sorted(runs.values(), key=lambda w: (not w["overlap"], w["staleness"], w["nodes"]))
+    ordered = sorted(
+        runs.values(), key=lambda w: (not w["overlap"], w["staleness"], w["nodes"], w.get("rep", 0))
+    )
     RUNS.write_text(json.dumps(ordered, indent=1) + "\n")
 
 
@@ -109,13 +113,53 @@ def _live(w: dict[str, Any]) -> float | None:
     return None if value is None else float(value)
 
 
-def grid_rows(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def grid_rows(runs: dict[str, dict[str, Any]], rep: int | None = 0) -> list[dict[str, Any]]:
+    """The grid's runs (overlapped loop, one update per step): repetition ``rep`` (None: all)."""
     rows = [
         w
         for w in runs.values()
         if w["overlap"] and not w.get("error") and w.get("epochs", 1) == 1 and not w.get("pair")
+        and (rep is None or w.get("rep", 0) == rep)
+    ]  # fmt: skip
+    return sorted(rows, key=lambda w: (w["staleness"], w["nodes"], w.get("rep", 0)))
+
+
+def repeat_table(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """Grid points run more than once (``--repeat``): each run's predicted and measured idle,
+    and the rule against the mean of the measurements (one 30 s window is a noisy sample)."""
+    points: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for w in grid_rows(runs, rep=None):
+        if _predicted(w) is not None:
+            points.setdefault((w["staleness"], w["nodes"]), []).append(w)
+    points = {k: v for k, v in points.items() if len(v) > 1}
+    if not points:
+        return []
+    lines = [
+        "| nodes | S | runs: predicted / measured idle % | mean predicted % | mean measured % "
+        "| Δ pp | measured spread pp |",
+        "|---:|---:|---|---:|---:|---:|---:|",
     ]
-    return sorted(rows, key=lambda w: (w["staleness"], w["nodes"]))
+    deltas, spreads = [], []
+    for (s, n), ws in sorted(points.items()):
+        pred = [100 * _predicted(w) for w in ws]  # type: ignore[operator]
+        meas = [100 * w["idle"] for w in ws]
+        delta = sum(pred) / len(pred) - sum(meas) / len(meas)
+        deltas.append(abs(delta))
+        spreads.append(max(meas) - min(meas))
+        each = ", ".join(f"{p:.1f} / {m:.1f}" for p, m in zip(pred, meas, strict=True))
+        lines.append(
+            f"| {n} | {s} | {each} | {sum(pred) / len(pred):.1f} | {sum(meas) / len(meas):.1f} "
+            f"| {delta:+.1f} | {spreads[-1]:.1f} |"
+        )
+    inside = sum(d <= TARGET_PP for d in deltas)
+    lines += [
+        "",
+        f"On the means of the runs: {inside} of {len(deltas)} points within {TARGET_PP:.0f} "
+        f"percentage points; largest gap {max(deltas):.1f} pp; mean |Δ| "
+        f"{sum(deltas) / len(deltas):.1f} pp. The measured idle of one point differed between "
+        f"its runs by {statistics.median(spreads):.1f} pp (median), up to {max(spreads):.1f}.",
+    ]
+    return lines
 
 
 def validation_table(runs: dict[str, dict[str, Any]]) -> list[str]:
@@ -327,6 +371,15 @@ def render(runs: dict[str, dict[str, Any]]) -> None:
             "",
             *ages,
         ]
+    repeats = repeat_table(runs)
+    if repeats:
+        age_text += [
+            "",
+            "The grid run again (`--repeat 1`, same code, the machine as quiet): each point's runs "
+            "and the rule against their mean:",
+            "",
+            *repeats,
+        ]
     headroom = headroom_table(runs)
     if headroom:
         age_text += [
@@ -381,6 +434,7 @@ def run_point(
     root: Path,
     epochs: int = 1,
     pair: bool = False,
+    rep: int = 0,
 ) -> dict[str, Any]:
     print(f"-- {nodes} nodes, S = {s}, overlap {overlap}, epochs {epochs}: load "
           f"{os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
@@ -388,7 +442,7 @@ def run_point(
     w = measure(nodes, s, seconds=seconds, overlap=overlap, run_root=root,
                 trainer_overrides={**TRAINER, "ppo_epochs": epochs})  # fmt: skip
     # a --compare pair is kept apart from the validation grid (the two loops back to back)
-    run = {**dataclasses.asdict(w), "epochs": epochs, "pair": pair}
+    run = {**dataclasses.asdict(w), "epochs": epochs, "pair": pair, "rep": rep}
     (root / f"{_key(run)}.json").write_text(json.dumps(run, indent=1))
     pred = rule_on_window_means(run)
     print(
@@ -413,6 +467,9 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=1,
                     help="passes over each batch per learner step (ppo_epochs; > 1: a slower "
                     "learner, the headroom table)")  # fmt: skip
+    ap.add_argument("--repeat", type=int, default=0,
+                    help="store these runs as repetition N (> 0) of the grid, beside the main "
+                    "runs (0, the tables' figures): the repeat table compares them")  # fmt: skip
     ap.add_argument("--render", action="store_true", help="only re-draw the docs from the runs")
     ap.add_argument("--no-write", action="store_true", help="print, do not touch the docs")
     args = ap.parse_args()
@@ -424,7 +481,8 @@ def main() -> int:
                 modes = [True, False] if args.compare else [True]
                 for overlap in modes:
                     w = run_point(n, s, overlap=overlap, seconds=args.seconds, root=root,
-                                  epochs=args.epochs, pair=args.compare)  # fmt: skip
+                                  epochs=args.epochs, pair=args.compare,
+                                  rep=args.repeat)  # fmt: skip
                     if args.no_write:
                         continue
                     runs[_key(w)] = w

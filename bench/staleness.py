@@ -83,6 +83,29 @@ OPTIONS: dict[str, dict[str, Any]] = {
         "weight_cap": 2.0,
         "max_step_kl": 1.0,
     },
+    # the default (TIS with VCPO's ESS step size) plus the step rollback
+    "vcpo-rollback": {
+        "weight_mode": "truncate",
+        "weight_level": "token",
+        "weight_cap": 2.0,
+        "ess_lr_scaling": True,
+        "max_step_kl": 1.0,
+    },
+    # the default with the entropy bonus only on informative samples, or at half the strength
+    "vcpo-ent-informative": {
+        "weight_mode": "truncate",
+        "weight_level": "token",
+        "weight_cap": 2.0,
+        "ess_lr_scaling": True,
+        "entropy_groups": "informative",
+    },
+    "vcpo-ent-0.05": {
+        "weight_mode": "truncate",
+        "weight_level": "token",
+        "weight_cap": 2.0,
+        "ess_lr_scaling": True,
+        "entropy_coef": 0.05,
+    },
     # TIS, entropy bonus only on the tokens of samples with a non-zero advantage
     "ent-informative": {
         "weight_mode": "truncate",
