@@ -13,9 +13,11 @@ import pytest
 from coord_harness import FakeClock, Harness
 from test_hostile_coordinator import service
 
+from coordinator.errors import Rejection
 from coordinator.throughput import LeaseLag
 from protocol.codec import decode, encode
 from protocol.envelope import seal
+from protocol.errors import ReasonCode
 from protocol.messages import Heartbeat, Lease, LeaseRequest, Standby
 
 
@@ -97,3 +99,23 @@ def test_heartbeats_announce_the_version_a_node_can_fetch_now(tmp_path: Path) ->
     held.add(2)
     beat = msgspec.structs.replace(beat, seq=2)
     assert h.core.heartbeat(node.public_key, beat).current_policy_version == 2
+
+
+async def test_a_banned_node_is_refused_at_once_while_a_version_is_on_its_way(
+    tmp_path: Path,
+) -> None:
+    """The wait is for nodes the coordinator would lease to: a banned one hears so first."""
+    h = Harness(tmp_path, clock=FakeClock(time.time()))
+    h.core.servable = set[int]().__contains__
+    node = h.node()
+    h.publish(1)
+    h.core.store.put_ban(node.public_key, 1, h.clock() + 600.0, "test")
+    svc = service(h, tmp_path)
+    svc._version_tasks[1] = asyncio.create_task(asyncio.sleep(5.0))
+    req = LeaseRequest(peer_id="peer", policy_version=None, max_prompts=1)
+    t0 = time.monotonic()
+    with pytest.raises(Rejection) as e:
+        await svc._on_lease("peer", encode(seal(node, req, now=h.clock())))
+    assert e.value.code is ReasonCode.BANNED
+    assert time.monotonic() - t0 < 1.0
+    svc._version_tasks[1].cancel()
