@@ -128,7 +128,23 @@ OPTIONS: dict[str, dict[str, Any]] = {
         "adam_beta2": 0.99,
     },
     "lr-3e-4": {"weight_mode": "truncate", "weight_level": "token", "weight_cap": 2.0, "lr": 3e-4},
+    # the default trained on informative groups only (DAPO's dynamic sampling; see BENCH_KEYS)
+    "vcpo-filter": {
+        "weight_mode": "truncate",
+        "weight_level": "token",
+        "weight_cap": 2.0,
+        "ess_lr_scaling": True,
+        "filter_groups": True,
+    },
 }
+#: Option keys this benchmark acts on itself, not TrainerConfig settings. ``filter_groups``:
+#: a group whose samples all got the same reward (advantage 0: only the entropy bonus acts on it)
+#: is left out of the batch, and more prompts are sampled (up to FILTER_ROUNDS batches' worth)
+#: until the batch is full of informative groups — DAPO's dynamic sampling (Yu et al. 2025;
+#: verl's ``filter_groups``). What a swarm with rollouts to spare could do in its trainer; the
+#: extra generation is counted in the run's ``groups_sampled``.
+BENCH_KEYS = frozenset({"filter_groups"})
+FILTER_ROUNDS = 4
 # Every option names VCPO's step size explicitly (off unless the option is about it), so that what
 # an option means -- and its key in the results file -- does not change with TrainerConfig's
 # default (on since this benchmark chose `vcpo-ess`).
@@ -200,6 +216,42 @@ def collapse_of(steps: list[int], exact: list[float]) -> dict[str, Any] | None:
     return None
 
 
+def _informative(
+    idx: list[int],
+    rows: list[Any],
+    batch: int,
+    group: int,
+    next_index: int,
+    sample_more: Any,
+    *,
+    min_groups: int,
+) -> tuple[list[int], list[Any], int]:
+    """``filter_groups``: keep the groups whose rewards differ (row[3] is the reward), sampling
+    ``batch`` more prompts at a time (at most FILTER_ROUNDS − 1 times) until ``batch`` of them
+    are in; when fewer are found, uniform groups fill up to ``min_groups`` (one per minibatch).
+    Returns the prompt indices and rows of the batch and the prompts sampled beyond the first
+    ``batch``."""
+    kept_i: list[int] = []
+    kept_r: list[Any] = []
+    spare_i: list[int] = []
+    spare_r: list[Any] = []
+    used = 0
+    for k in range(FILTER_ROUNDS):
+        if k:
+            idx = list(range(next_index + used, next_index + used + batch))
+            rows = sample_more(idx, k)
+            used += batch
+        for j, i in enumerate(idx):
+            g = rows[j * group : (j + 1) * group]
+            informative = len({r[3] for r in g}) > 1
+            (kept_i if informative else spare_i).append(i)
+            (kept_r if informative else spare_r).extend(g)
+        if len(kept_i) >= batch:
+            return kept_i[:batch], kept_r[: batch * group], used
+    short = max(0, min_groups - len(kept_i))
+    return kept_i + spare_i[:short], kept_r + spare_r[: short * group], used
+
+
 def run_one(spec: Spec) -> dict[str, Any]:
     """Train one run; returns its record (JSON-ready)."""
     import torch
@@ -216,12 +268,14 @@ def run_one(spec: Spec) -> dict[str, Any]:
     task = make_task(spec.task)
     tok = CharTokenizer()
     max_new = int(spec.task.removeprefix("reverse")) + 2
+    overrides = {k: v for k, v in spec.overrides.items() if k not in BENCH_KEYS}
+    filter_groups = bool(spec.overrides.get("filter_groups", False))
     cfg = TrainerConfig(
         max_staleness=spec.staleness,
         seed=spec.seed,
         out_dir="/nonexistent-unused",
         resume=False,
-        **{**spec.base, **spec.overrides},
+        **{**spec.base, **overrides},
     )
     model = build_model(ModelSpec(), seed=spec.seed)
     trainer = Trainer(cfg, model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
@@ -263,6 +317,7 @@ def run_one(spec: Spec) -> dict[str, Any]:
     secs: float | None = None
     t0 = time.monotonic()
     prompt_index = 0
+    groups_sampled = 0
     step = 0
     while step < spec.max_steps and (reached is None or step < reached + spec.post_steps):
         lag = spec.staleness if spec.lag == "fixed" else rng.randint(0, spec.staleness)
@@ -271,6 +326,16 @@ def run_one(spec: Spec) -> dict[str, Any]:
         idx = list(range(prompt_index, prompt_index + cfg.batch_prompts))
         prompt_index += cfg.batch_prompts
         rows = sample(behaviour, idx, cfg.group_size, spec.seed + 7919 * step)
+        groups_sampled += cfg.batch_prompts
+        if filter_groups:
+            idx, rows, used = _informative(
+                idx, rows, cfg.batch_prompts, cfg.group_size, prompt_index,
+                lambda more, k, step=step: sample(behaviour, more, cfg.group_size,
+                                                  spec.seed + 7919 * step + 104729 * k),
+                min_groups=cfg.minibatches,
+            )  # fmt: skip
+            prompt_index += used
+            groups_sampled += used
         rollouts = [
             Rollout(
                 group_id=f"g{idx[k // cfg.group_size]}",
@@ -305,6 +370,7 @@ def run_one(spec: Spec) -> dict[str, Any]:
         "steps_to_target": reached,
         "seconds_to_target": secs,
         "steps_run": step,
+        "groups_sampled": groups_sampled,
         "seconds": round(time.monotonic() - t0, 1),
         "final_exact": sum(tail) / len(tail),
         "final_reward": sum(tail_r) / len(tail_r),
