@@ -30,6 +30,7 @@ import random
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,10 +44,14 @@ from _staleness_report import WEIGHT_KEYS  # noqa: E402
 
 SECTION = "staleness"
 
+#: TIS: token-level truncated IS, min(π_prox/μ, 2) (AReaL's decoupled PPO); most options add to it
+_TIS: dict[str, Any] = {"weight_mode": "truncate", "weight_level": "token", "weight_cap": 2.0}
+#: the default: TIS with VCPO's learning-rate scaling by the sequence-level ESS
+_VCPO: dict[str, Any] = {**_TIS, "ess_lr_scaling": True}
+
 #: The corrections compared (TrainerConfig overrides); docs/trainer.md gives each one's source.
 OPTIONS: dict[str, dict[str, Any]] = {
-    # token-level truncated IS, min(π_prox/μ, 2) (TIS; AReaL's decoupled PPO)
-    "tis": {"weight_mode": "truncate", "weight_level": "token", "weight_cap": 2.0},
+    "tis": {**_TIS},
     # sequence-level masked IS: the product ratio, the sequence dropped outside [1/2, 2] (MIS)
     "mis": {"weight_mode": "mask", "weight_level": "sequence", "weight_cap": 2.0},
     # geometric-mean rejection sampling, no IS weight: sequence kept iff ratio in [1/C, C]
@@ -61,81 +66,27 @@ OPTIONS: dict[str, dict[str, Any]] = {
     # M2PO: untruncated token weights thinned by the second-moment mask τ = 0.04
     "m2po": {"weight_mode": "raw", "weight_level": "token", "m2_threshold": 0.04},
     # TIS plus the gradient-spike guard (skip an update whose gradient norm is > 5× the median)
-    "tis-guard": {
-        "weight_mode": "truncate",
-        "weight_level": "token",
-        "weight_cap": 2.0,
-        "grad_spike_factor": 5.0,
-    },
-    # TIS plus VCPO's learning-rate scaling by the sequence-level ESS (its baseline is not built)
-    "vcpo-ess": {
-        "weight_mode": "truncate",
-        "weight_level": "token",
-        "weight_cap": 2.0,
-        "ess_lr_scaling": True,
-    },
+    "tis-guard": {**_TIS, "grad_spike_factor": 5.0},
+    # VCPO's ESS step size (its baseline is not built)
+    "vcpo-ess": {**_VCPO},
     # no correction (w = 1); the PPO clip against π_prox stays
     "off": {"weight_mode": "off"},
     # TIS plus the step rollback: a step that moved the policy > 1 nat/token is undone
-    "rollback": {
-        "weight_mode": "truncate",
-        "weight_level": "token",
-        "weight_cap": 2.0,
-        "max_step_kl": 1.0,
-    },
-    # the default (TIS with VCPO's ESS step size) plus the step rollback
-    "vcpo-rollback": {
-        "weight_mode": "truncate",
-        "weight_level": "token",
-        "weight_cap": 2.0,
-        "ess_lr_scaling": True,
-        "max_step_kl": 1.0,
-    },
+    "rollback": {**_TIS, "max_step_kl": 1.0},
+    # the default plus the step rollback
+    "vcpo-rollback": {**_VCPO, "max_step_kl": 1.0},
     # the default with the entropy bonus only on informative samples, or at half the strength
-    "vcpo-ent-informative": {
-        "weight_mode": "truncate",
-        "weight_level": "token",
-        "weight_cap": 2.0,
-        "ess_lr_scaling": True,
-        "entropy_groups": "informative",
-    },
-    "vcpo-ent-0.05": {
-        "weight_mode": "truncate",
-        "weight_level": "token",
-        "weight_cap": 2.0,
-        "ess_lr_scaling": True,
-        "entropy_coef": 0.05,
-    },
+    "vcpo-ent-informative": {**_VCPO, "entropy_groups": "informative"},
+    "vcpo-ent-0.05": {**_VCPO, "entropy_coef": 0.05},
     # TIS, entropy bonus only on the tokens of samples with a non-zero advantage
-    "ent-informative": {
-        "weight_mode": "truncate",
-        "weight_level": "token",
-        "weight_cap": 2.0,
-        "entropy_groups": "informative",
-    },
+    "ent-informative": {**_TIS, "entropy_groups": "informative"},
     # TIS with optimizer variants: no momentum (asynchrony already acts as momentum), a faster
     # second moment, a smaller step
-    "beta1-0": {
-        "weight_mode": "truncate",
-        "weight_level": "token",
-        "weight_cap": 2.0,
-        "adam_beta1": 0.0,
-    },
-    "beta2-0.99": {
-        "weight_mode": "truncate",
-        "weight_level": "token",
-        "weight_cap": 2.0,
-        "adam_beta2": 0.99,
-    },
-    "lr-3e-4": {"weight_mode": "truncate", "weight_level": "token", "weight_cap": 2.0, "lr": 3e-4},
+    "beta1-0": {**_TIS, "adam_beta1": 0.0},
+    "beta2-0.99": {**_TIS, "adam_beta2": 0.99},
+    "lr-3e-4": {**_TIS, "lr": 3e-4},
     # the default trained on informative groups only (DAPO's dynamic sampling; see BENCH_KEYS)
-    "vcpo-filter": {
-        "weight_mode": "truncate",
-        "weight_level": "token",
-        "weight_cap": 2.0,
-        "ess_lr_scaling": True,
-        "filter_groups": True,
-    },
+    "vcpo-filter": {**_VCPO, "filter_groups": True},
 }
 #: Option keys this benchmark acts on itself, not TrainerConfig settings. ``filter_groups``:
 #: a group whose samples all got the same reward (advantage 0: only the entropy bonus acts on it)
@@ -222,7 +173,7 @@ def _informative(
     batch: int,
     group: int,
     next_index: int,
-    sample_more: Any,
+    sample_more: Callable[[list[int], int], list[Any]],
     *,
     min_groups: int,
 ) -> tuple[list[int], list[Any], int]:

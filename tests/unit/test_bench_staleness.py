@@ -87,6 +87,7 @@ def test_filter_groups_keeps_informative_groups_and_samples_more() -> None:
     assert idx == [0, 2, 4, 6] and used == 4 and calls == [1]
     assert [r[0] for r in rows] == [0, 0, 2, 2, 4, 4, 6, 6]
     calls.clear()
+
     def solved(indices: list[int], k: int = 0) -> list[tuple[Any, ...]]:
         return [(j, None, None, 1.0, True) for j in indices for _ in range(2)]
 
