@@ -10,8 +10,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from coord_harness import FakeClock, Harness
-from test_hostile_coordinator import service
+from coord_harness import FakeClock, Harness, service
 
 from coordinator.errors import Rejection
 from coordinator.throughput import LeaseLag

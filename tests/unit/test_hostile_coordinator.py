@@ -15,11 +15,9 @@ from typing import Any
 
 import msgspec
 import pytest
-from coord_harness import TOK, Harness, advert, submission
+from coord_harness import TOK, Harness, advert, service, submission
 
-from coordinator.config import CoordinatorConfig
 from coordinator.errors import Rejection
-from coordinator.service import CoordinatorService
 from protocol import rpc
 from protocol.codec import decode, encode
 from protocol.envelope import seal
@@ -163,17 +161,6 @@ async def test_distinct_resends_cannot_grow_the_verdict_table(tmp_path: Path) ->
 
 
 # --- the network handlers ----------------------------------------------------------------------
-def service(h: Harness, tmp_path: Path, **network: Any) -> CoordinatorService:
-    """A CoordinatorService around the harness core, without starting libp2p."""
-    cfg = CoordinatorConfig.model_validate(
-        {**h.cfg.model_dump(), "network": {**h.cfg.network.model_dump(), **network}}
-    )
-    svc = CoordinatorService(cfg, tmp_path / "svc")
-    svc.core = h.core
-    svc.peer = SimpleNamespace(peer_id="coord")  # type: ignore[assignment]
-    return svc
-
-
 def test_status_cost_does_not_grow_with_the_square_of_the_swarm(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
