@@ -73,7 +73,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--out", default="runs/bench-demo-collapse")
-    parser.add_argument("--demo-args", nargs="*", default=[], help="extra `swarm demo` flags")
+    parser.add_argument(
+        "--demo-args",
+        nargs="*",
+        action="extend",
+        default=[],
+        help="extra `swarm demo` flags; one starting with - as --demo-args=--flag=value",
+    )
+    parser.add_argument(
+        "--tag",
+        default="",
+        help="a variant's name (with --demo-args): its own section of docs/benchmarks.md "
+        "(bench:demo-collapse-TAG) and plot, beside the defaults'",
+    )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     out = ROOT / args.out
@@ -108,18 +120,21 @@ def write(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         xlabel="learner step",
         ylabel="exact match (trainer batch)",
         ylim=(0, 1.02),
-        title="swarm demo, default settings",
+        title="swarm demo, " + (" ".join(args.demo_args) or "default settings"),
     )
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(ROOT / "docs" / "demo_collapse.png", dpi=100)
+    stem = f"demo_collapse_{args.tag}" if args.tag else "demo_collapse"
+    fig.savefig(ROOT / "docs" / f"{stem}.png", dpi=100)
     plt.close(fig)
     n_col = sum(r["collapse"] is not None for r in results)
+    variant = f" with `{' '.join(args.demo_args)}`" if args.demo_args else " at its defaults"
     lines = [
-        "## `swarm demo` at its defaults: collapses (`bench/demo_collapse.py`)",
+        f"## `swarm demo`{variant}: collapses (`bench/demo_collapse.py`)",
         "",
-        f"`python bench/demo_collapse.py --seeds {' '.join(str(r['seed']) for r in results)}`"
-        + (f" `--demo-args {' '.join(args.demo_args)}`" if args.demo_args else ""),
+        f"`python bench/demo_collapse.py --seeds {' '.join(str(r['seed']) for r in results)}"
+        + "".join(f" --demo-args={a}" for a in args.demo_args)
+        + (f" --tag {args.tag}`" if args.tag else "`"),
         "",
         "Each seed is one real local swarm (coordinator, trainer, 3 `hf` nodes, separate "
         "processes) with the demo's defaults (S = 2, 32 prompts × 8, target exact 0.9; time "
@@ -147,8 +162,9 @@ def write(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
             f"{max(r['exact'], default=0):.2f} | {reached} | {col_txt} | "
             f"{len(warned)} steps{f' (first {warned[0]})' if warned else ''} | {r['seconds']:.0f} |"
         )
-    lines += ["", "![demo exact-match curves](demo_collapse.png)", ""]
-    write_section(SECTION, "\n".join(lines), ROOT / "docs" / "benchmarks.md")
+    lines += ["", f"![demo exact-match curves]({stem}.png)", ""]
+    section = f"{SECTION}-{args.tag}" if args.tag else SECTION
+    write_section(section, "\n".join(lines), ROOT / "docs" / "benchmarks.md")
 
 
 if __name__ == "__main__":

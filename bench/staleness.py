@@ -85,17 +85,11 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "beta1-0": {**_TIS, "adam_beta1": 0.0},
     "beta2-0.99": {**_TIS, "adam_beta2": 0.99},
     "lr-3e-4": {**_TIS, "lr": 3e-4},
-    # the default trained on informative groups only (DAPO's dynamic sampling; see BENCH_KEYS)
+    # the default trained on informative groups only (TrainerConfig.filter_groups, DAPO's dynamic
+    # sampling): more prompts are sampled until the batch is full of informative groups (up to
+    # filter_max_batches batches' worth, counted in the run's groups_sampled)
     "vcpo-filter": {**_VCPO, "filter_groups": True},
 }
-#: Option keys this benchmark acts on itself, not TrainerConfig settings. ``filter_groups``:
-#: a group whose samples all got the same reward (advantage 0: only the entropy bonus acts on it)
-#: is left out of the batch, and more prompts are sampled (up to FILTER_ROUNDS batches' worth)
-#: until the batch is full of informative groups — DAPO's dynamic sampling (Yu et al. 2025;
-#: verl's ``filter_groups``). What a swarm with rollouts to spare could do in its trainer; the
-#: extra generation is counted in the run's ``groups_sampled``.
-BENCH_KEYS = frozenset({"filter_groups"})
-FILTER_ROUNDS = 4
 # Every option names VCPO's step size explicitly (off unless the option is about it), so that what
 # an option means -- and its key in the results file -- does not change with TrainerConfig's
 # default (on since this benchmark chose `vcpo-ess`).
@@ -175,32 +169,35 @@ def _informative(
     next_index: int,
     sample_more: Callable[[list[int], int], list[Any]],
     *,
+    max_batches: int,
     min_groups: int,
 ) -> tuple[list[int], list[Any], int]:
-    """``filter_groups``: keep the groups whose rewards differ (row[3] is the reward), sampling
-    ``batch`` more prompts at a time (at most FILTER_ROUNDS − 1 times) until ``batch`` of them
-    are in; when fewer are found, uniform groups fill up to ``min_groups`` (one per minibatch).
-    Returns the prompt indices and rows of the batch and the prompts sampled beyond the first
-    ``batch``."""
-    kept_i: list[int] = []
-    kept_r: list[Any] = []
-    spare_i: list[int] = []
-    spare_r: list[Any] = []
+    """``filter_groups`` as the trainer does it (:class:`trainer.filtering.GroupFilter`), on
+    prompts sampled here: the groups of ``idx`` (row[3] is the reward) are offered, and
+    ``batch`` more prompts sampled at a time until ``batch`` informative ones are in or
+    ``max_batches`` batches' worth were looked at (then uniform groups fill up to
+    ``min_groups``). Returns the prompt indices and rows of the batch and the prompts sampled
+    beyond the first ``batch``."""
+    from trainer.filtering import GroupFilter
+
+    pick = GroupFilter(batch, max_batches, min_groups)
+    seen: dict[str, tuple[int, list[Any]]] = {}
     used = 0
-    for k in range(FILTER_ROUNDS):
+    for k in range(max_batches):
         if k:
             idx = list(range(next_index + used, next_index + used + batch))
             rows = sample_more(idx, k)
             used += batch
         for j, i in enumerate(idx):
             g = rows[j * group : (j + 1) * group]
-            informative = len({r[3] for r in g}) > 1
-            (kept_i if informative else spare_i).append(i)
-            (kept_r if informative else spare_r).extend(g)
-        if len(kept_i) >= batch:
-            return kept_i[:batch], kept_r[: batch * group], used
-    short = max(0, min_groups - len(kept_i))
-    return kept_i + spare_i[:short], kept_r + spare_r[: short * group], used
+            seen[str(i)] = (i, g)
+            pick.offer(str(i), [r[3] for r in g])
+            if pick.done:
+                break
+        if pick.done:
+            break
+    train, _ = pick.chosen()
+    return [seen[g][0] for g in train], [r for g in train for r in seen[g][1]], used
 
 
 def run_one(spec: Spec) -> dict[str, Any]:
@@ -219,14 +216,12 @@ def run_one(spec: Spec) -> dict[str, Any]:
     task = make_task(spec.task)
     tok = CharTokenizer()
     max_new = int(spec.task.removeprefix("reverse")) + 2
-    overrides = {k: v for k, v in spec.overrides.items() if k not in BENCH_KEYS}
-    filter_groups = bool(spec.overrides.get("filter_groups", False))
     cfg = TrainerConfig(
         max_staleness=spec.staleness,
         seed=spec.seed,
         out_dir="/nonexistent-unused",
         resume=False,
-        **{**spec.base, **overrides},
+        **{**spec.base, **spec.overrides},
     )
     model = build_model(ModelSpec(), seed=spec.seed)
     trainer = Trainer(cfg, model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
@@ -278,12 +273,12 @@ def run_one(spec: Spec) -> dict[str, Any]:
         prompt_index += cfg.batch_prompts
         rows = sample(behaviour, idx, cfg.group_size, spec.seed + 7919 * step)
         groups_sampled += cfg.batch_prompts
-        if filter_groups:
+        if cfg.filter_groups:
             idx, rows, used = _informative(
                 idx, rows, cfg.batch_prompts, cfg.group_size, prompt_index,
                 lambda more, k, step=step: sample(behaviour, more, cfg.group_size,
                                                   spec.seed + 7919 * step + 104729 * k),
-                min_groups=cfg.minibatches,
+                max_batches=cfg.filter_max_batches, min_groups=cfg.minibatches,
             )  # fmt: skip
             prompt_index += used
             groups_sampled += used

@@ -105,9 +105,16 @@ def demo(
         list[str] | None,
         typer.Option(help="Backend of the honest nodes, repeat to cycle (hf, vllm) [hf]."),
     ] = None,
+    trainer_set: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A learner setting as KEY=VALUE (trainer/trainer.example.toml), repeatable: "
+            "e.g. filter_groups=true."
+        ),
+    ] = None,
 ) -> None:
     """Start a real local swarm on 127.0.0.1 and train the embedded default (or --model)."""
-    from swarm.demo import DemoOptions, run_demo
+    from swarm.demo import DemoOptions, parse_trainer_settings, run_demo
 
     try:
         opts = DemoOptions(
@@ -128,6 +135,7 @@ def demo(
             run_dir=run_dir,
             live=live,
             node_backends=node_backend or ["hf"],
+            trainer_overrides=parse_trainer_settings(trainer_set or []),
         )
     except ValueError as exc:
         _fail(str(exc))

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ STARTUP_TIMEOUT_S = 90.0
 #: trainer figures recorded in curve.jsonl next to reward and exact match
 MONITOR_FIGURES = (
     "ess_frac", "mismatch_kl", "clip_frac", "mask_frac", "grad_norm", "entropy", "step_kl",
-    "stability_warning",
+    "stability_warning", "dropped_uniform",
 )  # fmt: skip
 STOP_TIMEOUT_S = 20.0
 
@@ -206,6 +207,48 @@ class DemoOptions:
             close = getattr(task, "close", None)
             if callable(close):
                 close()
+
+
+#: trainer settings the demo derives from its own flags (``--trainer-set`` may not set them)
+DEMO_TRAINER_KEYS = {
+    "seed": "--seed", "batch_prompts": "--batch-prompts", "group_size": "--group-size",
+    "max_staleness": "--staleness", "model_path": "--model/--model-dir", "out_dir": "--run-dir",
+    "resume": "(a demo starts afresh)", "checkpoint_every": "(set by the demo)",
+}  # fmt: skip
+
+
+def parse_trainer_settings(pairs: list[str]) -> dict[str, Any]:
+    """``--trainer-set KEY=VALUE`` flags as trainer overrides: VALUE is read as a TOML value
+    (``true``, ``0.05``, ``"informative"``; a bare word is a string). Checked against
+    :class:`trainer.config.TrainerConfig` here, so a typo fails before any process starts."""
+    from pydantic import ValidationError
+
+    from trainer.config import TrainerConfig
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        key, text = key.strip(), text.strip()
+        if not sep or not key or not text:
+            raise ValueError(f"--trainer-set {pair!r}: expected KEY=VALUE, e.g. filter_groups=true")
+        if key not in TrainerConfig.model_fields:
+            raise ValueError(
+                f"--trainer-set {key}: not a trainer setting (see trainer/trainer.example.toml)"
+            )
+        if key in DEMO_TRAINER_KEYS:
+            raise ValueError(f"--trainer-set {key}: the demo sets it, {DEMO_TRAINER_KEYS[key]}")
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        out[key] = value
+    try:
+        TrainerConfig(**out)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "settings"
+        raise ValueError(f"--trainer-set {where}: {err['msg']}") from None
+    return out
 
 
 def _toml_value(value: Any) -> str:

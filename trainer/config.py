@@ -56,6 +56,22 @@ class TrainerConfig(BaseModel):
         "whole groups; from the second on, the PPO clip against π_prox is active.",
     )
     ppo_epochs: int = Field(1, ge=1, description="Passes over the batch per learner step.")
+    filter_groups: bool = Field(
+        False,
+        description="Train on informative groups only (DAPO's dynamic sampling, verl's "
+        "filter_groups): a complete group whose samples all got the same reward (advantage 0 "
+        "for every sample) is left out of the batch, counted as dropped_uniform, and more groups "
+        "are taken from the queue until batch_prompts informative ones are in. The learner then "
+        "consumes more rollouts per step (reported to the coordinator as batch_rollouts).",
+    )
+    filter_max_batches: int = Field(
+        4,
+        ge=1,
+        description="With filter_groups: a step looks at no more than this many batches' worth of "
+        "complete groups; when they hold fewer than batch_prompts informative groups, the step "
+        "trains on those, filled with uniform groups up to `minibatches` groups (a solved task "
+        "does not starve the learner).",
+    )
 
     # --- memory (one process or several, see docs/trainer.md "Scale-out") -------------------
     micro_batch_tokens: int | None = Field(

@@ -505,6 +505,7 @@ def _attach_stats(
                 "staleness_mean": record["staleness_mean"],
                 "staleness_hist": record["staleness_hist"],
                 "dropped_stale": record["dropped_stale"],
+                "dropped_uniform": record["dropped_uniform"],
                 "mismatch_kl": record["mismatch_kl"],
                 "ess_frac": record["ess_frac"],
                 # stability monitors (trainer/monitors.py) and their warning line ("" = healthy)

@@ -167,6 +167,12 @@ class MetricsWriter:
             "rollouts not trained on because Δ > S",
             registry=self.registry,
         )
+        self._uniform = Counter(
+            "trainer_rollouts_dropped_uniform",
+            "rollouts not trained on because every sample of their group got the same reward "
+            "(filter_groups)",
+            registry=self.registry,
+        )
         self._trained = Counter(
             "trainer_rollouts_trained", "rollouts trained on", registry=self.registry
         )
@@ -185,6 +191,9 @@ class MetricsWriter:
         dropped = record.get("dropped_stale")
         if isinstance(dropped, int | float) and dropped > 0:
             self._dropped.inc(float(dropped))
+        uniform = record.get("dropped_uniform")
+        if isinstance(uniform, int | float) and uniform > 0:
+            self._uniform.inc(float(uniform))
         trained = record.get("admitted")
         if isinstance(trained, int | float) and trained > 0:
             self._trained.inc(float(trained))

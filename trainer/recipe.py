@@ -44,6 +44,7 @@ from trainer.dcp_checkpoint import (
 )
 from trainer.distributed import KEEPALIVE_S, DistContext
 from trainer.engine import Engine, make_engine
+from trainer.filtering import GroupFilter
 from trainer.loss import (
     admission_mask,
     behaviour_weights,
@@ -209,6 +210,12 @@ class Trainer:
         self._fetched = 0
         self._pending: dict[str, list[Rollout]] = {}
         self._dropped_at_fetch = 0
+        #: rewards of the rollouts of uniform-reward groups left out (``filter_groups``), not yet
+        #: reported: the step's reward figures cover what it consumed, not only what it trained on
+        self._uniform_rewards: list[float] = []
+        #: rollouts consumed per step (trained + left out as uniform), moving average (weight
+        #: 0.2): B as the coordinator's capacity plan needs it when ``filter_groups`` is on
+        self._consumed: float | None = None
         self.idle = IdleClock(window_s=config.idle_window_s)
         #: T_train: exponential moving average of the time in train_step (weight 0.2 per step)
         self.t_train_s: float | None = None
@@ -492,23 +499,44 @@ class Trainer:
             self.idle.add_wait(self.publish_s, "publish")
 
     async def _next_batch(self, feed: RolloutFeed) -> list[Rollout] | None:
-        """``batch_prompts`` complete groups (``group_size`` samples each), oldest first."""
+        """``batch_prompts`` complete groups (``group_size`` samples each), oldest first; with
+        ``filter_groups``, informative ones (:mod:`trainer.filtering`)."""
         cfg = self.config
+        pick = (
+            GroupFilter(cfg.batch_prompts, cfg.filter_max_batches, cfg.minibatches)
+            if cfg.filter_groups
+            else None
+        )
         while True:
             # A group that became too stale while incomplete will never be trained on.
             for gid in [k for k, g in self._pending.items() if self._too_stale(g[0])]:
                 self._dropped_at_fetch += len(self._pending.pop(gid))
-            complete = [g for g in self._pending.values() if len(g) >= cfg.group_size]
-            if len(complete) >= cfg.batch_prompts:
-                break
-            need = (cfg.batch_prompts - len(complete)) * cfg.group_size
+            complete = [k for k, g in self._pending.items() if len(g) >= cfg.group_size]
+            if pick is None:
+                if len(complete) >= cfg.batch_prompts:
+                    return self._pop_groups(complete[: cfg.batch_prompts])
+                need = (cfg.batch_prompts - len(complete)) * cfg.group_size
+            else:
+                offered = set(pick.informative) | set(pick.uniform)
+                for gid in complete:
+                    if pick.done:
+                        break
+                    if gid not in offered:
+                        pick.offer(gid, [r.reward for r in self._pending[gid][: cfg.group_size]])
+                if pick.done:
+                    train, drop = pick.chosen()
+                    for gid in drop:
+                        group = self._pending.pop(gid)[: cfg.group_size]
+                        self._uniform_rewards.extend(float(r.reward) for r in group)
+                    return self._pop_groups(train)
+                need = pick.missing * cfg.group_size
             t0 = time.monotonic()
             items = await feed.take(need, cfg.fetch_timeout_s)
             self._dropped_at_fetch += feed.take_dropped()
             if items == [] and time.monotonic() - t0 >= cfg.fetch_timeout_s:
                 log.warning(
                     "waiting for rollouts: %d/%d complete groups after %.0f s",
-                    len(complete),
+                    len(complete) if pick is None else len(pick.informative),
                     cfg.batch_prompts,
                     cfg.fetch_timeout_s,
                 )
@@ -520,11 +548,11 @@ class Trainer:
                     self._dropped_at_fetch += 1
                     continue
                 self._pending.setdefault(r.group_id, []).append(r)
+
+    def _pop_groups(self, group_ids: Sequence[str]) -> list[Rollout]:
         batch: list[Rollout] = []
-        for gid in [k for k, g in self._pending.items() if len(g) >= cfg.group_size]:
-            if len(batch) >= cfg.batch_prompts * cfg.group_size:
-                break
-            batch.extend(self._pending.pop(gid)[: cfg.group_size])
+        for gid in group_ids:
+            batch.extend(self._pending.pop(gid)[: self.config.group_size])
         return batch
 
     def _too_stale(self, rollout: Rollout) -> bool:
@@ -857,11 +885,18 @@ class Trainer:
             "lr_scale", "skipped_updates",
         ]  # fmt: skip
         g = dict(zip(keys, self.dist.sum_floats([sums[k] for k in keys]), strict=True))
-        rewards = [float(r.reward) for r in flat]
+        uniform, self._uniform_rewards = self._uniform_rewards, []
+        # what the step consumed: its batch and the uniform groups left out (filter_groups), so
+        # that the reward figures follow the policy, not the filter
+        rewards = [float(r.reward) for r in flat] + uniform
         n = max(1, len(rewards))
         hist = Counter(staleness)
         dropped = len(flat) - sum(admitted) + self._dropped_at_fetch
         self._dropped_at_fetch = 0
+        consumed = len(rewards)
+        last = self._consumed
+        self._consumed = consumed if last is None else 0.8 * last + 0.2 * consumed
+        batch_rollouts = self.config.batch_prompts * self.config.group_size
         tokens = max(1.0, g["tokens"])
         ess = effective_sample_size(g["w_sum"], g["w_sq_sum"])
         return {
@@ -871,9 +906,11 @@ class Trainer:
             "rollouts": len(flat),
             "admitted": int(sum(admitted)),
             "dropped_stale": dropped,
+            # filter_groups: rollouts of groups with one reward for all samples, left out
+            "dropped_uniform": len(uniform),
             "reward_mean": sum(rewards) / n,
             "reward_full_frac": sum(1 for x in rewards if x >= 1.0 - 1e-9) / n,
-            "staleness_mean": sum(staleness) / n,
+            "staleness_mean": sum(staleness) / max(1, len(staleness)),
             "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
             "loss": g["loss"] / max(1, updates),
             "entropy": g["entropy_sum"] / max(1.0, g["update_tokens"]),
@@ -895,7 +932,12 @@ class Trainer:
             "step_time_s": step_time,
             "t_train_s": self.t_train_s,
             "t_train_cv": self.t_train_cv,
-            "batch_rollouts": self.config.batch_prompts * self.config.group_size,
+            # B, rollouts consumed per step (more than the batch when groups are filtered)
+            "batch_rollouts": (
+                max(batch_rollouts, round(self._consumed))
+                if self.config.filter_groups
+                else batch_rollouts
+            ),
             "completion_tokens": int(g["tokens"]),
             "publish_s": self.publish_s,
             "publish_deferred": self.publish_deferred,

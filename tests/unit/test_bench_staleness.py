@@ -69,8 +69,9 @@ def test_no_ratio_against_an_s0_median_that_missed_the_target() -> None:
 
 def test_filter_groups_keeps_informative_groups_and_samples_more() -> None:
     """DAPO-style filtering: groups with one reward for all samples are dropped and more prompts
-    sampled until the batch is full; uniform groups fill up to one per minibatch at worst."""
-    from staleness import FILTER_ROUNDS, _informative
+    sampled until the batch is full; the newest uniform groups fill up to one per minibatch at
+    worst, after max_batches batches' worth."""
+    from staleness import _informative
 
     def rows_for(indices: list[int]) -> list[tuple[Any, ...]]:  # even prompts informative
         return [(i, None, None, float(s % 2) if i % 2 == 0 else 1.0, False)
@@ -83,7 +84,7 @@ def test_filter_groups_keeps_informative_groups_and_samples_more() -> None:
         return rows_for(idx)
 
     idx, rows, used = _informative([0, 1, 2, 3], rows_for([0, 1, 2, 3]), 4, 2, 4, more,
-                                   min_groups=2)  # fmt: skip
+                                   max_batches=4, min_groups=2)  # fmt: skip
     assert idx == [0, 2, 4, 6] and used == 4 and calls == [1]
     assert [r[0] for r in rows] == [0, 0, 2, 2, 4, 4, 6, 6]
     calls.clear()
@@ -92,5 +93,6 @@ def test_filter_groups_keeps_informative_groups_and_samples_more() -> None:
         return [(j, None, None, 1.0, True) for j in indices for _ in range(2)]
 
     idx, rows, used = _informative([0, 1, 2, 3], solved([0, 1, 2, 3]), 4, 2, 4, solved,
-                                   min_groups=2)  # fmt: skip
-    assert used == 4 * (FILTER_ROUNDS - 1) and idx == [0, 1] and len(rows) == 4
+                                   max_batches=3, min_groups=2)  # fmt: skip
+    # prompts 0..3 given, 4..11 sampled (two more batches), the two newest fill the batch
+    assert used == 4 * 2 and idx == [10, 11] and [r[0] for r in rows] == [10, 10, 11, 11]

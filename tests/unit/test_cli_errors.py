@@ -128,6 +128,11 @@ def test_demo_bad_input(run_cli: Runner, tmp_path: Path) -> None:
         (["--task", f"jsonl:{tmp_path / 'missing.jsonl'}"], "cannot read"),
         (["--max-steps", "0"], "--max-steps"),
         (["--time-limit", "nan"], "--time-limit"),
+        (["--trainer-set", "filter_groups"], "KEY=VALUE"),
+        (["--trainer-set", "filter_group=true"], "not a trainer setting"),
+        (["--trainer-set", "max_staleness=4"], "--staleness"),
+        (["--trainer-set", "filter_max_batches=0"], "filter_max_batches"),
+        (["--trainer-set", "entropy_groups=some"], "entropy_groups"),
     ]:
         line = assert_one_error(*run_cli("demo", *argv), code=2)
         assert needle in line, (argv, line)

@@ -99,3 +99,29 @@ def test_a_benchmarks_trainer_overrides_win_over_the_profile(tmp_path: Path) -> 
     demo._write_configs("ed25519:" + "a" * 52)
     cfg = TrainerConfig.from_toml(demo.run_dir / "trainer.toml")
     assert (cfg.minibatches, cfg.overlap, cfg.idle_window_s) == (3, False, 45.0)
+
+
+def test_trainer_settings_from_the_command_line_reach_the_trainer(tmp_path: Path) -> None:
+    """``swarm demo --trainer-set KEY=VALUE``: TOML values (bool, float, string, bare word)."""
+    from swarm.demo import parse_trainer_settings
+    from trainer.config import TrainerConfig
+
+    settings = parse_trainer_settings(
+        [
+            "filter_groups=true",
+            "entropy_coef = 0.05",
+            'weight_mode="mask"',
+            "entropy_groups=informative",
+        ]
+    )
+    assert settings == {
+        "filter_groups": True, "entropy_coef": 0.05, "weight_mode": "mask",
+        "entropy_groups": "informative",
+    }  # fmt: skip
+    opts = DemoOptions(nodes=1, run_dir=tmp_path / "run", live=False, trainer_overrides=settings)
+    demo = Demo(opts)
+    demo.run_dir.mkdir(parents=True)
+    demo._write_configs("ed25519:" + "a" * 52)
+    cfg = TrainerConfig.from_toml(demo.run_dir / "trainer.toml")
+    assert (cfg.filter_groups, cfg.entropy_coef, cfg.weight_mode) == (True, 0.05, "mask")
+    assert cfg.entropy_groups == "informative" and cfg.max_staleness == opts.staleness
