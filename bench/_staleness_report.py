@@ -353,7 +353,8 @@ def write_report(results: list[dict[str, Any]], args: argparse.Namespace, *, wri
         f"caps {caps}. 'final' = mean of the last 3 evaluations; a collapse = exact match "
         "falling more than 0.3 below an earlier evaluation ≥ 0.7. At S = 0 every weight "
         "option gives w ≡ 1, so S = 0 is run once per seed for them; an option that changes "
-        "anything else is run at S = 0 too and its ratio is to its own S = 0. "
+        "anything else is run at S = 0 too and its ratio is to its own S = 0. Every group "
+        "is trained on (`filter_groups = false`) unless the option says otherwise. "
         "Options (docs/trainer.md): "
         + "; ".join(f"`{o}` = {_overrides(results, o)}" for o in options)
         + ".",

@@ -51,8 +51,11 @@ SECTION = "capacity"
 #: the issue's target: predicted within this many percentage points of the measured idle
 TARGET_PP = 5.0
 #: the learner of these runs: one optimizer update per step (minibatches = 1), so that one demo
-#: node on this CPU cannot keep up with it and the grid spans short and ample pools
-TRAINER = {"minibatches": 1, "trace_rollouts": True}
+#: node on this CPU cannot keep up with it and the grid spans short and ample pools; every group
+#: trained on (filter_groups off), so that B is the same in every window: with the filter the
+#: rollouts a step consumes grow as the task gets solved (the coordinator follows them through
+#: the trainer's batch_rollouts, but a 30-s window would mix regimes)
+TRAINER = {"minibatches": 1, "trace_rollouts": True, "filter_groups": False}
 
 
 def _key(w: dict[str, Any]) -> str:

@@ -2,13 +2,17 @@
 
 Not a test. Each run is the real local swarm (coordinator, trainer, 3 hf nodes: 5 processes), one
 after another, with the demo's defaults and ``--seed K``. A run *collapses* when the exact match it
-shows (the trainer's batches, sampled by the nodes) falls by more than 0.3 below an earlier
+shows (the samples of the trainer's steps: its batches and, with ``filter_groups``, the
+uniform-reward groups it left out; sampled by the nodes) falls by more than 0.3 below an earlier
 reading that was at least 0.7 -- the definition of bench/staleness.py. Each seed's exact-match
 curve and whether the trainer's stability warning was raised before a fall are reported.
 
     python bench/demo_collapse.py --seeds 0 1 2 3 4
+    python bench/demo_collapse.py --seeds 0 1 2 3 4 \
+        --demo-args=--trainer-set=filter_groups=false --tag vcpo-ess    # a variant
 
-Writes the ``bench:demo-collapse`` section of docs/benchmarks.md and docs/demo_collapse.png.
+Writes the ``bench:demo-collapse`` section of docs/benchmarks.md and docs/demo_collapse.png
+(with ``--tag T``: ``bench:demo-collapse-T`` and docs/demo_collapse_T.png).
 """
 
 from __future__ import annotations
@@ -139,9 +143,10 @@ def write(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         "Each seed is one real local swarm (coordinator, trainer, 3 `hf` nodes, separate "
         "processes) with the demo's defaults (S = 2, 32 prompts × 8, target exact 0.9; time "
         "limit 300 s unless `--time-limit` is given), run one after another on the shared "
-        "2-core machine. Exact match = the trainer's "
-        "batch (samples from policies at most S versions old). Collapse = a fall of more than 0.3 "
-        f"below an earlier reading ≥ 0.7. **{n_col} of {len(results)} runs collapsed.**",
+        "2-core machine. Exact match = the trainer's batch (samples from policies at most S "
+        "versions old; with `filter_groups` also the uniform groups the step left out). "
+        "Collapse = a fall of more than 0.3 below an earlier reading ≥ 0.7. "
+        f"**{n_col} of {len(results)} runs collapsed.**",
         "",
         "| seed | learner steps | best exact | reached 0.9 | collapse | stability warnings | "
         "wall s |",

@@ -98,7 +98,7 @@ def _trained_groups(row: dict[str, object], items: list[Rollout]) -> list[str]:
 
 def test_with_filter_groups_the_learner_trains_on_informative_groups_only(tmp_path: Path) -> None:
     source, items = _mixed_source(8)
-    rows = _run(tmp_path, source, filter_groups=True, max_steps=2)
+    rows = _run(tmp_path, source, max_steps=2)  # the default
     uniform = {r.group_id for r in items if r.group_id.startswith("s1")}  # seeds 100..107
     for row in rows:
         trained = _trained_groups(row, items)
@@ -114,7 +114,7 @@ def test_with_filter_groups_the_learner_trains_on_informative_groups_only(tmp_pa
 
 def test_without_filter_groups_uniform_groups_are_trained_on(tmp_path: Path) -> None:
     source, items = _mixed_source(4)
-    rows = _run(tmp_path, source, max_steps=1)
+    rows = _run(tmp_path, source, filter_groups=False, max_steps=1)
     assert _trained_groups(rows[0], items) == [r.group_id for r in items[::4]][:4]
     assert rows[0]["dropped_uniform"] == 0 and rows[0]["batch_rollouts"] == 16
 
