@@ -292,15 +292,25 @@ class CoordinatorService:
 
     # --- upkeep ----------------------------------------------------------------------------------
     async def _upkeep_loop(self) -> None:
+        """Every TICK_S: the core's tick (expiries, replanning) and the /status snapshot; the DHT
+        records every RECORD_TTL_S / 3, and at once after a publication (``_records_soon``).
+        A publication does not move the tick: the figures it reads are per-lease averages with
+        a short memory, and read right after every publication (versions come more often than
+        once a second in the demos) they saw only the leases of mid-period, never the slower
+        ones just after a version switch — the 1-node S = 4 plan over-stated the node by ~10 %
+        (docs/capacity.md)."""
         last_records = 0.0
+        next_tick = time.monotonic()
         while True:
             # Each chore in its own try: one failing must not starve the others.
-            try:
-                assert self.core is not None
-                self.core.tick()
-                self._refresh_snapshot()
-            except Exception:  # upkeep must survive a bad tick; the error is logged in full
-                log.exception("coordinator upkeep failed; retrying next tick")
+            if time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + TICK_S
+                try:
+                    assert self.core is not None
+                    self.core.tick()
+                    self._refresh_snapshot()
+                except Exception:  # upkeep must survive a bad tick; the error is logged in full
+                    log.exception("coordinator upkeep failed; retrying next tick")
             if self._records_soon.is_set() or time.time() - last_records > RECORD_TTL_S / 3:
                 self._records_soon.clear()
                 try:
@@ -309,7 +319,8 @@ class CoordinatorService:
                 except Exception as exc:  # DHT hiccup: retried on the next tick
                     log.warning("could not refresh DHT records: %s", exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._records_soon.wait(), TICK_S)
+                wait = max(0.0, next_tick - time.monotonic())
+                await asyncio.wait_for(self._records_soon.wait(), wait)
 
     async def _publish_records(self) -> None:
         assert self.core is not None

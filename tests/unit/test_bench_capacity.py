@@ -37,3 +37,19 @@ def test_repeats_are_stored_apart_and_judged_on_their_means(
     assert rows[1].startswith("| 1 | 4 |") and rows[1].endswith("| 14.0 | 21.0 | -7.0 | 6.0 |")
     assert table[-1].startswith("On the means of the runs: 1 of 2 points within 5")
     assert "largest gap 7.0 pp" in table[-1]
+
+
+def test_a_nodes_window_rate_is_a_ratio_of_means() -> None:
+    """μ over the window = mean samples per lease / mean lease time, as the coordinator keeps
+    it: two status samples (μ, g) = (100/s, 1 s) and (50/s, 2 s) deliver 100 samples per lease
+    in 1.5 s on average, 66.7/s, not the 75/s of the mean μ."""
+    from _demo_window import mean_figures
+
+    series = [
+        {"node_gen_rollouts_per_s": {"n": 100.0}, "node_lease_s": {"n": 1.0}},
+        {"node_gen_rollouts_per_s": {"n": 50.0}, "node_lease_s": {"n": 2.0}},
+        {"node_gen_rollouts_per_s": {}, "node_lease_s": {}},  # not measured yet
+    ]
+    figs = mean_figures(series)["nodes"]["n"]
+    assert figs["node_gen_rollouts_per_s"] == pytest.approx(100.0 / 1.5)
+    assert figs["node_lease_s"] == pytest.approx(1.5)

@@ -5,6 +5,7 @@ announce a version the node can fetch."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from pathlib import Path
 
@@ -118,3 +119,36 @@ async def test_a_banned_node_is_refused_at_once_while_a_version_is_on_its_way(
     assert e.value.code is ReasonCode.BANNED
     assert time.monotonic() - t0 < 1.0
     svc._version_tasks[1].cancel()
+
+
+async def test_a_publication_refreshes_the_dht_records_but_not_the_plan_figures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The upkeep's tick (replanning, the /status snapshot) keeps its own clock: publications
+    (several a second in the demos) refresh the DHT records at once but do not trigger a tick,
+    which read the per-lease figures always right after a publication (a biased sample)."""
+    from coordinator.service import TICK_S
+
+    h = Harness(tmp_path, clock=FakeClock(time.time()))
+    svc = service(h, tmp_path)
+    ticks: list[float] = []
+    records: list[float] = []
+
+    async def publish_records() -> None:
+        records.append(time.monotonic())
+
+    monkeypatch.setattr(svc.core, "tick", lambda: ticks.append(time.monotonic()))
+    monkeypatch.setattr(svc, "_refresh_snapshot", lambda: None)
+    monkeypatch.setattr(svc, "_publish_records", publish_records)
+    task = asyncio.create_task(svc._upkeep_loop())
+    try:
+        for _ in range(6):  # six publications within ~0.6 s
+            await asyncio.sleep(0.1)
+            svc._records_soon.set()
+        await asyncio.sleep(0.1)
+        assert len(records) >= 6  # the first pass, then one per publication
+        while len(ticks) < 2:
+            await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+    assert all(b - a >= 0.9 * TICK_S for a, b in itertools.pairwise(ticks)), ticks
