@@ -122,6 +122,8 @@ class CoordinatorService:
         self.transport: P2PTransport | None = None
         self.broadcast: BroadcastNode | None = None
         self.http: StatusHttpServer | None = None
+        #: the /status document last served (its figures are refreshed on the tick only)
+        self._status_doc: dict[str, Any] | None = None
         self.history = StatusHistory()  # what the dashboard draws over time
         self.census: HolderCensus | None = None  # who holds which recent version
         self.multiaddrs: list[str] = []
@@ -333,6 +335,7 @@ class CoordinatorService:
     def _refresh_snapshot(self) -> None:
         if self.http is not None:
             status = self.status()
+            self._status_doc = status
             self.http.set_status(status)
             census = self.census
             self.history.record_tick(status, census.counts if census and census.taken_at else None)
@@ -472,8 +475,21 @@ class CoordinatorService:
         self._version_tasks[manifest.version] = asyncio.create_task(
             self._hold_version(manifest.version, caller), name=f"hold-v{manifest.version}"
         )
-        self._records_soon.set()  # the upkeep task refreshes the DHT records right away
+        self._show_published(manifest.version)
         return encode(ManifestResponse(manifest=env))
+
+    def _show_published(self, version: int) -> None:
+        """A new version is announced at once: the upkeep task refreshes the DHT records right
+        away, and /status names it (``policy_version``) before the next tick. Only that field:
+        the rest of the document, the capacity figures with it, stays on the tick's clock (see
+        :meth:`_upkeep_loop`)."""
+        self._records_soon.set()
+        if self.http is not None and self._status_doc is not None:
+            doc = dict(self._status_doc)  # a new mapping: the tick's history holds the old one
+            current = doc.get("policy_version")
+            doc["policy_version"] = version if current is None else max(int(current), version)
+            self._status_doc = doc
+            self.http.set_status(doc)
 
     def _resume_versions(self) -> None:
         """After a restart: finish fetching the usable versions not yet held in full."""

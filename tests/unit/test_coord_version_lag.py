@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -152,3 +153,24 @@ async def test_a_publication_refreshes_the_dht_records_but_not_the_plan_figures(
     finally:
         task.cancel()
     assert all(b - a >= 0.9 * TICK_S for a, b in itertools.pairwise(ticks)), ticks
+
+
+def test_a_publication_shows_in_status_at_once_and_only_its_version(tmp_path: Path) -> None:
+    """/status names a new version before the next tick (an operator, or a restarted trainer's
+    check, reads it right after publishing), while its figures keep the tick's clock."""
+    h = Harness(tmp_path, clock=FakeClock(time.time()))
+    svc = service(h, tmp_path)
+    served: list[dict[str, object]] = []
+    svc.http = SimpleNamespace(set_status=served.append)  # type: ignore[assignment]
+    svc._refresh_snapshot()
+    before = served[-1]
+    assert before["policy_version"] is None
+    svc._show_published(3)
+    after = served[-1]
+    assert after["policy_version"] == 3 and svc._records_soon.is_set()
+    assert {k: v for k, v in after.items() if k != "policy_version"} == {
+        k: v for k, v in before.items() if k != "policy_version"
+    }
+    assert before["policy_version"] is None  # the tick's document (in its history) untouched
+    svc._show_published(2)  # a late, older announcement does not move it back
+    assert served[-1]["policy_version"] == 3
