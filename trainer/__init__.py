@@ -9,9 +9,14 @@ Modules:
   behaviour weights (truncate / mask / off, token / sequence level, λ^Δ), clipped surrogate,
   entropy bonus, mismatch-KL and ESS statistics.
 - :mod:`trainer.recipe` — :class:`~trainer.recipe.Trainer`: ``setup``, ``run`` (the loop over
-  a :class:`~trainer.recipe.RolloutSource`), ``train_step``, ``save_checkpoint`` /
-  ``load_checkpoint``; in-process :class:`~trainer.recipe.InProcessSource` and
-  :class:`~trainer.recipe.MemoryPublisher`.
+  a :class:`~trainer.sources.RolloutSource`), ``train_step``, ``save_checkpoint`` /
+  ``load_checkpoint``.
+- :mod:`trainer.sources` — the :class:`~trainer.sources.RolloutSource` and
+  :class:`~trainer.sources.Publisher` protocols, :class:`~trainer.sources.VersionNotNewer`;
+  in-process :class:`~trainer.sources.InProcessSource` and
+  :class:`~trainer.sources.MemoryPublisher`.
+- :mod:`trainer.checkpoints` — the checkpoint directories under ``out_dir`` (complete ones,
+  pruning) and ``published.json``.
 - :mod:`trainer.metrics` — per-step JSONL, Prometheus gauges, staleness histogram, the learner's
   idle fraction and its causes (:class:`~trainer.metrics.IdleClock`).
 - :mod:`trainer.pipeline` — the loop's plumbing off the critical path: the rollout feed that

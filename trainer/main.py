@@ -1,14 +1,14 @@
 """The trainer process: the GRPO recipe on the network (``swarm trainer run``).
 
-* :class:`CoordinatorSource` — the recipe's :class:`~trainer.recipe.RolloutSource`: long-polls the
+* :class:`CoordinatorSource` — the recipe's :class:`~trainer.sources.RolloutSource`: long-polls the
   coordinator's ``rswarm/fetch`` (signed by the trainer's publisher key) and reports the learner's
   figures back with each poll, so ``/status`` and ``swarm inspect`` show them.
-* :class:`SwarmPublisher` — the recipe's :class:`~trainer.recipe.Publisher`: splits the weights into
-  safetensors chunks, has the coordinator sign the manifest (``rswarm/publish``), then seeds the
-  chunks itself through the peer-assisted broadcast (no full copy goes through the coordinator
+* :class:`SwarmPublisher` — the recipe's :class:`~trainer.sources.Publisher`: splits the weights
+  into safetensors chunks, has the coordinator sign the manifest (``rswarm/publish``), then seeds
+  the chunks itself through the peer-assisted broadcast (no full copy goes through the coordinator
   first; the coordinator is just one more receiver). Before training, the coordinator's newest
   version (``rswarm/status``) is handed to :meth:`~trainer.recipe.Trainer.sync_published`, and a
-  ``version_not_newer`` refusal becomes :class:`~trainer.recipe.VersionNotNewer`: a trainer
+  ``version_not_newer`` refusal becomes :class:`~trainer.sources.VersionNotNewer`: a trainer
   restarted after a crash in the middle of a publication continues with strictly newer versions
   instead of being refused again and again. The weights go out in ``publish_dtype``, each
   version after the first as a delta against the previous one when that pays
@@ -48,7 +48,7 @@ from swarm.errors import TransportError
 from swarm.tasks import cancel_and_wait
 from swarm.transport import Transport
 from trainer.batch import Rollout
-from trainer.recipe import VersionNotNewer
+from trainer.sources import VersionNotNewer
 
 log = logging.getLogger(__name__)
 

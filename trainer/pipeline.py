@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 class Source(Protocol):
-    """A :class:`trainer.recipe.RolloutSource` (restated here: recipe imports this module)."""
+    """A :class:`trainer.sources.RolloutSource` (restated here: recipe imports this module)."""
 
     async def fetch(
         self, max_items: int, after: int, min_version: int | None = None

@@ -11,14 +11,17 @@ published. After a resume the version is ``max(saved, last published)``, so a ve
 never reused for different weights (versions stay monotonic across restarts). The trainer's own
 record can lag the swarm's: killed after the coordinator recorded a publication but before
 ``published.json`` did. :meth:`Trainer.sync_published` (called with the coordinator's newest
-version before :meth:`Trainer.run`) and a publisher's :class:`VersionNotNewer` refusal both adopt
-the swarm's newest version as a floor, so the next publication is strictly newer.
+version before :meth:`Trainer.run`) and a publisher's :class:`~trainer.sources.VersionNotNewer`
+refusal both adopt the swarm's newest version as a floor, so the next publication is strictly
+newer.
+
+Where rollouts come from and versions go: :mod:`trainer.sources`; the checkpoint directories and
+``published.json`` on disk: :mod:`trainer.checkpoints`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import math
@@ -29,12 +32,20 @@ from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from trainer.batch import Rollout, TrainBatch, build_batch, group_rollouts
+from trainer.checkpoints import (
+    CHECKPOINT_DIR,
+    atomic_write_json,
+    complete_checkpoints,
+    prune_checkpoints,
+    read_published,
+    write_published,
+)
 from trainer.config import TrainerConfig
 from trainer.dcp_checkpoint import (
     SHARDED_DIR,
@@ -63,100 +74,16 @@ from trainer.microbatch import MicroBatch, plan_micro_batches
 from trainer.monitors import GradSpikeGuard, monitor_from_config
 from trainer.pipeline import PublicationSlot, RolloutFeed
 from trainer.rollback import StepSnapshot, kl_k3_sums
+from trainer.sources import Publisher, RolloutSource, VersionNotNewer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-CHECKPOINT_DIR = "checkpoints"
-PUBLISHED_FILE = "published.json"
 #: :class:`~trainer.loss.WeightStats` sums accumulated over a step's minibatches.
 _WEIGHT_SUMS = (
     "kl_sum", "kl_k1_sum", "m2_sum", "modified", "zeroed_tokens", "w_sum", "w_sq_sum", "units",
     "tokens",
 )  # fmt: skip
-
-
-class RolloutSource(Protocol):
-    """Where verified rollouts come from (the coordinator client, or :class:`InProcessSource`)."""
-
-    async def fetch(
-        self, max_items: int, after: int, min_version: int | None = None
-    ) -> list[Rollout] | None:
-        """Up to ``max_items`` rollouts with ``seq > after`` and, with ``min_version``, a policy
-        version of at least that (older ones are skipped; may wait; ``[]`` when none arrived in
-        the source's own wait time); ``None`` when the source is finished for good."""
-        ...
-
-
-class VersionNotNewer(ValueError):
-    """A publisher refused ``version``: the swarm already has ``latest`` >= it."""
-
-    def __init__(self, version: int, latest: int) -> None:
-        super().__init__(f"version {version} is not newer than {latest}, the latest published")
-        self.version = version
-        self.latest = latest
-
-
-class Publisher(Protocol):
-    """Receives each published version (the coordinator's checkpoint seeder, or a test double).
-    Raises :class:`VersionNotNewer` when it already holds a version >= ``version``."""
-
-    async def publish(self, version: int, state_dict: Mapping[str, Tensor]) -> None: ...
-
-
-class InProcessSource:
-    """A :class:`RolloutSource` fed by :meth:`put` (tests, benchmarks, single-process demos)."""
-
-    def __init__(self, wait_s: float = 1.0) -> None:
-        self._items: list[Rollout] = []
-        self._event = asyncio.Event()
-        self._closed = False
-        self._wait_s = wait_s
-        self._next_seq = 1
-
-    def put(self, rollouts: Sequence[Rollout]) -> None:
-        """Append rollouts; a rollout without a cursor (``seq == 0``) gets the next one."""
-        for r in rollouts:
-            if r.seq == 0:
-                r = dataclasses.replace(r, seq=self._next_seq)
-            self._next_seq = max(self._next_seq, r.seq + 1)
-            self._items.append(r)
-        self._event.set()
-
-    def close(self) -> None:
-        self._closed = True
-        self._event.set()
-
-    async def fetch(
-        self, max_items: int, after: int, min_version: int | None = None
-    ) -> list[Rollout] | None:
-        def ready() -> list[Rollout]:
-            low = -1 if min_version is None else min_version
-            return [r for r in self._items if r.seq > after and r.policy_version >= low]
-
-        found = ready()
-        if not found and not self._closed:
-            self._event.clear()
-            try:
-                await asyncio.wait_for(self._event.wait(), timeout=self._wait_s)
-            except TimeoutError:
-                return []
-            found = ready()
-        if not found and self._closed:
-            return None
-        return found[:max_items]
-
-
-class MemoryPublisher:
-    """A :class:`Publisher` that keeps every published state dict (tests, benchmarks)."""
-
-    def __init__(self) -> None:
-        self.versions: dict[int, dict[str, Tensor]] = {}
-
-    async def publish(self, version: int, state_dict: Mapping[str, Tensor]) -> None:
-        if self.versions and version <= max(self.versions):
-            raise VersionNotNewer(version, max(self.versions))
-        self.versions[version] = dict(state_dict)
 
 
 class Trainer:
@@ -271,7 +198,7 @@ class Trainer:
         )
         # Every rank resumes from what rank 0 finds (the same files on a shared filesystem).
         latest, logged = (
-            dist.share((trainer.latest_checkpoint(), trainer._logged_published()))
+            dist.share((trainer.latest_checkpoint(), read_published(trainer.out_dir)))
             if config.resume
             else (None, None)
         )
@@ -973,8 +900,7 @@ class Trainer:
             await self._leader_wait(publisher.publish(self.version, state))
         self.published_version = self.version
         self._publish_first = False
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write_json(self.out_dir / PUBLISHED_FILE, {"version": self.version})
+        write_published(self.out_dir, self.version)
 
     async def _publish_version(
         self, publisher: Publisher, version: int, state: Mapping[str, Tensor]
@@ -984,18 +910,12 @@ class Trainer:
         if self.published_version is None or version > self.published_version:
             self.published_version = version
             self._publish_first = False
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            _atomic_write_json(self.out_dir / PUBLISHED_FILE, {"version": version})
+            write_published(self.out_dir, version)
 
     def latest_checkpoint(self) -> Path | None:
         """The newest complete checkpoint (a ``.tmp`` one left by a crash mid-save is not)."""
-        done = _complete_checkpoints(self.out_dir / CHECKPOINT_DIR)
+        done = complete_checkpoints(self.out_dir / CHECKPOINT_DIR)
         return done[-1] if done else None
-
-    def _logged_published(self) -> int | None:
-        """The version recorded in ``published.json`` (None if there is none)."""
-        path = self.out_dir / PUBLISHED_FILE
-        return int(json.loads(path.read_text())["version"]) if path.is_file() else None
 
     def save_checkpoint(self, path: Path | None = None) -> Path:
         """Write weights, optimizer, step, version, published version and rollout cursor to a new
@@ -1027,17 +947,12 @@ class Trainer:
                 "world_size": self.dist.world_size,
                 "config": self.config.model_dump(),
             }
-            _atomic_write_json(tmp / "state.json", state)
+            atomic_write_json(tmp / "state.json", state)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
             if path is None:
-                # Everything but the newest complete ones goes, including what a crash left
-                # behind: a ``.tmp`` save, or an old checkpoint whose removal was cut short.
-                keep = set(_complete_checkpoints(root)[-self.config.keep_checkpoints :])
-                for old in root.glob("step-*"):
-                    if old not in keep and old.is_dir():
-                        shutil.rmtree(old, ignore_errors=True)
+                prune_checkpoints(root, self.config.keep_checkpoints)
         self.dist.barrier()  # no rank goes on (to read it, or to the next save) before it is done
         return final
 
@@ -1067,7 +982,7 @@ class Trainer:
             group["betas"] = (self.config.adam_beta1, self.config.adam_beta2)
         self.step = int(state["step"])
         published = state.get("published_version")
-        logged = self._logged_published()
+        logged = read_published(self.out_dir)
         if logged is not None:
             published = logged if published is None else max(int(published), logged)
         self.published_version = None if published is None else int(published)
@@ -1083,30 +998,9 @@ def _train_in_thread(trainer: Trainer, batch: list[Rollout], threads: int) -> No
     trainer.train_step(batch)
 
 
-def _complete_checkpoints(root: Path) -> list[Path]:
-    """``step-*`` directories under ``root`` that a save finished (renamed into place), oldest
-    first. A ``step-N.tmp`` directory is what a crash during :meth:`Trainer.save_checkpoint`
-    leaves behind; it sorts after ``step-N`` and must never be taken for the newest."""
-    if not root.is_dir():
-        return []
-    return sorted(
-        p
-        for p in root.iterdir()
-        if p.name.startswith("step-")
-        and not p.name.endswith(".tmp")
-        and (p / "state.json").is_file()
-    )
-
-
 def _resolve_device(name: str, dist: DistContext) -> torch.device:
     if name != "auto":
         return torch.device(name)
     if dist.enabled:  # this rank's GPU under NCCL; the CPU under gloo
         return torch.device(dist.device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _atomic_write_json(path: Path, data: Mapping[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(dict(data), sort_keys=True, indent=1))
-    os.replace(tmp, path)

@@ -31,9 +31,11 @@ import torch
 import torch.multiprocessing as mp
 
 from trainer.batch import Rollout
+from trainer.checkpoints import CHECKPOINT_DIR
 from trainer.config import TrainerConfig
 from trainer.distributed import DistContext, init_distributed, shutdown_distributed
-from trainer.recipe import CHECKPOINT_DIR, InProcessSource, Trainer
+from trainer.recipe import Trainer
+from trainer.sources import InProcessSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # ~25 s of CPU; minutes when loaded
 EOS = 2

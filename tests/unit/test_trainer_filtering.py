@@ -14,7 +14,8 @@ from trainer.batch import Rollout
 from trainer.config import TrainerConfig
 from trainer.filtering import GroupFilter, uniform_rewards
 from trainer.metrics import read_jsonl
-from trainer.recipe import InProcessSource, Trainer
+from trainer.recipe import Trainer
+from trainer.sources import InProcessSource
 
 torch.set_num_threads(1)
 

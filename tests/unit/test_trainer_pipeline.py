@@ -16,7 +16,8 @@ from trainer.batch import Rollout
 from trainer.config import TrainerConfig
 from trainer.metrics import IdleClock, read_jsonl
 from trainer.pipeline import PublicationSlot, RolloutFeed
-from trainer.recipe import InProcessSource, MemoryPublisher, Trainer, VersionNotNewer
+from trainer.recipe import Trainer
+from trainer.sources import InProcessSource, MemoryPublisher, VersionNotNewer
 
 torch.set_num_threads(1)
 

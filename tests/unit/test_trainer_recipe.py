@@ -15,7 +15,8 @@ from trainer.batch import Rollout
 from trainer.config import TrainerConfig
 from trainer.metrics import read_jsonl
 from trainer.monitors import GradSpikeGuard
-from trainer.recipe import InProcessSource, MemoryPublisher, Trainer
+from trainer.recipe import Trainer
+from trainer.sources import InProcessSource, MemoryPublisher
 
 torch.set_num_threads(1)
 EOS = 2

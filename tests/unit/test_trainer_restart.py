@@ -18,7 +18,8 @@ import torch
 from test_trainer_recipe import make_rollouts
 
 from trainer.config import TrainerConfig
-from trainer.recipe import InProcessSource, MemoryPublisher, Trainer, VersionNotNewer
+from trainer.recipe import Trainer
+from trainer.sources import InProcessSource, MemoryPublisher, VersionNotNewer
 
 torch.set_num_threads(1)
 
