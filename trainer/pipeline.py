@@ -27,20 +27,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from trainer.batch import Rollout
 from trainer.metrics import IdleClock
+from trainer.sources import RolloutSource
 
 log = logging.getLogger(__name__)
-
-
-class Source(Protocol):
-    """A :class:`trainer.sources.RolloutSource` (restated here: recipe imports this module)."""
-
-    async def fetch(
-        self, max_items: int, after: int, min_version: int | None = None
-    ) -> list[Rollout] | None: ...
 
 
 class RolloutFeed:
@@ -48,7 +41,7 @@ class RolloutFeed:
 
     def __init__(
         self,
-        source: Source,
+        source: RolloutSource,
         *,
         after: int,
         page: int,
