@@ -70,7 +70,8 @@ def tables(results: list[dict[str, Any]], options: list[str]) -> list[str]:
         base = median_steps(base_runs) if base_runs else math.nan
         target = results[0]["spec"]["target"]
         lines += [
-            f"#### {task}: median learner steps to exact ≥ {target} (× the S = 0 median)",
+            f"#### {task}: median learner steps to exact ≥ {target} (× the S = 0 median; "
+            "k ✗ = seeds that missed it; [n] = seeds)",
             "",
             "| option | " + " | ".join(f"S = {s}" for s in s_values) + " |",
             "|---|" + "---|" * len(s_values),
@@ -91,7 +92,11 @@ def tables(results: list[dict[str, Any]], options: list[str]) -> list[str]:
                 known = math.isfinite(med) and math.isfinite(opt_base) and opt_base > 0
                 ratio = f" ({med / opt_base:.2f}×)" if known else ""
                 miss = sum(r["steps_to_target"] is None for r in runs)
-                cells.append(f"{_fmt_steps(med)}{ratio}" + (f", {miss} ✗" if miss else ""))
+                cells.append(
+                    f"{_fmt_steps(med)}{ratio}"
+                    + (f", {miss} ✗" if miss else "")
+                    + f" [{len(runs)}]"
+                )
             lines.append(f"| {opt} | " + " | ".join(cells) + " |")
         lines += [
             "",

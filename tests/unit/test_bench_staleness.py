@@ -53,9 +53,9 @@ def test_ratios_use_the_options_own_s0_when_it_trains_differently() -> None:
         _run("slow", 0, 200, slow), _run("slow", 4, 240, slow),
     ]  # fmt: skip
     rows = {line.split(" | ")[0]: line for line in tables(results, ["tis", "mis", "slow"])}
-    assert "100 (1.00×) | 150 (1.50×)" in rows["| tis"]
-    assert "100 (1.00×) | 120 (1.20×)" in rows["| mis"]  # S = 0 of the weight options
-    assert "200 (1.00×) | 240 (1.20×)" in rows["| slow"]  # its own S = 0, not tis's
+    assert "100 (1.00×) [1] | 150 (1.50×) [1]" in rows["| tis"]
+    assert "100 (1.00×) [1] | 120 (1.20×) [1]" in rows["| mis"]  # S = 0 of the weight options
+    assert "200 (1.00×) [1] | 240 (1.20×) [1]" in rows["| slow"]  # its own S = 0, not tis's
 
 
 def test_no_ratio_against_an_s0_median_that_missed_the_target() -> None:
@@ -63,7 +63,7 @@ def test_no_ratio_against_an_s0_median_that_missed_the_target() -> None:
     tis = {"weight_mode": "truncate"}
     results = [_run("tis", 0, None, tis), _run("tis", 0, None, tis), _run("tis", 4, 740, tis)]
     rows = {line.split(" | ")[0]: line for line in tables(results, ["tis"])}
-    assert "| 740 |" in rows["| tis"] + " |"
+    assert "| 740 [1] |" in rows["| tis"] + " |"
     assert "×)" not in rows["| tis"]
 
 
