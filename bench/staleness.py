@@ -89,6 +89,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
     # sampling): more prompts are sampled until the batch is full of informative groups (up to
     # filter_max_batches batches' worth, counted in the run's groups_sampled)
     "vcpo-filter": {**_VCPO, "filter_groups": True},
+    # ... plus the step rollback at a tight bound: a step that moved the policy > 0.2 nat/token
+    # on its own tokens is undone (the drift near the target is a run of 0.2-0.5 steps)
+    "vcpo-filter-rollback": {**_VCPO, "filter_groups": True, "max_step_kl": 0.2},
 }
 #: Settings under every option unless it names them (not part of a run's key): the options were
 #: measured without group filtering before it became the trainer's default, and keep meaning that.
