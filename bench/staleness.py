@@ -92,6 +92,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
     # ... plus the step rollback at a tight bound: a step that moved the policy > 0.2 nat/token
     # on its own tokens is undone (the drift near the target is a run of 0.2-0.5 steps)
     "vcpo-filter-rollback": {**_VCPO, "filter_groups": True, "max_step_kl": 0.2},
+    # ... leaving out only the solved groups (every sample at the full reward): a group stuck on
+    # one wrong answer keeps its entropy bonus (TrainerConfig.filter_drop = "solved")
+    "vcpo-filter-solved": {**_VCPO, "filter_groups": True, "filter_drop": "solved"},
 }
 #: Settings under every option unless it names them (not part of a run's key): the options were
 #: measured without group filtering before it became the trainer's default, and keep meaning that.
@@ -177,6 +180,7 @@ def _informative(
     *,
     max_batches: int,
     min_groups: int,
+    drop: str = "uniform",
 ) -> tuple[list[int], list[Any], int]:
     """``filter_groups`` as the trainer does it (:class:`trainer.filtering.GroupFilter`), on
     prompts sampled here: the groups of ``idx`` (row[3] is the reward) are offered, and
@@ -186,7 +190,7 @@ def _informative(
     beyond the first ``batch``."""
     from trainer.filtering import GroupFilter
 
-    pick = GroupFilter(batch, max_batches, min_groups)
+    pick = GroupFilter(batch, max_batches, min_groups, drop)
     seen: dict[str, tuple[int, list[Any]]] = {}
     used = 0
     for k in range(max_batches):
@@ -285,6 +289,7 @@ def run_one(spec: Spec) -> dict[str, Any]:
                 lambda more, k, step=step: sample(behaviour, more, cfg.group_size,
                                                   spec.seed + 7919 * step + 104729 * k),
                 max_batches=cfg.filter_max_batches, min_groups=cfg.minibatches,
+                drop=cfg.filter_drop,
             )  # fmt: skip
             prompt_index += used
             groups_sampled += used

@@ -66,6 +66,13 @@ class TrainerConfig(BaseModel):
         "default: measured faster under staleness and steadier in the demo (docs/trainer.md, "
         "'How the defaults were chosen').",
     )
+    filter_drop: Literal["uniform", "solved"] = Field(
+        "uniform",
+        description="With filter_groups, which groups are left out: 'uniform' every group whose "
+        "samples all got one reward (DAPO); 'solved' only those whose samples all got the full "
+        "reward 1, so a group stuck on one wrong answer is still trained on (advantage 0: the "
+        "entropy bonus alone acts on it, the exploration a stuck prompt needs).",
+    )
     filter_max_batches: int = Field(
         4,
         ge=1,

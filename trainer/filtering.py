@@ -14,11 +14,20 @@ groups the step trains on the informative ones, filled with uniform groups up to
 (a minibatch each), so a task the policy has solved (every group uniform) does not starve the
 learner. ``bench/staleness.py`` (the ``vcpo-filter`` option) makes the same choice on prompts it
 samples itself.
+
+``filter_drop = "solved"`` leaves out only the groups every sample of which got the full reward;
+a group stuck on one wrong answer (one partial reward for all) is kept and counted with the
+informative ones: its advantages are 0 too, but the entropy bonus on its tokens is the one push
+away from the wrong answer (without it, measured on reverse4, the default plateaued). In this
+module "uniform" (the list :attr:`GroupFilter.uniform`) means "left out".
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+#: the full reward of a task (rewards are in [0, 1]: coordinator.problems.Task)
+FULL_REWARD = 1.0
 
 
 def uniform_rewards(rewards: Sequence[float]) -> bool:
@@ -28,16 +37,30 @@ def uniform_rewards(rewards: Sequence[float]) -> bool:
     return all(float(r) == float(rewards[0]) for r in rewards[1:])
 
 
+def left_out(rewards: Sequence[float], drop: str = "uniform") -> bool:
+    """Whether a group is one to leave out: with ``drop="uniform"`` any group of one reward, with
+    ``"solved"`` only a group whose samples all got :data:`FULL_REWARD` (``filter_drop``)."""
+    if drop not in ("uniform", "solved"):
+        raise ValueError(f"filter_drop must be 'uniform' or 'solved', not {drop!r}")
+    if not uniform_rewards(rewards):
+        return False
+    return drop == "uniform" or float(rewards[0]) >= FULL_REWARD
+
+
 class GroupFilter:
     """One learner step's selection of groups (module docstring). Offer complete groups oldest
     first until :attr:`done`; then :meth:`chosen` says which to train on and which to drop."""
 
-    def __init__(self, batch_prompts: int, max_batches: int, min_groups: int) -> None:
+    def __init__(
+        self, batch_prompts: int, max_batches: int, min_groups: int, drop: str = "uniform"
+    ) -> None:
         if batch_prompts < 1 or max_batches < 1 or not 1 <= min_groups <= batch_prompts:
             raise ValueError(
                 f"GroupFilter: need batch_prompts ({batch_prompts}) >= 1, max_batches "
                 f"({max_batches}) >= 1 and 1 <= min_groups ({min_groups}) <= batch_prompts"
             )
+        left_out([0.0], drop)  # a bad ``drop`` fails here, not at the first offer
+        self.drop = drop
         self.batch_prompts = batch_prompts
         self.budget = batch_prompts * max_batches
         self.min_groups = min_groups
@@ -67,7 +90,7 @@ class GroupFilter:
         """Offer one complete group (its samples' rewards)."""
         if self.done:
             raise RuntimeError("GroupFilter.offer after done")
-        (self.uniform if uniform_rewards(rewards) else self.informative).append(group_id)
+        (self.uniform if left_out(rewards, self.drop) else self.informative).append(group_id)
 
     def chosen(self) -> tuple[list[str], list[str]]:
         """``(train, drop)``: the groups to train on (informative ones first, in the order

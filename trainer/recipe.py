@@ -430,7 +430,7 @@ class Trainer:
         ``filter_groups``, informative ones (:mod:`trainer.filtering`)."""
         cfg = self.config
         pick = (
-            GroupFilter(cfg.batch_prompts, cfg.filter_max_batches, cfg.minibatches)
+            GroupFilter(cfg.batch_prompts, cfg.filter_max_batches, cfg.minibatches, cfg.filter_drop)
             if cfg.filter_groups
             else None
         )

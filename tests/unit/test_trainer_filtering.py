@@ -12,7 +12,7 @@ import torch
 from tests.unit.test_trainer_recipe import make_rollouts
 from trainer.batch import Rollout
 from trainer.config import TrainerConfig
-from trainer.filtering import GroupFilter, uniform_rewards
+from trainer.filtering import GroupFilter, left_out, uniform_rewards
 from trainer.metrics import read_jsonl
 from trainer.recipe import Trainer
 from trainer.sources import InProcessSource
@@ -59,6 +59,22 @@ def test_the_filter_refuses_impossible_settings() -> None:
         GroupFilter(batch_prompts=2, max_batches=1, min_groups=3)
     with pytest.raises(ValueError, match="max_batches"):
         GroupFilter(batch_prompts=2, max_batches=0, min_groups=1)
+
+
+def test_filter_drop_solved_leaves_out_only_groups_at_the_full_reward() -> None:
+    assert left_out([1.0, 1.0]) and left_out([0.5, 0.5]) and not left_out([0.0, 1.0])
+    assert left_out([1.0, 1.0], "solved") and left_out([1, 1], "solved")
+    assert not left_out([0.5, 0.5], "solved") and not left_out([0.0, 0.0], "solved")
+    assert not left_out([1.0, 0.5], "solved")
+    with pytest.raises(ValueError, match="filter_drop"):
+        left_out([1.0], "all")
+    with pytest.raises(ValueError, match="filter_drop"):
+        GroupFilter(batch_prompts=2, max_batches=1, min_groups=1, drop="stuck")
+    # a group stuck on one wrong answer counts with the informative ones; a solved one is left out
+    pick = GroupFilter(batch_prompts=2, max_batches=2, min_groups=1, drop="solved")
+    for gid, rewards in [("solved", [1, 1]), ("stuck", [0.25, 0.25]), ("mixed", [0, 1])]:
+        pick.offer(gid, rewards)
+    assert pick.done and pick.chosen() == (["stuck", "mixed"], ["solved"])
 
 
 def _mixed_source(n_pairs: int) -> tuple[InProcessSource, list[Rollout]]:
@@ -132,3 +148,12 @@ def test_a_solved_task_does_not_starve_a_filtering_learner(tmp_path: Path) -> No
     assert len(rows) == 1
     assert _trained_groups(rows[0], items) == [items[24].group_id, items[28].group_id]
     assert rows[0]["rollouts"] == 8 and rows[0]["dropped_uniform"] == 24
+
+
+def test_with_filter_drop_solved_a_stuck_group_is_trained_on(tmp_path: Path) -> None:
+    """The uniform groups of _mixed_source got 0.5 each (one wrong answer for all): with
+    ``filter_drop = "solved"`` they are trained on in order, nothing is left out."""
+    source, items = _mixed_source(4)
+    rows = _run(tmp_path, source, filter_drop="solved", max_steps=1)
+    assert _trained_groups(rows[0], items) == [r.group_id for r in items[::4]][:4]
+    assert rows[0]["dropped_uniform"] == 0 and rows[0]["rollouts"] == 16
