@@ -37,11 +37,16 @@ def uniform_rewards(rewards: Sequence[float]) -> bool:
     return all(float(r) == float(rewards[0]) for r in rewards[1:])
 
 
+def check_drop(drop: str) -> None:
+    """Refuse a ``filter_drop`` that is neither ``"uniform"`` nor ``"solved"``."""
+    if drop not in ("uniform", "solved"):
+        raise ValueError(f"filter_drop must be 'uniform' or 'solved', not {drop!r}")
+
+
 def left_out(rewards: Sequence[float], drop: str = "uniform") -> bool:
     """Whether a group is one to leave out: with ``drop="uniform"`` any group of one reward, with
     ``"solved"`` only a group whose samples all got :data:`FULL_REWARD` (``filter_drop``)."""
-    if drop not in ("uniform", "solved"):
-        raise ValueError(f"filter_drop must be 'uniform' or 'solved', not {drop!r}")
+    check_drop(drop)
     if not uniform_rewards(rewards):
         return False
     return drop == "uniform" or float(rewards[0]) >= FULL_REWARD
@@ -59,7 +64,7 @@ class GroupFilter:
                 f"GroupFilter: need batch_prompts ({batch_prompts}) >= 1, max_batches "
                 f"({max_batches}) >= 1 and 1 <= min_groups ({min_groups}) <= batch_prompts"
             )
-        left_out([0.0], drop)  # a bad ``drop`` fails here, not at the first offer
+        check_drop(drop)
         self.drop = drop
         self.batch_prompts = batch_prompts
         self.budget = batch_prompts * max_batches
