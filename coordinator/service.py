@@ -124,6 +124,7 @@ class CoordinatorService:
         self.http: StatusHttpServer | None = None
         #: the /status document last served (its figures are refreshed on the tick only)
         self._status_doc: dict[str, Any] | None = None
+        self._status_seq = 0  # the served document's serial (``status_seq``)
         self.history = StatusHistory()  # what the dashboard draws over time
         self.census: HolderCensus | None = None  # who holds which recent version
         self.multiaddrs: list[str] = []
@@ -335,8 +336,7 @@ class CoordinatorService:
     def _refresh_snapshot(self) -> None:
         if self.http is not None:
             status = self.status()
-            self._status_doc = status
-            self.http.set_status(status)
+            self._serve_status(status)
             census = self.census
             self.history.record_tick(status, census.counts if census and census.taken_at else None)
 
@@ -488,8 +488,17 @@ class CoordinatorService:
             doc = dict(self._status_doc)  # a new mapping: the tick's history holds the old one
             current = doc.get("policy_version")
             doc["policy_version"] = version if current is None else max(int(current), version)
-            self._status_doc = doc
-            self.http.set_status(doc)
+            self._serve_status(doc)
+
+    def _serve_status(self, doc: dict[str, Any]) -> None:
+        """Serve ``doc`` on ``/status`` under the next ``status_seq``: a tick's document and a
+        publication's copy of it share their ``uptime_s``, so only the serial tells a reader (the
+        dashboard, a test comparing the page with ``/status``) which one it holds."""
+        assert self.http is not None
+        self._status_seq += 1
+        doc["status_seq"] = self._status_seq
+        self._status_doc = doc
+        self.http.set_status(doc)
 
     def _resume_versions(self) -> None:
         """After a restart: finish fetching the usable versions not yet held in full."""

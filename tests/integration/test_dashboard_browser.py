@@ -49,7 +49,7 @@ document.querySelectorAll('#nodes tbody tr').forEach((tr) => {
   r.state = badge ? badge.dataset.state : null;
   rows[tr.dataset.fp] = r;
 });
-return {uptime: document.body.dataset.uptime, kpi: kpi, rows: rows};
+return {snapshot: document.body.dataset.snapshot, kpi: kpi, rows: rows};
 """
 READ_NODE_PAGE = """
 const kpi = {}, kv = {};
@@ -57,7 +57,7 @@ document.querySelectorAll('#kpis [data-key]').forEach((e) => {
   kpi[e.dataset.key] = e.textContent;
 });
 document.querySelectorAll('dl [data-key]').forEach((e) => { kv[e.dataset.key] = e.textContent; });
-return {uptime: document.body.dataset.uptime, kpi: kpi, kv: kv};
+return {snapshot: document.body.dataset.uptime, kpi: kpi, kv: kv};
 """
 
 
@@ -113,9 +113,14 @@ def _until(what: str, ready: Callable[[], Any], limit: float = 60.0) -> Any:
     pytest.fail(f"timed out after {limit:.0f} s waiting for {what}")
 
 
-def _same_snapshot(driver: Any, status_url: str, script: str) -> tuple[Any, dict[str, Any]]:
+def _same_snapshot(
+    driver: Any, status_url: str, script: str, key: str
+) -> tuple[Any, dict[str, Any]]:
     """What the page shows and the ``/status`` document it shows it from: right after the page
-    redraws, read it and fetch ``/status``; retried until both are the same snapshot."""
+    redraws, read it and fetch ``/status``; retried until both are the same snapshot, which the
+    page marks with the document's ``key``: the coordinator's ``status_seq`` (a publication
+    re-serves the tick's document with a new ``policy_version`` and the same ``uptime_s``), a
+    node's ``uptime_s`` (one document a second, one writer)."""
     def renders() -> Any:
         return driver.execute_script("return document.body.dataset.renders")
 
@@ -124,7 +129,7 @@ def _same_snapshot(driver: Any, status_url: str, script: str) -> tuple[Any, dict
         _until("the page to redraw", lambda b=before: renders() != b, 10)
         shown = driver.execute_script(script)
         status = status_of(status_url, "")
-        if shown["uptime"] is not None and float(shown["uptime"]) == status["uptime_s"]:
+        if shown["snapshot"] is not None and float(shown["snapshot"]) == status[key]:
             return shown, status
     pytest.fail("the page never showed the snapshot /status served right after it")
 
@@ -150,7 +155,7 @@ def test_dashboard_draws_live_and_agrees_with_status(swarm: Swarm, chrome: Any) 
         and len(chrome.find_elements("css selector", "#nodes tbody tr")) >= 2,
     )  # fmt: skip
     chrome.execute_script("window.__sameDocument = 'yes'")  # a reload would lose it
-    shown, st = _same_snapshot(chrome, swarm.url + "/status", READ_DASHBOARD)
+    shown, st = _same_snapshot(chrome, swarm.url + "/status", READ_DASHBOARD, "status_seq")
 
     kpi = shown["kpi"]
     assert kpi["policy_version"] == f"{st['policy_version']:,}"
@@ -236,7 +241,7 @@ def test_node_page_agrees_with_the_node_and_the_coordinator(swarm: Swarm, chrome
     chrome.get(url)
     tps_points = "return RSNode.charts.tps.points()"
     _until("the node's throughput curve", lambda: int(chrome.execute_script(tps_points) or 0) >= 2)
-    shown, st = _same_snapshot(chrome, url + "status", READ_NODE_PAGE)
+    shown, st = _same_snapshot(chrome, url + "status", READ_NODE_PAGE, "uptime_s")
     kpi, kv = shown["kpi"], shown["kv"]
     assert kpi["state"] == st["state"] and kv["doing"] == st["doing"]
     _close(kpi["tokens_per_s"], st["tokens_per_s"])

@@ -168,9 +168,13 @@ def test_a_publication_shows_in_status_at_once_and_only_its_version(tmp_path: Pa
     svc._show_published(3)
     after = served[-1]
     assert after["policy_version"] == 3 and svc._records_soon.is_set()
-    assert {k: v for k, v in after.items() if k != "policy_version"} == {
-        k: v for k, v in before.items() if k != "policy_version"
+    moved = ("policy_version", "status_seq")
+    assert {k: v for k, v in after.items() if k not in moved} == {
+        k: v for k, v in before.items() if k not in moved
     }
+    # the same uptime_s, another document: only the serial tells a reader which one it holds
+    assert after["uptime_s"] == before["uptime_s"]
+    assert after["status_seq"] == before["status_seq"] + 1
     assert before["policy_version"] is None  # the tick's document (in its history) untouched
     svc._show_published(2)  # a late, older announcement does not move it back
     assert served[-1]["policy_version"] == 3

@@ -149,7 +149,7 @@
   }
 
   // --- panels ----------------------------------------------------------------------------------
-  const SHOWN = new Set(["coordinator_fingerprint", "peer_id", "uptime_s", "policy_version", "rollouts_accepted",
+  const SHOWN = new Set(["coordinator_fingerprint", "peer_id", "uptime_s", "status_seq", "policy_version", "rollouts_accepted",
     "queue_depth", "nodes_alive", "nodes_registered", "rejected_by_reason", "version_holders",
     "version_holders_age_s", "versions", "versions_held", "versions_loaded", "plan"]);
 
@@ -285,7 +285,8 @@
     state.renders += 1;
     state.lastOk = Date.now();
     document.body.setAttribute("data-renders", String(state.renders));
-    document.body.setAttribute("data-uptime", String(status.uptime_s)); // which snapshot is shown
+    document.body.setAttribute("data-uptime", String(status.uptime_s));
+    document.body.setAttribute("data-snapshot", String(status.status_seq)); // which snapshot is shown
   }
 
   function onState(ok, err) {
