@@ -95,6 +95,10 @@ OPTIONS: dict[str, dict[str, Any]] = {
     # ... leaving out only the solved groups (every sample at the full reward): a group stuck on
     # one wrong answer keeps its entropy bonus (TrainerConfig.filter_drop = "solved")
     "vcpo-filter-solved": {**_VCPO, "filter_groups": True, "filter_drop": "solved"},
+    # the filters without VCPO's ESS step size: which of the default's two parts costs on the
+    # harder task (reverse4)
+    "tis-filter": {**_TIS, "filter_groups": True},
+    "tis-filter-solved": {**_TIS, "filter_groups": True, "filter_drop": "solved"},
 }
 #: Settings under every option unless it names them (not part of a run's key): the options were
 #: measured without group filtering before it became the trainer's default, and keep meaning that.
