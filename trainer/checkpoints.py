@@ -1,8 +1,8 @@
 """The trainer's files under ``out_dir``: its checkpoint directories and ``published.json``.
 
 ``out_dir/checkpoints/step-NNNNNNNN/`` is one checkpoint, written by
-:meth:`trainer.recipe.Trainer.save_checkpoint` into ``step-NNNNNNNN.tmp`` and renamed into place
-when complete, so a crash mid-save leaves a ``.tmp`` directory that is never taken for a
+:meth:`trainer.resume.CheckpointState.save_checkpoint` into ``step-NNNNNNNN.tmp`` and renamed
+into place when complete, so a crash mid-save leaves a ``.tmp`` directory that is never taken for a
 checkpoint (:func:`complete_checkpoints`). What a checkpoint directory holds (``state.json``
 beside the weights and optimizer state, single-process or sharded) is the Trainer's and
 :mod:`trainer.dcp_checkpoint`'s business.
@@ -30,8 +30,8 @@ PUBLISHED_FILE = "published.json"
 def complete_checkpoints(root: Path) -> list[Path]:
     """``step-*`` directories under ``root`` that a save finished (renamed into place), oldest
     first. A ``step-N.tmp`` directory is what a crash during
-    :meth:`~trainer.recipe.Trainer.save_checkpoint` leaves behind; it sorts after ``step-N`` and
-    must never be taken for the newest."""
+    :meth:`~trainer.resume.CheckpointState.save_checkpoint` leaves behind; it sorts after
+    ``step-N`` and must never be taken for the newest."""
     if not root.is_dir():
         return []
     return sorted(

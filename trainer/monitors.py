@@ -1,7 +1,7 @@
 """Stability monitors: early signs that learning on stale rollouts is about to collapse.
 
 Each learner step reports the health of its behaviour weights and of its update (ESS, mismatch
-KL, clip and mask fractions, gradient norm: :meth:`~trainer.recipe.Trainer.train_step`). A single
+KL, clip and mask fractions, gradient norm: :meth:`~trainer.step.LearnerStep.train_step`). A single
 step is noisy, so :class:`StabilityMonitor` compares the mean of the last ``window`` steps with a
 threshold per figure; the thresholds are the ones ``bench/staleness.py`` found to precede a
 collapse of the exact match (docs/benchmarks.md, section staleness) and live in

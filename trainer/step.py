@@ -1,0 +1,475 @@
+"""One learner step: :meth:`LearnerStep.train_step` and the passes it is made of.
+
+A mixin of :class:`trainer.recipe.Trainer`, which holds the state declared below (it builds all
+of it in ``__init__``). Read top to bottom: ``train_step`` computes the group advantages and
+admits Δ ≤ S; ``_local_minibatches`` splits the groups over minibatches (and ranks);
+``_proximal`` recomputes log π_prox before the first update; ``_weights`` turns π_prox and the
+nodes' log μ into behaviour weights (:func:`trainer.loss.behaviour_weights`); ``_update`` is one
+optimizer update over a minibatch's micro-batches; ``_step_kl`` measures the step's move for the
+rollback; ``_record`` is the step's metrics record.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from trainer.batch import Rollout, TrainBatch, build_batch, group_rollouts
+from trainer.config import TrainerConfig
+from trainer.distributed import DistContext
+from trainer.engine import Engine
+from trainer.loss import (
+    admission_mask,
+    behaviour_weights,
+    effective_sample_size,
+    entropy_bonus,
+    ess_lr_scale,
+    group_advantages,
+    policy_loss,
+    sequence_ratio_sums,
+    token_logprobs,
+    token_logprobs_and_entropy,
+    weight_stats,
+)
+from trainer.metrics import IdleClock, MetricsWriter
+from trainer.microbatch import MicroBatch, plan_micro_batches
+from trainer.monitors import GradSpikeGuard, StabilityMonitor
+from trainer.pipeline import RolloutFeed
+from trainer.rollback import StepSnapshot, kl_k3_sums
+
+log = logging.getLogger(__name__)
+
+#: :class:`~trainer.loss.WeightStats` sums accumulated over a step's minibatches.
+_WEIGHT_SUMS = (
+    "kl_sum", "kl_k1_sum", "m2_sum", "modified", "zeroed_tokens", "w_sum", "w_sq_sum", "units",
+    "tokens",
+)  # fmt: skip
+
+
+class LearnerStep:
+    """The learner step, as a mixin of :class:`~trainer.recipe.Trainer` (which sets every
+    attribute below in its ``__init__``)."""
+
+    config: TrainerConfig
+    model: torch.nn.Module
+    engine: Engine
+    dist: DistContext
+    optimizer: torch.optim.Optimizer
+    processing: dict[str, Any]
+    pad_token_id: int
+    stop_token_ids: frozenset[int]
+    metrics: MetricsWriter | None
+    monitor: StabilityMonitor
+    spike_guard: GradSpikeGuard
+    on_step: list[Callable[[dict[str, Any]], None]]
+    step: int
+    version: int
+    published_version: int | None
+    rollbacks: int
+    idle: IdleClock
+    t_train_s: float | None
+    _t_train_sq: float | None
+    publish_s: float | None
+    publish_deferred: int
+    _feed: RolloutFeed | None
+    _uniform_rewards: list[float]
+    _dropped_at_fetch: int
+    _consumed: float | None
+
+    if TYPE_CHECKING:  # defined by the trainer (trainer.resume.CheckpointState)
+
+        @property
+        def cursor(self) -> int: ...
+
+    def train_step(self, rollouts: Sequence[Rollout]) -> dict[str, Any]:
+        """One learner step on ``rollouts`` (complete groups): advantages over each whole group,
+        admission Δ ≤ S, then ``ppo_epochs`` × ``minibatches`` optimizer updates. Returns the
+        step's metrics (also written to metrics.jsonl on rank 0).
+
+        With several ranks every rank calls it; rank 0's ``rollouts`` count (it scatters each
+        rank its share of the groups) and its returned record is the complete one."""
+        cfg = self.config
+        t0, started_at = time.monotonic(), time.time()
+        groups = group_rollouts(rollouts)
+        flat = [r for g in groups for r in g]
+        rewards = torch.tensor([float(r.reward) for r in flat], dtype=torch.float64)
+        gidx = torch.tensor([i for i, g in enumerate(groups) for _ in g], dtype=torch.long)
+        adv = group_advantages(
+            rewards, gidx, std_normalize=cfg.std_normalize, eps=cfg.adv_eps
+        ).tolist()
+        staleness = [self.version - r.policy_version for r in flat]
+        admitted = admission_mask(torch.tensor(staleness), cfg.max_staleness).tolist()
+
+        # Admitted samples, still grouped: a minibatch (and a rank's shard) holds whole groups.
+        kept: list[list[tuple[Rollout, float, int]]] = []
+        pos = 0
+        for g in groups:
+            items = [(flat[pos + j], adv[pos + j], staleness[pos + j]) for j in range(len(g))]
+            kept_g = [it for it, ok in zip(items, admitted[pos : pos + len(g)], strict=True) if ok]
+            if kept_g:
+                kept.append(kept_g)
+            pos += len(g)
+
+        sums: defaultdict[str, float] = defaultdict(float)
+        minibatches = self._local_minibatches(kept)
+        plans = self._micro_plans(minibatches)
+        prox = self._proximal(minibatches, plans)  # π_prox: weights before the first update
+        weights = [self._weights(mb, p, sums) for mb, p in zip(minibatches, prox, strict=True)]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        snapshot = (
+            StepSnapshot.take(params, self.optimizer) if cfg.max_step_kl is not None else None
+        )
+        updates = 0
+        for _epoch in range(cfg.ppo_epochs):
+            for mb, plan, p, w in zip(minibatches, plans, prox, weights, strict=True):
+                updates += self._update(mb, plan, p, w, sums)
+        step_kl = None
+        if snapshot is not None:
+            step_kl = self._step_kl(minibatches, plans, prox)
+            if cfg.max_step_kl is not None and step_kl > cfg.max_step_kl:
+                snapshot.restore(params, self.optimizer)
+                self.rollbacks += 1
+                log.warning(
+                    "step %d moved the policy by %.3g nats/token (> max_step_kl %.3g): undone",
+                    self.step + 1, step_kl, cfg.max_step_kl,
+                )  # fmt: skip
+
+        self.step += 1
+        self.version += 1
+        step_time = time.monotonic() - t0
+        self.idle.add_busy(step_time)
+        self.idle.mark()
+        self.t_train_s = (
+            step_time if self.t_train_s is None else 0.8 * self.t_train_s + 0.2 * step_time
+        )
+        sq = step_time * step_time
+        self._t_train_sq = sq if self._t_train_sq is None else 0.8 * self._t_train_sq + 0.2 * sq
+        record = self._record(flat, staleness, admitted, sums, updates, step_time)
+        record["step_kl"] = step_kl
+        record["rolled_back"] = step_kl is not None and step_kl > (cfg.max_step_kl or 0.0)
+        record["rollbacks"] = self.rollbacks
+        if cfg.trace_rollouts:
+            record["trace"] = self._trace(flat, started_at)
+        record["stability_warning"] = self.monitor.observe(record)
+        if self.metrics is not None:
+            self.metrics.write(record)
+        for callback in self.on_step:
+            callback(record)
+        return record
+
+    def _trace(self, flat: Sequence[Rollout], started_at: float) -> dict[str, Any]:
+        """The step's part of the per-rollout age breakdown (``trace_rollouts``): when it started
+        and ended (Unix time; its end is when the new version's weights exist) and, per rollout,
+        ``[seq, policy_version, fetched_at]`` (fetched_at: when the feed received it, null if
+        unknown)."""
+        stamps = self._feed.fetched_at if self._feed is not None else None
+        rows = []
+        for r in flat:
+            at = stamps.pop(r.seq, None) if stamps is not None else None
+            rows.append([r.seq, r.policy_version, None if at is None else round(at, 4)])
+        if stamps:  # forget the ones dropped before training (all below the resume cursor)
+            cursor = self.cursor  # (the feed adds stamps on the event loop meanwhile)
+            for seq in [s for s in list(stamps) if s <= cursor]:
+                stamps.pop(seq, None)
+        return {"start": round(started_at, 4), "end": round(time.time(), 4), "rollouts": rows}
+
+    @property
+    def t_train_cv(self) -> float | None:
+        """Coefficient of variation of the step time (running, weight 0.2): on a shared machine
+        a step takes 0.3–0.8 s where T_train is 0.5, and a learner whose steps vary outruns its
+        rollouts after the short ones (docs/capacity.md, the fluid model)."""
+        if self.t_train_s is None or self._t_train_sq is None or self.t_train_s <= 0:
+            return None
+        var = max(0.0, self._t_train_sq - self.t_train_s * self.t_train_s)
+        return math.sqrt(var) / self.t_train_s
+
+    def _local_minibatches(
+        self, kept: list[list[tuple[Rollout, float, int]]]
+    ) -> list[TrainBatch | None]:
+        """Seeded shuffle of the groups, split into ``minibatches`` parts; rank ``r`` trains on
+        the groups ``part[r::world]`` of each part, which rank 0 scatters (so the sharded run
+        takes the single-process run's minibatches)."""
+        cfg = self.config
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
+        order = torch.randperm(len(kept), generator=gen).tolist() if len(kept) > 1 else [0]
+        order = order[: len(kept)]
+        n_mb = min(cfg.minibatches, max(1, len(kept)))
+        parts = [order[i * len(order) // n_mb : (i + 1) * len(order) // n_mb] for i in range(n_mb)]
+        world = self.dist.world_size
+        per_rank = [
+            [[it for gi in part[r::world] for it in kept[gi]] for part in parts]
+            for r in range(world)
+        ]
+        shares = self.dist.scatter(per_rank if self.dist.is_leader else None)
+        out: list[TrainBatch | None] = []
+        for local in shares:
+            if not local:
+                out.append(None)
+                continue
+            batch = build_batch(
+                [it[0] for it in local],
+                [it[1] for it in local],
+                [it[2] for it in local],
+                pad_token_id=self.pad_token_id,
+                eos_token_id=self.stop_token_ids,
+            )
+            out.append(batch.to(self.device))
+        return out
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _forward(self, batch: TrainBatch, *, entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """``[N, T]`` log π_θ of the completion tokens (and their entropy); ``batch`` is on the
+        model's device."""
+        t_len = batch.completion_ids.shape[1]
+        with self.engine.autocast():
+            out = self.model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids,
+                use_cache=False,
+                logits_to_keep=t_len + 1,
+            )
+        logits = out.logits[:, :-1]
+        if entropy:
+            logp, ent = token_logprobs_and_entropy(logits, batch.completion_ids, **self.processing)
+            return logp, ent
+        return token_logprobs(logits, batch.completion_ids, **self.processing), None
+
+    def _micro_plans(self, minibatches: list[TrainBatch | None]) -> list[list[MicroBatch | None]]:
+        """Each minibatch's micro-batches (``micro_batch_tokens``); every rank runs as many
+        passes per minibatch as the rank with the most (None: a pass that contributes nothing)."""
+        plans: list[list[MicroBatch | None]] = [
+            [] if mb is None else list(plan_micro_batches(mb, self.config.micro_batch_tokens))
+            for mb in minibatches
+        ]
+        counts = self.dist.max_ints([len(p) for p in plans])
+        return [p + [None] * (c - len(p)) for p, c in zip(plans, counts, strict=True)]
+
+    @torch.no_grad()
+    def _proximal(
+        self, minibatches: list[TrainBatch | None], plans: list[list[MicroBatch | None]]
+    ) -> list[Tensor | None]:
+        """log π_prox: the weights before this step's first update, recomputed by the trainer."""
+        out: list[Tensor | None] = []
+        for mb, plan in zip(minibatches, plans, strict=True):
+            prox = None if mb is None else torch.zeros_like(mb.completion_mask)
+            for micro in plan:
+                if micro is None:
+                    self.engine.pad_pass(self.model, backward=False)
+                    continue
+                assert prox is not None
+                prox[micro.rows, : micro.width] = self._forward(micro.batch, entropy=False)[0]
+            out.append(prox)
+        return out
+
+    @torch.no_grad()
+    def _step_kl(
+        self,
+        minibatches: list[TrainBatch | None],
+        plans: list[list[MicroBatch | None]],
+        prox: list[Tensor | None],
+    ) -> float:
+        """How far this step moved the policy on its own tokens (rollback.kl_k3_sums), one
+        forward pass per micro-batch after the updates; the same value on every rank."""
+        kl_sum = tokens = 0.0
+        for mb, plan, p in zip(minibatches, plans, prox, strict=True):
+            for micro in plan:
+                if micro is None:
+                    self.engine.pad_pass(self.model, backward=False)
+                    continue
+                assert mb is not None and p is not None
+                new = self._forward(micro.batch, entropy=False)[0]
+                k, n = kl_k3_sums(new, micro.take(p), micro.batch.completion_mask)
+                kl_sum += k
+                tokens += n
+        kl_sum, tokens = self.dist.sum_floats([kl_sum, tokens])
+        return kl_sum / tokens if tokens > 0 else 0.0
+
+    def _weights(
+        self, mb: TrainBatch | None, prox: Tensor | None, sums: defaultdict[str, float]
+    ) -> Tensor | None:
+        if mb is None or prox is None:
+            return None
+        cfg = self.config
+        bw = behaviour_weights(
+            prox,
+            mb.behaviour_logprobs,
+            mb.completion_mask,
+            mb.staleness,
+            cap=cfg.weight_cap,
+            mode=cfg.weight_mode,
+            level=cfg.weight_level,
+            decay=cfg.staleness_decay,
+            cap_low=cfg.weight_cap_low,
+            m2_threshold=cfg.m2_threshold,
+        )
+        st = weight_stats(prox, mb.behaviour_logprobs, mb.completion_mask, bw, cfg.weight_level)
+        for key in _WEIGHT_SUMS:
+            sums[key] += getattr(st, key)
+        return bw.weights
+
+    def _update(
+        self,
+        mb: TrainBatch | None,
+        plan: list[MicroBatch | None],
+        prox: Tensor | None,
+        weights: Tensor | None,
+        sums: defaultdict[str, float],
+    ) -> int:
+        """One optimizer update on a (global) minibatch, gradients accumulated over its
+        micro-batches (reduced over ranks by the engine); returns 1 if an update was attempted
+        (applied, or skipped by the gradient-spike guard: counted in ``skipped_updates``)."""
+        cfg = self.config
+        local_tokens = float(mb.completion_mask.sum()) if mb is not None else 0.0
+        (global_tokens,) = self.dist.sum_floats([local_tokens])
+        if global_tokens <= 0:
+            return 0
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in plan:
+            if micro is None:
+                self.engine.pad_pass(self.model, backward=True)
+                continue
+            assert prox is not None and weights is not None
+            part = micro.batch
+            logp, ent = self._forward(part, entropy=True)
+            assert ent is not None
+            pl = policy_loss(
+                logp,
+                micro.take(prox),
+                part.advantages,
+                micro.take(weights),
+                part.completion_mask,
+                eps=cfg.clip_eps,
+                eps_high=cfg.eps_high,
+                normalizer=global_tokens,
+            )
+            ent_mask = part.completion_mask
+            if cfg.entropy_groups == "informative":  # the bonus only where the policy term acts
+                ent_mask = ent_mask * (part.advantages != 0).to(ent_mask.dtype).unsqueeze(-1)
+            loss = pl.loss + entropy_bonus(
+                ent,
+                ent_mask,
+                coef=cfg.entropy_coef,
+                normalizer=global_tokens,
+            )
+            loss.backward()  # type: ignore[no-untyped-call]
+            sums["loss"] += float(loss.detach())
+            sums["entropy_sum"] += float((ent.detach() * part.completion_mask).sum())
+            sums["clipped"] += float(pl.clipped_tokens)
+            sums["update_tokens"] += float(part.completion_mask.sum())
+        if cfg.max_grad_norm is not None or cfg.grad_spike_factor is not None:
+            # the norm is the global one on every rank, so every rank skips the same updates
+            clip_to = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
+            norm = self.engine.clip_grad_norm(self.model, clip_to)
+            sums["grad_norm"] += norm / max(1, self.dist.world_size)
+            if self.spike_guard.skip(norm):
+                sums["skipped_updates"] += 1.0 / max(1, self.dist.world_size)
+                self.optimizer.zero_grad(set_to_none=True)
+                return 1
+        scale = 1.0
+        if cfg.ess_lr_scaling:  # otherwise the optimizer's learning rate is left as it is
+            scale = self._ess_lr_scale(mb, prox)
+            for group in self.optimizer.param_groups:
+                group["lr"] = cfg.lr * scale
+        sums["lr_scale"] += scale
+        self.optimizer.step()
+        return 1
+
+    def _ess_lr_scale(self, mb: TrainBatch | None, prox: Tensor | None) -> float:
+        """VCPO's factor from the (global) minibatch's sequence-level ESS; identical on every
+        rank because the sums are all-reduced."""
+        local = (0.0, 0.0, 0.0)
+        if mb is not None and prox is not None:
+            local = sequence_ratio_sums(prox, mb.behaviour_logprobs, mb.completion_mask)
+        w_sum, w_sq_sum, n = self.dist.sum_floats(list(local))
+        return ess_lr_scale(w_sum, w_sq_sum, n)
+
+    def _record(
+        self,
+        flat: Sequence[Rollout],
+        staleness: Sequence[int],
+        admitted: Sequence[bool],
+        sums: defaultdict[str, float],
+        updates: int,
+        step_time: float,
+    ) -> dict[str, Any]:
+        keys = [
+            *_WEIGHT_SUMS, "loss", "entropy_sum", "clipped", "update_tokens", "grad_norm",
+            "lr_scale", "skipped_updates",
+        ]  # fmt: skip
+        g = dict(zip(keys, self.dist.sum_floats([sums[k] for k in keys]), strict=True))
+        uniform, self._uniform_rewards = self._uniform_rewards, []
+        # what the step consumed: its batch and the uniform groups left out (filter_groups), so
+        # that the reward figures follow the policy, not the filter
+        rewards = [float(r.reward) for r in flat] + uniform
+        n = max(1, len(rewards))
+        hist = Counter(staleness)
+        dropped = len(flat) - sum(admitted) + self._dropped_at_fetch
+        self._dropped_at_fetch = 0
+        consumed = len(rewards)
+        last = self._consumed
+        self._consumed = consumed if last is None else 0.8 * last + 0.2 * consumed
+        batch_rollouts = self.config.batch_prompts * self.config.group_size
+        tokens = max(1.0, g["tokens"])
+        ess = effective_sample_size(g["w_sum"], g["w_sq_sum"])
+        return {
+            "step": self.step,
+            "version": self.version,
+            "published_version": self.published_version,
+            "rollouts": len(flat),
+            "admitted": int(sum(admitted)),
+            "dropped_stale": dropped,
+            # filter_groups: rollouts of groups with one reward for all samples, left out
+            "dropped_uniform": len(uniform),
+            "reward_mean": sum(rewards) / n,
+            "reward_full_frac": sum(1 for x in rewards if x >= 1.0 - 1e-9) / n,
+            "staleness_mean": sum(staleness) / max(1, len(staleness)),
+            "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
+            "loss": g["loss"] / max(1, updates),
+            "entropy": g["entropy_sum"] / max(1.0, g["update_tokens"]),
+            "clip_frac": g["clipped"] / max(1.0, g["update_tokens"]),
+            "mismatch_kl": g["kl_sum"] / tokens,
+            "mismatch_kl_k1": g["kl_k1_sum"] / tokens,
+            "mismatch_m2": g["m2_sum"] / tokens,
+            "weight_modified_frac": g["modified"] / max(1.0, g["units"]),
+            "mask_frac": g["zeroed_tokens"] / tokens,
+            "ess": ess,
+            "ess_frac": ess / g["units"] if g["units"] > 0 else 0.0,
+            "grad_norm": g["grad_norm"] / max(1, updates),
+            # mean learning-rate factor of the applied updates (< 1 only with ess_lr_scaling);
+            # every rank applies the same factor, so the sum counts it world_size times
+            "lr_scale": g["lr_scale"]
+            / max(1, (updates - round(g["skipped_updates"])) * self.dist.world_size),
+            "skipped_updates": round(g["skipped_updates"]),
+            "updates": updates,
+            "step_time_s": step_time,
+            "t_train_s": self.t_train_s,
+            "t_train_cv": self.t_train_cv,
+            # B, rollouts consumed per step (more than the batch when groups are filtered)
+            "batch_rollouts": (
+                max(batch_rollouts, round(self._consumed))
+                if self.config.filter_groups
+                else batch_rollouts
+            ),
+            "completion_tokens": int(g["tokens"]),
+            "publish_s": self.publish_s,
+            "publish_deferred": self.publish_deferred,
+            **self._idle_figures(),
+        }
+
+    def _idle_figures(self) -> dict[str, float]:
+        """``idle_frac`` and its breakdown over the window; cumulative seconds since run()."""
+        out = {"idle_frac": self.idle.fraction()}
+        out.update({f"idle_{k}_frac": v for k, v in self.idle.breakdown().items()})
+        out.update(self.idle.totals())
+        return out
