@@ -4,6 +4,9 @@ Modules (transport-independent core; the network service is built on :class:`cor
 
 - :mod:`coordinator.core`       ``Coordinator``: register / heartbeat / request_lease / submit /
                                 release / fetch_rollouts / publish_version / status / tick
+- :mod:`coordinator.submissions` ``SubmissionDesk`` (a mixin of it): submit, verdicts stored by
+                                digest, replayed submissions, fetch_rollouts
+- :mod:`coordinator.activation` ``ActiveSet`` (a mixin of it): liveness, the plan, the active set
 - :mod:`coordinator.config`     ``CoordinatorConfig`` (pydantic, TOML via ``load_config``)
 - :mod:`coordinator.errors`     ``Rejection`` / ``IntakeRejection`` (wire reason codes),
                                 ``ConfigError``, ``StoreError``

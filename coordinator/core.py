@@ -23,7 +23,6 @@ learner step goes into the hash-chained receipt log (:mod:`coordinator.receipts`
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -32,30 +31,30 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge
 
+from coordinator.activation import ActiveSet
 from coordinator.audits import RewardAudits
-from coordinator.capacity import NodeCapacity, Plan, plan_activation
+from coordinator.capacity import Plan
 from coordinator.config import CoordinatorConfig
-from coordinator.errors import IntakeRejection, Rejection
-from coordinator.intake import CheckReport, Intake, IntakeContext, IntakeMetrics, PromptSlot
+from coordinator.errors import Rejection
+from coordinator.intake import Intake, IntakeMetrics, PromptSlot
 from coordinator.leases import LeaseManager
 from coordinator.ledger import Ledger
 from coordinator.logprobs import LogprobVerifier
 from coordinator.problems import Task
 from coordinator.receipts import ReceiptLog
 from coordinator.reputation import Reputation
-from coordinator.store import ACK, LeaseRecord, NodeRecord, RolloutRow, Store, Verdict
+from coordinator.store import LeaseRecord, NodeRecord, Store
+from coordinator.submissions import SubmissionDesk
 from coordinator.throughput import LeaseLag, ThroughputBook
 from coordinator.trust import Trust
 from policy.model import Tokenizer
 from policy.prompts import PromptRenderer
 from protocol.codec import decode, encode
-from protocol.envelope import ReplayGuard, open_envelope, verify_envelope
-from protocol.errors import ProtocolError, ReasonCode
+from protocol.envelope import ReplayGuard, open_envelope
+from protocol.errors import ReasonCode
 from protocol.identity import Identity, fingerprint_of
 from protocol.manifest import verify_manifest
 from protocol.messages import (
-    AcceptedRollout,
-    Ack,
     CapabilityAdvert,
     Heartbeat,
     HeartbeatAck,
@@ -65,13 +64,9 @@ from protocol.messages import (
     PromptItem,
     Register,
     RegisterAck,
-    Reject,
-    RolloutBatch,
-    RolloutSubmission,
     SamplingParams,
     SignedEnvelope,
     Standby,
-    pack_logprobs,
     pack_tokens,
 )
 from swarm.faults import fault_point
@@ -79,11 +74,8 @@ from swarm.faults import fault_point
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: Distinct submissions (by digest) whose verdicts one lease stores; more are refused unstored.
-MAX_VERDICTS_PER_LEASE = 8
 
-
-class Coordinator:
+class Coordinator(SubmissionDesk, ActiveSet):
     """Core state machine of the control plane (no sockets)."""
 
     def __init__(
@@ -416,239 +408,6 @@ class Coordinator:
             slots[problem.prompt_id] = PromptSlot(index, problem, ids, position)
         return slots
 
-    # --- rollouts --------------------------------------------------------------------------------
-    async def submit(self, node_key: bytes, sub: RolloutSubmission) -> Ack | Reject:
-        """Verify and store a submission; durable before returning. Same bytes → same verdict."""
-        digest = hashlib.sha256(encode(sub)).digest()
-        try:
-            self._admit(node_key)
-            self.leases.expire_due()
-            lease = self.leases.check_holder(node_key, sub.lease_id, sub.epoch)
-        except Rejection as exc:
-            return self._refuse(node_key, sub.lease_id, exc)
-        stored = self.store.get_verdict(lease.lease_id, digest)
-        if stored is not None:
-            return _message(lease.lease_id, stored)
-        if self.store.verdict_count(lease.lease_id) >= MAX_VERDICTS_PER_LEASE:
-            # An honest node sends one submission per lease (re-sends are the same bytes); a
-            # stream of variants would otherwise add a stored verdict each. Refused unstored.
-            flood = Rejection(
-                ReasonCode.DUPLICATE,
-                f"lease {lease.lease_id} already has {MAX_VERDICTS_PER_LEASE} different "
-                "submissions; re-send the same bytes to learn a verdict",
-                strike=True,
-            )
-            return self._refuse(node_key, lease.lease_id, flood)
-        open_prompts = self.leases.open_prompts(lease)
-        if not open_prompts:
-            return self._closed(node_key, lease, digest)
-        ctx = self._context(node_key, lease, frozenset(open_prompts))
-        try:
-            accepted = await self.intake.verify(sub, ctx)
-        except IntakeRejection as exc:
-            ctx.report.failed = ctx.report.failed or exc.code.value
-            refused = self._refuse(node_key, lease.lease_id, exc, digest, lease, ctx.report)
-            if exc.code is ReasonCode.TOO_STALE:  # its version only ages: free the lease now
-                self.leases.close_unfulfillable(lease)
-            return refused
-        fault_point("submit.before_commit")
-        now = self.clock()
-        with self.store.transaction():
-            stored = self.store.get_verdict(lease.lease_id, digest)
-            if stored is not None:  # an identical submission won the race
-                return _message(lease.lease_id, stored)
-            try:  # a release or an expiry may have landed while it was being verified
-                self.leases.expire_due()
-                lease = self.leases.check_holder(node_key, sub.lease_id, sub.epoch)
-            except Rejection as exc:
-                return self._refuse(node_key, sub.lease_id, exc)
-            still_open = self.leases.open_prompts(lease)
-            rows = [a for a in accepted if a.prompt_index in still_open]
-            if not rows:
-                return self._closed(node_key, lease, digest)
-            first_seq = self.store.max_rollout_seq() + 1
-            self.store.insert_rollouts(
-                [
-                    RolloutRow(
-                        lease.lease_id,
-                        a.prompt_index,
-                        a.sample_index,
-                        node_key,
-                        sub.policy_version,
-                        a.prompt_id,
-                        pack_tokens(a.prompt_tokens),
-                        pack_tokens(a.completion_tokens),
-                        pack_logprobs(a.logprobs),
-                        a.finish_reason,
-                        a.reward,
-                        a.exact,
-                        now,
-                        lease.group_size,
-                    )
-                    for a in rows
-                ]
-            )
-            prompts = sorted({a.prompt_index for a in rows})
-            tokens = sum(len(a.completion_tokens) for a in rows)
-            self.leases.record_result(lease, prompts, tokens=tokens, samples=len(rows))
-            t = sub.timings
-            self.throughput.record(
-                node_key,
-                samples=sum(len(g.samples) for g in sub.groups),  # what it generated
-                version=lease.version,
-                generate_s=t.generate_s,
-                load_s=t.load_s,
-                overhead_s=t.overhead_s,
-                observed_s=now - lease.issued_at,
-            )
-            skipped = len(sub.groups) - len(prompts)
-            verdict = Verdict(
-                ACK, f"{len(rows)} samples of {len(prompts)} prompts accepted; {skipped} groups "
-                "were already completed elsewhere", len(rows), skipped,
-            )  # fmt: skip
-            self.store.put_verdict(lease.lease_id, digest, verdict, now)
-            if ctx.report.spot_checked and ctx.report.passed:
-                self.trust.passed(node_key, full=ctx.report.full)
-            rewards: dict[int, list[float]] = {}
-            for a in rows:
-                rewards.setdefault(a.prompt_index, []).append(a.reward)
-            flags = self.audits.after_accept(
-                lease_id=lease.lease_id, node_key=node_key, version=sub.policy_version,
-                rewards=rewards, now=now,
-            )  # fmt: skip
-            last_seq = self.store.max_rollout_seq()  # one transaction: seqs are contiguous
-            self.ledger.verdict(lease, digest, verdict, ctx.report, (first_seq, last_seq), now)
-            for flag in flags:
-                self.trust.flag(flag.node_key, flag.detail, now)
-                self.receipts.append(
-                    "flag", {"node": fingerprint_of(flag.node_key), "detail": flag.detail}, now
-                )
-        fault_point("submit.after_commit")
-        self.node_problems.pop(node_key, None)  # it works again
-        self.metrics.accepted.inc(len(rows))
-        return _message(lease.lease_id, verdict)
-
-    def _context(
-        self, node_key: bytes, lease: LeaseRecord, open_prompts: frozenset[int]
-    ) -> IntakeContext:
-        current = self.store.latest_version()
-        s = self.config.staleness_bound
-        known = frozenset(self.store.versions())
-        node = self.store.get_node(node_key)
-        backend = lease.backend or (node.backend if node else "")
-        dtype = lease.dtype or (node.dtype if node else "")
-        trust = self.trust.state(node_key)
-        suspect = trust.suspect and self.config.intake.suspect_full_check
-        return IntakeContext(
-            node_key=node_key,
-            lease=lease,
-            slots=self._slots(lease),
-            open_prompts=open_prompts,
-            known_versions=known,
-            current_version=current,
-            staleness_bound=s,
-            vocab_size=self.tokenizer.vocab_size,
-            eos_token_id=self.tokenizer.eos_token_id,
-            stop_token_ids=frozenset(self.stop_token_ids),
-            suspect=suspect,
-            backend=backend,
-            dtype=dtype,
-            check_rate=self.trust.rate_of(trust),
-            report=CheckReport(),
-        )
-
-    def _closed(self, node_key: bytes, lease: LeaseRecord, digest: bytes) -> Reject:
-        """No prompt of the lease is open any more: duplicate (completed lease), or, for an
-        expired lease, stale_epoch (re-issued under a newer epoch) or lease_expired (done)."""
-        if lease.state == "expired" and self.leases.fenced_prompts(lease):
-            exc = Rejection(
-                ReasonCode.STALE_EPOCH,
-                f"lease {lease.lease_id} (epoch {lease.epoch}) expired and its prompts were "
-                "re-issued under a newer epoch; request a new lease",
-            )
-        elif lease.state == "expired":
-            exc = Rejection(
-                ReasonCode.LEASE_EXPIRED,
-                f"lease {lease.lease_id} expired and its prompts were completed by other leases",
-            )
-        else:
-            exc = Rejection(ReasonCode.DUPLICATE, f"lease {lease.lease_id} is already complete")
-        result = self._refuse(node_key, lease.lease_id, exc, digest, lease)
-        assert isinstance(result, Reject)
-        return result
-
-    def _refuse(
-        self,
-        node_key: bytes,
-        ref: str,
-        exc: Rejection,
-        digest: bytes | None = None,
-        lease: LeaseRecord | None = None,
-        report: CheckReport | None = None,
-    ) -> Reject:
-        now = self.clock()
-        self.metrics.rejected.labels(reason=exc.code.value).inc()
-        with self.store.transaction():
-            if digest is not None:  # lease-bound: remember the verdict for re-sends
-                verdict = Verdict(exc.code.value, exc.detail)
-                self.store.put_verdict(ref, digest, verdict, now)
-                if lease is not None:
-                    self.ledger.verdict(lease, digest, verdict, report or CheckReport(), None, now)
-            if exc.strike and self.store.get_node(node_key) is not None:
-                self.reputation.strike(node_key, exc.code.value, exc.detail, now)
-                self.trust.struck(node_key)
-        log.info("rejected %s from %s: %s", ref, fingerprint_of(node_key), exc)
-        return Reject(ref=ref, code=exc.code, detail=exc.detail, retry_after_s=exc.retry_after_s)
-
-    def replayed_submission(self, env: SignedEnvelope) -> Ack | Reject | None:
-        """The stored verdict for a submission envelope the replay guard refused (the same
-        signed bytes sent again): re-sending a submission byte for byte returns its verdict,
-        accepted or rejected, without counting anything twice. None: no verdict is stored (the
-        caller answers ``replayed``)."""
-        try:
-            verify_envelope(env)
-            sub = decode(env.payload, RolloutSubmission)
-        except ProtocolError:
-            return None
-        lease = self.store.get_lease(sub.lease_id)
-        if lease is None or lease.node_key != env.signer:
-            return None
-        stored = self.store.get_verdict(lease.lease_id, hashlib.sha256(encode(sub)).digest())
-        return None if stored is None else _message(lease.lease_id, stored)
-
-    def learner_report(self, step: int, cursor: int, step_time_s: float) -> None:
-        """The trainer's figures with a fetch (:meth:`coordinator.ledger.Ledger.learner_report`)."""
-        self.ledger.learner_report(step, cursor, step_time_s, self.clock())
-
-    def fetch_rollouts(
-        self, after_seq: int, max_rollouts: int, min_policy_version: int | None = None
-    ) -> RolloutBatch:
-        """Accepted rollouts with ``seq > after_seq`` in arrival order (the trainer's feed); with
-        ``min_policy_version``, older ones are skipped in the query (a stale backlog costs the
-        learner nothing: it never travels)."""
-        rows = self.store.rollouts_after(after_seq, max_rollouts, min_policy_version)
-        last = rows[-1].seq if rows else after_seq
-        return RolloutBatch(
-            rollouts=[
-                AcceptedRollout(
-                    seq=r.seq,
-                    lease_id=r.lease_id,
-                    prompt_id=r.prompt_id,
-                    sample_index=r.sample_index,
-                    group_size=r.group_size,
-                    prompt_token_ids=r.prompt_tokens,
-                    completion_token_ids=r.completion_tokens,
-                    behaviour_logprobs=r.logprobs,
-                    finish_reason=r.finish_reason,  # type: ignore[arg-type]
-                    policy_version=r.version,
-                    reward=r.reward,
-                    node_fingerprint=fingerprint_of(r.node_key),
-                )
-                for r in rows
-            ],
-            last_seq=last,
-        )
-
     # --- versions --------------------------------------------------------------------------------
     def publish_version(self, manifest_env: SignedEnvelope) -> Manifest:
         """Record a signed manifest (verified against ``publisher_key``) as the newest version."""
@@ -689,73 +448,6 @@ class Coordinator:
                 ReasonCode.DELTA_BASE_MISSING,
                 f"v{manifest.version} is a delta against v{base}, which {why}; publish a keyframe",
             )
-
-    # --- capacity --------------------------------------------------------------------------------
-    def flush_liveness(self) -> None:
-        """Write the ``last_seen`` of every node heard from since the last flush (one commit)."""
-        if self._seen:
-            seen, self._seen = self._seen, {}
-            self.store.touch_nodes(seen.items())
-
-    def alive_nodes(self) -> list[NodeRecord]:
-        """Registered, heard from within the heartbeat horizon, not banned (one query; the
-        adverts are not loaded)."""
-        self.flush_liveness()
-        now = self.clock()
-        horizon = now - self.config.heartbeat_interval_s * self.config.heartbeat_misses
-        return self.store.live_nodes(horizon, now)
-
-    def node_capacity(self, node: NodeRecord) -> NodeCapacity | None:
-        """What the planner knows of ``node``: its lease-by-lease figures (generation rate, lease
-        time, round-trip overhead, version-load delay); before any, the durable end-to-end rate;
-        None when it has not completed a lease yet."""
-        fig = self.throughput.get(node.node_key)
-        if fig is not None:
-            return NodeCapacity(
-                node.node_key.hex(), fig.gen_rate, node.price_per_hour, node.reliability,
-                overhead_s=fig.overhead_s, lease_s=fig.lease_s, load_s=fig.load_s or 0.0,
-            )  # fmt: skip
-        if not node.rollouts_per_s:
-            return None
-        return NodeCapacity(node.node_key.hex(), node.rollouts_per_s, node.price_per_hour,
-                            node.reliability)  # fmt: skip
-
-    def replan(self) -> Plan:
-        """Recompute the active set (call when nodes join/leave or their μ changes)."""
-        cap = self.config.capacity
-        nodes = self.alive_nodes()
-        measured = [c for c in map(self.node_capacity, nodes) if c is not None]
-        t_gen = max(
-            (self.config.group_size * self.config.sampling.max_new_tokens / n.tokens_per_s
-             for n in nodes if n.tokens_per_s), default=0.0,
-        )  # fmt: skip
-        plan = plan_activation(
-            measured,
-            batch=self.batch_rollouts,
-            t_train=self.t_train_s,
-            kappa=self.effective_kappa,
-            t_bcast=self.t_bcast_s,
-            t_train_cv=self.t_train_cv,
-            headroom=cap.headroom,
-            staleness_bound=self.config.staleness_bound,
-            t_gen=t_gen,
-        )
-        self.plan = plan
-        self._planned_at = self.clock()
-        self._standby = frozenset(plan.standby)
-        self._g_active.set(len(plan.active) + len(nodes) - len(measured))
-        return plan
-
-    @property
-    def effective_kappa(self) -> float:
-        """κ of the rule: the learner's, or the observed versions per publication if larger."""
-        return max(float(self.kappa), self.published_kappa or 0.0)
-
-    def is_active(self, node_key: bytes) -> bool:
-        """Unmeasured nodes are always active (they must run a lease to be measured)."""
-        if not self.config.capacity.activation or self.plan is None:
-            return True
-        return node_key.hex() not in self._standby
 
     def tick(self) -> None:
         """Periodic upkeep: write liveness, expire overdue leases, seal new receipts, and re-plan
@@ -820,9 +512,3 @@ class Coordinator:
     def verification_status(self) -> dict[str, Any]:
         """Verification compute against the learner's, and the receipt log's head."""
         return self.ledger.status()
-
-
-def _message(ref: str, verdict: Verdict) -> Ack | Reject:
-    if verdict.code == ACK:
-        return Ack(ref=ref, detail=verdict.detail)
-    return Reject(ref=ref, code=ReasonCode(verdict.code), detail=verdict.detail)

@@ -52,11 +52,11 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from coordinator.core import MAX_VERDICTS_PER_LEASE  # flood limit (3 variants a lease stay below)
 from coordinator.errors import Rejection, StoreError
 from coordinator.intake import expected_seed
 from coordinator.leases import CURSOR, EPOCH
 from coordinator.store import ACK, Store, Verdict
+from coordinator.submissions import MAX_VERDICTS_PER_LEASE  # flood limit (3 variants stay below)
 from protocol.codec import encode
 from protocol.errors import ReasonCode
 from protocol.identity import Identity
