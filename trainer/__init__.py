@@ -32,6 +32,9 @@ Modules:
 - :mod:`trainer.dcp_checkpoint` — sharded checkpoints (``torch.distributed.checkpoint``) and
   resharding.
 - :mod:`trainer.launch` — ``swarm trainer run --nproc N``; the ranks other than 0.
+- :mod:`trainer.swarm_client` — the coordinator client: ``CoordinatorSource`` (rollouts) and
+  ``SwarmPublisher`` (versions).
+- :mod:`trainer.main` — ``swarm trainer run``: the network process.
 
 See docs/trainer.md for the objective, every knob and every metric.
 """

@@ -2,10 +2,10 @@
 
 * :class:`RolloutSource` — the learner's input: verified rollouts past a cursor (``seq``), with
   a floor on their policy version. ``swarm trainer run`` uses the coordinator client
-  (:class:`trainer.main.CoordinatorSource`); :class:`InProcessSource` is fed by hand.
+  (:class:`trainer.swarm_client.CoordinatorSource`); :class:`InProcessSource` is fed by hand.
 * :class:`Publisher` — receives each published version. ``swarm trainer run`` uses
-  :class:`trainer.main.SwarmPublisher`; :class:`MemoryPublisher` keeps them in memory. A publisher
-  that already holds a version at least as new refuses with :class:`VersionNotNewer`, and
+  :class:`trainer.swarm_client.SwarmPublisher`; :class:`MemoryPublisher` keeps them in memory. A
+  publisher that already holds a version at least as new refuses with :class:`VersionNotNewer`, and
   :class:`~trainer.recipe.Trainer` renumbers past it (see :mod:`trainer.recipe`).
 
 The in-process pair serves tests, benchmarks and single-process demos.

@@ -25,7 +25,7 @@ from swarm.chunks import ChunkStore
 from swarm.holders import MemoryHolderDirectory
 from swarm.memtransport import InMemoryNetwork
 from swarm.publication import Base, PublishPolicy, VersionBuilder, held_base
-from trainer.main import SwarmPublisher
+from trainer.swarm_client import SwarmPublisher
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
