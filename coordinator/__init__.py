@@ -32,6 +32,8 @@ The network process on top of it:
 
 - :mod:`coordinator.service`    ``CoordinatorService``: the core on libp2p (RPC handlers, DHT
                                 records, holding published versions, upkeep)
+- :mod:`coordinator.holding`    ``VersionHolding`` (a mixin of the service): every published
+                                version fetched in full, T_bcast, the spot-check models
 - :mod:`coordinator.status`     the ``/status`` document, its wire form, the trainer gauges
 - :mod:`coordinator.node_view`  per-node figures of ``/status`` (hardware, versions held, strikes)
 - :mod:`coordinator.dissemination` ``HolderCensus``: which nodes hold each recent version (DHT)

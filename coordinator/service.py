@@ -5,7 +5,8 @@
 * a swarm peer (DHT bootstrap peer + libp2p handle) and the RPC handlers of :mod:`protocol.rpc`;
 * a :class:`~swarm.broadcast.BroadcastNode` that downloads every published version (it signs the
   manifests the trainer proposes, the trainer seeds the chunks) so it can re-score log-probs and
-  serve as a manifest source for nodes;
+  serve as a manifest source for nodes (:mod:`coordinator.holding`: the versions held and the
+  spot-check models);
 * a read-only HTTP endpoint (:mod:`coordinator.http`): the dashboard, ``/status`` JSON, its
   history (:mod:`coordinator.history`) and ``/metrics``; a holder census of the recent versions
   (:mod:`coordinator.dissemination`);
@@ -24,7 +25,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -37,9 +37,10 @@ from coordinator.core import Coordinator
 from coordinator.dissemination import HolderCensus, coordinator_census
 from coordinator.errors import Rejection
 from coordinator.history import StatusHistory
+from coordinator.holding import VersionHolding, model_spec
 from coordinator.http import StatusHttpServer
-from coordinator.logprobs import InProcessLogprobVerifier, VerifierUnavailable
-from coordinator.status import TrainerGauges, build_status, count_of, wire_status
+from coordinator.logprobs import InProcessLogprobVerifier
+from coordinator.status import TrainerGauges, build_status, count_of, positive_of, wire_status
 from coordinator.store import Store
 from coordinator.tasks import make_task
 from policy.preflight import PolicySetup
@@ -81,11 +82,8 @@ M = TypeVar("M", bound=msgspec.Struct)
 TICK_S = 1.0
 RECORD_TTL_S = 60.0
 FETCH_WAIT_CAP_S = 30.0
-VERSION_FETCH_TIMEOUT_S = 60.0
 #: a submission waits at most this long for the coordinator to hold its version (spot checks)
 SPOT_CHECK_WAIT_S = 5.0
-#: cap of the back-off while the trainer starts seeding a version just published
-HOLD_RETRY_MAX_S = 0.25
 #: a lease request that finds no leasable version while one is being fetched from the trainer
 #: waits up to this long for it (instead of sending the node away for a 1 s standby)
 LEASE_VERSION_WAIT_S = 2.0
@@ -93,7 +91,7 @@ LEASE_VERSION_WAIT_S = 2.0
 MAX_LEARNER_BATCH = 1 << 24
 
 
-class CoordinatorService:
+class CoordinatorService(VersionHolding):
     """Coordinator core + libp2p RPC + checkpoint holder + HTTP status."""
 
     def __init__(
@@ -165,7 +163,7 @@ class CoordinatorService:
     async def start(self) -> None:
         cfg = self.config
         db_path = cfg.db_path if cfg.db_path.is_absolute() else self.state_dir / cfg.db_path.name
-        spec = _model_spec(cfg)
+        spec = model_spec(cfg)
         from policy.preflight import prepare
 
         task = make_task(cfg.task, seed=cfg.task_seed, format_reward=cfg.format_reward)
@@ -500,122 +498,6 @@ class CoordinatorService:
         self._status_doc = doc
         self.http.set_status(doc)
 
-    def _resume_versions(self) -> None:
-        """After a restart: finish fetching the usable versions not yet held in full."""
-        assert self.broadcast is not None and self.core is not None
-        for version in self.core.store.versions()[-(self.config.staleness_bound + 1) :]:
-            if self.broadcast.store.is_complete(version):
-                continue
-            raw = self.core.store.get_version(version)
-            if raw is None:
-                continue
-            env = decode(raw, SignedEnvelope)
-            self.broadcast.store.put_manifest(env, decode(env.payload, Manifest))
-            self._version_tasks[version] = asyncio.create_task(
-                self._hold_version(version, None), name=f"hold-v{version}"
-            )
-
-    async def _hold_version(self, version: int, seeder: str | None) -> None:
-        """Download a published version (retrying while the trainer starts seeding it).
-
-        ``seeder`` is the trainer's peer id; None (after a restart) means: find holders in the DHT.
-        """
-        assert self.broadcast is not None and self.core is not None
-        t0 = time.monotonic()
-        deadline = t0 + VERSION_FETCH_TIMEOUT_S
-        delay = 0.02
-        while True:
-            try:
-                await self.broadcast.download(version, [seeder] if seeder else [])
-                break
-            except Exception as exc:  # the seed may not serve it yet; retried until the deadline
-                if time.monotonic() > deadline:
-                    log.error("could not fetch v%d from the trainer: %s", version, exc)
-                    self._wake_lease_waiters()  # no use waiting for this one
-                    return
-                await asyncio.sleep(delay)
-                # The trainer starts seeding right after our answer: a short cap, so the back-off
-                # does not add to the time the version takes to reach the leases.
-                delay = min(delay * 2, HOLD_RETRY_MAX_S)
-        elapsed = time.monotonic() - t0
-        if seeder is not None:  # a resumed fetch after a restart says nothing about T_bcast
-            self._hold_s = elapsed if self._hold_s is None else 0.7 * self._hold_s + 0.3 * elapsed
-            self._update_t_bcast()
-        log.info("holding policy v%d (fetched in %.2fs)", version, elapsed)
-        self._wake_lease_waiters()
-        # Its own task: submissions waiting for this one (see _on_submit) need the weights on
-        # disk, not the model built.
-        task = asyncio.create_task(self._preload(version), name=f"preload-v{version}")
-        self._preload_tasks.add(task)
-        task.add_done_callback(self._preload_tasks.discard)
-        for old in [v for v in self._version_tasks if v < version - self.config.staleness_bound]:
-            self._version_tasks.pop(old, None)
-            self._seeders.pop(old, None)
-
-    def _wake_lease_waiters(self) -> None:
-        """Lease requests waiting for a leasable version (:meth:`_until_leasable`) look again."""
-        held, self._version_held = self._version_held, asyncio.Event()
-        held.set()
-
-    def _update_t_bcast(self) -> None:
-        """T_bcast of the capacity rule (docs/capacity.md): the trainer's serialise-and-hash time
-        of its last publication plus the running mean of publish call -> version held here
-        (from then on leases name it; each node's own download and load are its d_i, and the
-        time a node takes to finish its current lease is in the rule's spread of starts)."""
-        assert self.core is not None
-        prepare_s = _positive(self.trainer_stats.get("publish_prepare_s")) or 0.0
-        if self._hold_s is not None:
-            self.core.t_bcast_s = prepare_s + self._hold_s
-
-    def _holds(self, version: int) -> bool:
-        """Every chunk of ``version`` is here: nodes can fetch it (leases name such versions)."""
-        return self.broadcast is not None and self.broadcast.store.is_complete(version)
-
-    # --- models for the log-prob spot check ------------------------------------------------------
-    def loaded_versions(self) -> list[int]:
-        """Versions whose model is ready for spot checks (in the verifier's cache)."""
-        return sorted(self.verifier.cached_versions()) if self.verifier is not None else []
-
-    async def _warm_verifier(self) -> None:
-        """Before serving: import the model stack (seconds of GIL-bound work: transformers and
-        the architecture's modules) and load the usable versions already held. Done lazily, the
-        first spot check after a (re)start waited for it inside a submission, and the import in
-        a worker thread starved the event loop, so every answer slowed down meanwhile."""
-        if self.config.intake.spot_check_fraction <= 0:
-            return
-        assert self.broadcast is not None and self.core is not None
-        await asyncio.to_thread(_import_model_stack, _model_spec(self.config))
-        for version in self.core.store.versions()[-(self.config.staleness_bound + 1) :]:
-            if self.broadcast.store.is_complete(version):
-                await self._preload(version)
-
-    async def _preload(self, version: int) -> None:
-        """Load the spot-check model of a held ``version`` into the verifier now, in a worker
-        thread, so the first submission drawn for a spot check at that version does not wait."""
-        if self.config.intake.spot_check_fraction <= 0 or self.verifier is None:
-            return
-        try:
-            await asyncio.to_thread(self.verifier.preload, version)
-        except Exception as exc:  # the spot check loads it itself (or is skipped, and counted)
-            log.warning("could not preload policy v%d for spot checks: %s", version, exc)
-
-    def _load_model(self, version: int) -> Any:
-        """Model loader of the log-prob verifier: ``version`` from the weights in the local chunk
-        store (runs in a worker thread)."""
-        assert self.broadcast is not None
-        from policy.model import build_model, load_weights
-        from swarm.checkpoint_io import files_to_state_dict
-
-        if not self.broadcast.store.is_complete(version):
-            raise VerifierUnavailable(f"policy v{version} is not held by the coordinator")
-        try:
-            files = self.broadcast.store.load_files(version)
-        except KeyError as exc:  # pruned between the check and the read
-            raise VerifierUnavailable(f"policy v{version} is no longer held") from exc
-        model = build_model(_model_spec(self.config))
-        load_weights(model, files_to_state_dict(files))
-        return model
-
     async def _on_fetch(self, caller: str, request: bytes) -> bytes:
         assert self.core is not None
         msg = self._open_trainer(request, FetchRollouts)
@@ -624,7 +506,7 @@ class CoordinatorService:
             self.history.record_trainer(self.trainer_stats)
             self._learner_figures(self.trainer_stats)
             # receipts (ledger): which learner step consumed which rollouts, the last step's time
-            step_s = _positive(self.trainer_stats.get("step_time_s")) or 0.0
+            step_s = positive_of(self.trainer_stats.get("step_time_s")) or 0.0
             step, cursor = self.trainer_stats.get("step"), self.trainer_stats.get("rollout_cursor")
             if count_of(step) > 0:
                 self.core.learner_report(count_of(step), count_of(cursor), step_s)
@@ -645,7 +527,7 @@ class CoordinatorService:
         """The capacity rule's learner inputs, as the trainer measured them: T_train (its smoothed
         step time; the last step's from an older trainer), B, κ, and its publication time."""
         assert self.core is not None
-        t_train = _positive(stats.get("t_train_s", stats.get("step_time_s")))
+        t_train = positive_of(stats.get("t_train_s", stats.get("step_time_s")))
         if t_train is not None:
             self.core.t_train_s = t_train
         cv = stats.get("t_train_cv")
@@ -709,32 +591,9 @@ def _answering(
     return wrapped
 
 
-def _positive(value: Any) -> float | None:
-    """``value`` if it is a finite number > 0, else None (the trainer's report is loosely typed)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) and value > 0 else None
-
-
 def _count(value: Any) -> int | None:
     """A whole number in [1, MAX_LEARNER_BATCH] from the trainer's report, else None."""
-    number = _positive(value)
+    number = positive_of(value)
     if number is None or number > MAX_LEARNER_BATCH or number != int(number):
         return None
     return int(number)
-
-
-def _import_model_stack(spec: Any) -> None:
-    """Import what building and scoring the model of ``spec`` needs, without building it."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    import policy.scoring  # noqa: F401  (the re-scoring code and its torch imports)
-    from policy.model import load_config
-
-    MODEL_FOR_CAUSAL_LM_MAPPING[type(load_config(spec))]  # imports the architecture's modules
-
-
-def _model_spec(cfg: CoordinatorConfig) -> Any:
-    from policy.model import ModelSpec
-
-    return ModelSpec(path=cfg.model_path)

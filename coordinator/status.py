@@ -213,6 +213,13 @@ def count_of(value: Any) -> int:
     return int(value)
 
 
+def positive_of(value: Any) -> float | None:
+    """``value`` if it is a finite number > 0, else None (the trainer's report is loosely typed)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
+
+
 def _scalar(value: Any) -> Any:
     if value is None or isinstance(value, bool | int | float | str):
         if isinstance(value, float) and not math.isfinite(value):  # NaN/inf: not on the wire
