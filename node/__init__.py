@@ -6,6 +6,8 @@ Modules:
 * :mod:`node.main`        -- ``swarm node run``: preflight, ``--dry-run``, signals, exit codes
 * :mod:`node.worker`      -- :class:`NodeWorker`: join the DHT, advertise, register, heartbeat;
                              lease -> load version -> generate -> sign and submit, with back-off
+* :mod:`node.presence`    -- :class:`SwarmPresence` (a mixin of the worker): advert, registration,
+                             heartbeats and the prefetch they start, reachability, status line
 * :mod:`node.rollouts`    -- pure lease -> generation requests -> wire samples -> submission helpers
                              (prompt seeds, local lease limits, sampling config, finish reasons)
 * :mod:`node.status`      -- the capability advert (``make_advert``), ``NodeStats`` counters,
