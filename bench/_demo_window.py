@@ -23,7 +23,8 @@ from typing import Any
 from _age import breakdown
 
 from coordinator.status import CAPACITY_FIELDS
-from swarm.demo import Demo, DemoOptions
+from swarm.demo import Demo
+from swarm.demo_options import DemoOptions
 from trainer.metrics import IDLE_CAUSES
 
 STATUS_KEYS = (

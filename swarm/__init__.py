@@ -26,6 +26,7 @@ Modules:
 * :mod:`swarm.tasks`         -- bounded cancel-and-wait for owned background tasks
 * :mod:`swarm.cli`           -- the ``swarm`` command line (typer)
 * :mod:`swarm.demo`          -- ``swarm demo``: a local swarm as separate processes
+* :mod:`swarm.demo_options`  -- the demo's flags, profiles and ``--trainer-set``
 * :mod:`swarm.demo_report`   -- the demo's live view, plot and summary
 * :mod:`swarm.inspect`       -- ``swarm inspect``: join the DHT as a client, show the swarm
 * :mod:`swarm.display`       -- human-readable figures: short unique fingerprints, units, hardware

@@ -114,7 +114,8 @@ def demo(
     ] = None,
 ) -> None:
     """Start a real local swarm on 127.0.0.1 and train the embedded default (or --model)."""
-    from swarm.demo import DemoOptions, parse_trainer_settings, run_demo
+    from swarm.demo import run_demo
+    from swarm.demo_options import DemoOptions, parse_trainer_settings
 
     try:
         opts = DemoOptions(

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from swarm.demo import Demo, DemoError, DemoOptions
+from swarm.demo import Demo, DemoError
+from swarm.demo_options import DemoOptions
 from swarm.demo_report import LiveView
 
 PROBLEM = (
@@ -103,7 +104,7 @@ def test_a_benchmarks_trainer_overrides_win_over_the_profile(tmp_path: Path) -> 
 
 def test_trainer_settings_from_the_command_line_reach_the_trainer(tmp_path: Path) -> None:
     """``swarm demo --trainer-set KEY=VALUE``: TOML values (bool, float, string, bare word)."""
-    from swarm.demo import parse_trainer_settings
+    from swarm.demo_options import parse_trainer_settings
     from trainer.config import TrainerConfig
 
     settings = parse_trainer_settings(
