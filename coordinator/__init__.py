@@ -34,6 +34,8 @@ The network process on top of it:
                                 records, holding published versions, upkeep)
 - :mod:`coordinator.holding`    ``VersionHolding`` (a mixin of the service): every published
                                 version fetched in full, T_bcast, the spot-check models
+- :mod:`coordinator.learner_link` ``LearnerLink`` (a mixin of the service): the trainer's
+                                handlers (publish, fetch) and the learner figures they carry
 - :mod:`coordinator.status`     the ``/status`` document, its wire form, the trainer gauges
 - :mod:`coordinator.node_view`  per-node figures of ``/status`` (hardware, versions held, strikes)
 - :mod:`coordinator.dissemination` ``HolderCensus``: which nodes hold each recent version (DHT)

@@ -7,6 +7,7 @@
   manifests the trainer proposes, the trainer seeds the chunks) so it can re-score log-probs and
   serve as a manifest source for nodes (:mod:`coordinator.holding`: the versions held and the
   spot-check models);
+* the trainer's handlers: publications and the rollout feed (:mod:`coordinator.learner_link`);
 * a read-only HTTP endpoint (:mod:`coordinator.http`): the dashboard, ``/status`` JSON, its
   history (:mod:`coordinator.history`) and ``/metrics``; a holder census of the recent versions
   (:mod:`coordinator.dissemination`);
@@ -39,24 +40,21 @@ from coordinator.errors import Rejection
 from coordinator.history import StatusHistory
 from coordinator.holding import VersionHolding, model_spec
 from coordinator.http import StatusHttpServer
+from coordinator.learner_link import LearnerLink
 from coordinator.logprobs import InProcessLogprobVerifier
-from coordinator.status import TrainerGauges, build_status, count_of, positive_of, wire_status
+from coordinator.status import TrainerGauges, build_status, wire_status
 from coordinator.store import Store
 from coordinator.tasks import make_task
 from policy.preflight import PolicySetup
 from protocol import rpc
 from protocol.codec import decode, encode
-from protocol.envelope import open_envelope
 from protocol.errors import ProtocolError, ReasonCode
 from protocol.identity import Identity, fingerprint_of, parse_fingerprint
 from protocol.limits import DEFAULT_LIMITS, Limits
-from protocol.manifest import check_manifest, sign_manifest
 from protocol.messages import (
     FetchRollouts,
     Heartbeat,
     LeaseRequest,
-    Manifest,
-    ManifestResponse,
     PublishVersion,
     Register,
     Reject,
@@ -81,17 +79,14 @@ M = TypeVar("M", bound=msgspec.Struct)
 
 TICK_S = 1.0
 RECORD_TTL_S = 60.0
-FETCH_WAIT_CAP_S = 30.0
 #: a submission waits at most this long for the coordinator to hold its version (spot checks)
 SPOT_CHECK_WAIT_S = 5.0
 #: a lease request that finds no leasable version while one is being fetched from the trainer
 #: waits up to this long for it (instead of sending the node away for a 1 s standby)
 LEASE_VERSION_WAIT_S = 2.0
-#: a learner batch or κ above this in the trainer's report is not believed
-MAX_LEARNER_BATCH = 1 << 24
 
 
-class CoordinatorService(VersionHolding):
+class CoordinatorService(VersionHolding, LearnerLink):
     """Coordinator core + libp2p RPC + checkpoint holder + HTTP status."""
 
     def __init__(
@@ -372,20 +367,6 @@ class CoordinatorService(VersionHolding):
         env = decode(request, SignedEnvelope)
         return self.core.open(env, type_)
 
-    def _open_trainer(self, request: bytes, type_: type[M]) -> M:
-        env = decode(request, SignedEnvelope)
-        assert self.core is not None
-        # Who signed is checked before the signature: any other signer is refused without
-        # costing a verification or a slot in the replay window.
-        if self.trainer_fingerprint is None:
-            raise Rejection(
-                ReasonCode.UNKNOWN_NODE,
-                "no trainer key configured: set network.trainer_key (or --trainer-key)",
-            )
-        if fingerprint_of(env.signer) != self.trainer_fingerprint:
-            raise Rejection(ReasonCode.UNKNOWN_NODE, "signer is not the configured trainer key")
-        return open_envelope(env, type_, now=time.time(), replay=self.core.replay)
-
     async def _on_register(self, caller: str, request: bytes) -> bytes:
         assert self.core is not None
         node_key, msg = self._open(request, Register)
@@ -454,28 +435,6 @@ class CoordinatorService(VersionHolding):
 
         return encode(Ack(ref=msg.lease_id, detail=f"{len(prompts)} prompts released"))
 
-    async def _on_publish(self, caller: str, request: bytes) -> bytes:
-        """Sign the trainer's manifest, record it, and fetch the chunks from the trainer."""
-        assert self.core is not None and self.broadcast is not None
-        msg = self._open_trainer(request, PublishVersion)
-        manifest = decode(msg.manifest, Manifest)
-        check_manifest(manifest, now=time.time())
-        stored = self.core.store.get_version(manifest.version)
-        if stored is not None:  # a retry whose first answer was lost: same bytes, same answer
-            stored_env = decode(stored, SignedEnvelope)
-            if decode(stored_env.payload, Manifest).root_hash == manifest.root_hash:
-                return encode(ManifestResponse(manifest=stored_env))
-        env = sign_manifest(manifest, self.identity, time.time())
-        self.core.publish_version(env)
-        # Serve the signed manifest at once (nodes ask us first); chunks follow from the trainer.
-        self.broadcast.store.put_manifest(env, manifest)
-        self._seeders[manifest.version] = caller
-        self._version_tasks[manifest.version] = asyncio.create_task(
-            self._hold_version(manifest.version, caller), name=f"hold-v{manifest.version}"
-        )
-        self._show_published(manifest.version)
-        return encode(ManifestResponse(manifest=env))
-
     def _show_published(self, version: int) -> None:
         """A new version is announced at once: the upkeep task refreshes the DHT records right
         away, and /status names it (``policy_version``) before the next tick. Only that field:
@@ -497,55 +456,6 @@ class CoordinatorService(VersionHolding):
         doc["status_seq"] = self._status_seq
         self._status_doc = doc
         self.http.set_status(doc)
-
-    async def _on_fetch(self, caller: str, request: bytes) -> bytes:
-        assert self.core is not None
-        msg = self._open_trainer(request, FetchRollouts)
-        if msg.trainer_stats:
-            self.trainer_stats = dict(msg.trainer_stats)
-            self.history.record_trainer(self.trainer_stats)
-            self._learner_figures(self.trainer_stats)
-            # receipts (ledger): which learner step consumed which rollouts, the last step's time
-            step_s = positive_of(self.trainer_stats.get("step_time_s")) or 0.0
-            step, cursor = self.trainer_stats.get("step"), self.trainer_stats.get("rollout_cursor")
-            if count_of(step) > 0:
-                self.core.learner_report(count_of(step), count_of(cursor), step_s)
-            self._export_trainer_gauges()
-        deadline = time.monotonic() + min(msg.wait_s, FETCH_WAIT_CAP_S)
-        while True:
-            self._new_rollouts.clear()
-            batch = self.core.fetch_rollouts(
-                msg.after_seq, msg.max_rollouts, msg.min_policy_version
-            )
-            left = deadline - time.monotonic()
-            if batch.rollouts or left <= 0:
-                return encode(batch)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._new_rollouts.wait(), left)
-
-    def _learner_figures(self, stats: dict[str, Any]) -> None:
-        """The capacity rule's learner inputs, as the trainer measured them: T_train (its smoothed
-        step time; the last step's from an older trainer), B, κ, and its publication time."""
-        assert self.core is not None
-        t_train = positive_of(stats.get("t_train_s", stats.get("step_time_s")))
-        if t_train is not None:
-            self.core.t_train_s = t_train
-        cv = stats.get("t_train_cv")
-        if isinstance(cv, int | float) and not isinstance(cv, bool) and 0 <= cv < 10:
-            self.core.t_train_cv = float(cv)
-        batch, kappa = _count(stats.get("batch_rollouts")), _count(stats.get("kappa"))
-        if batch is not None:
-            self.core.batch_rollouts = batch
-        if kappa is not None:
-            self.core.kappa = kappa
-        self._update_t_bcast()
-
-    def _export_trainer_gauges(self) -> None:
-        """Learner figures on /metrics: one gauge per scalar, the staleness histogram by label."""
-        assert self.core is not None
-        if self._trainer_gauges is None:
-            self._trainer_gauges = TrainerGauges(self.core.registry)
-        self._trainer_gauges.export(self.trainer_stats)
 
     async def _on_status(self, caller: str, request: bytes) -> bytes:
         decode(request, StatusRequest)
@@ -589,11 +499,3 @@ def _answering(
             )  # fmt: skip
 
     return wrapped
-
-
-def _count(value: Any) -> int | None:
-    """A whole number in [1, MAX_LEARNER_BATCH] from the trainer's report, else None."""
-    number = positive_of(value)
-    if number is None or number > MAX_LEARNER_BATCH or number != int(number):
-        return None
-    return int(number)
