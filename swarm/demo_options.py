@@ -200,7 +200,7 @@ def parse_trainer_settings(pairs: list[str]) -> dict[str, Any]:
     :class:`trainer.config.TrainerConfig` here, so a typo fails before any process starts."""
     from pydantic import ValidationError
 
-    from trainer.config import TrainerConfig
+    from trainer.config import TrainerConfig, nones
 
     out: dict[str, Any] = {}
     for pair in pairs:
@@ -220,7 +220,7 @@ def parse_trainer_settings(pairs: list[str]) -> dict[str, Any]:
             value = text
         out[key] = value
     try:
-        TrainerConfig(**out)
+        TrainerConfig(**nones(out))  # "none" is written as is; TrainerConfig.from_toml reads None
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(x) for x in err["loc"]) or "settings"

@@ -13,6 +13,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+def nones(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with every string ``"none"`` (any case) as None: how a TOML file or a
+    ``KEY=VALUE`` flag switches off a setting whose None means off (TOML has no null)."""
+    return {k: None if isinstance(v, str) and v.lower() == "none" else v for k, v in data.items()}
+
+
 class TrainerConfig(BaseModel):
     """GRPO learner settings. Symbols follow DESIGN.md §8–§9 (S, κ, ε, C, λ)."""
 
@@ -215,6 +221,38 @@ class TrainerConfig(BaseModel):
         "trainer/rollback.py); costs one forward pass per step and a copy of the parameters and "
         "optimizer state. None: off (step_kl is then not measured).",
     )
+    target_step_kl: float | None = Field(
+        None,
+        gt=0.0,
+        description="KL-adaptive learning rate (rsl_rl's 'adaptive' schedule; trainer/"
+        "adaptive_lr.py): after each learner step the learning rate is divided by "
+        "adaptive_lr_change when step_kl (nats per token) was above 2x this and multiplied by "
+        "it when below half, within [adaptive_lr_min, adaptive_lr_max] x lr; costs one forward "
+        "pass per step. None: off (lr as configured).",
+    )
+    target_mismatch_kl: float | None = Field(
+        None,
+        gt=0.0,
+        description="The same schedule driven by the step's mismatch KL(μ‖π_prox) per token "
+        "(measured anyway: no forward pass) instead of step_kl: the rate shrinks only while the "
+        "rollouts trained on are far from π_prox, so fresh rollouts (S = 0) train at lr. "
+        "Excludes target_step_kl.",
+    )
+    adaptive_lr_change: float = Field(
+        1.5, gt=1.0, description="Factor by which target_step_kl moves the learning rate."
+    )
+    adaptive_lr_min: float = Field(
+        0.05,
+        gt=0.0,
+        le=1.0,
+        description="Lowest learning rate with target_step_kl or target_mismatch_kl, as x lr.",
+    )
+    adaptive_lr_max: float = Field(
+        1.0,
+        ge=1.0,
+        description="Highest learning rate with target_step_kl or target_mismatch_kl, as x lr "
+        "(1: never above lr; 2 was faster and collapsed more in bench/staleness.py).",
+    )
     max_grad_norm: float | None = Field(
         1.0, gt=0.0, description="Clip the global gradient norm to this; None disables."
     )
@@ -278,6 +316,11 @@ class TrainerConfig(BaseModel):
                 f"{limit}: results generated on a version must still be usable when the next one "
                 "lands; lower publish_every or raise S"
             )
+        if self.target_step_kl is not None and self.target_mismatch_kl is not None:
+            raise ValueError(
+                "target_step_kl and target_mismatch_kl both set: the learning rate follows one "
+                "signal; set the other to none"
+            )
         if self.minibatches > self.batch_prompts:
             raise ValueError(
                 f"minibatches={self.minibatches} > batch_prompts={self.batch_prompts}: a minibatch "
@@ -306,8 +349,11 @@ class TrainerConfig(BaseModel):
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: Any) -> TrainerConfig:
-        """Load flat keys from ``path``; ``overrides`` (e.g. CLI flags) win over the file."""
+        """Load flat keys from ``path``; ``overrides`` (e.g. CLI flags) win over the file. TOML
+        has no null: the string ``"none"`` switches off a setting whose None means off (e.g.
+        ``target_step_kl = "none"``)."""
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
+        data = nones(data)
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(data)

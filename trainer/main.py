@@ -227,6 +227,8 @@ def _attach_stats(
                 # the step rollback (max_step_kl; step_kl is None while it is off)
                 "step_kl": record.get("step_kl"),
                 "rollbacks": record.get("rollbacks", 0),
+                # the KL-adaptive learning rate (target_step_kl; 1.0 while it is off)
+                "lr_factor": record.get("lr_factor", 1.0),
                 "stability_warning": record["stability_warning"],
                 "idle_frac": record["idle_frac"],
                 "step_time_s": record["step_time_s"],

@@ -122,6 +122,8 @@ class Trainer(LearnerStep, CheckpointState):
         self.spike_guard = GradSpikeGuard(config.grad_spike_factor)
         #: learner steps undone because they moved the policy more than ``max_step_kl``
         self.rollbacks = 0
+        #: learning-rate factor (× lr) of the KL-adaptive schedule (``target_step_kl``; 1 when off)
+        self.lr_factor = 1.0
         #: called with each step's metrics record (after it is written), e.g. to report upstream.
         self.on_step: list[Callable[[dict[str, Any]], None]] = []
 

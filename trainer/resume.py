@@ -46,6 +46,7 @@ class CheckpointState:
     step: int
     version: int
     published_version: int | None
+    lr_factor: float
     #: highest rollout ``seq`` fetched; see :attr:`cursor` for the resumable one.
     _fetched: int
     #: fetched rollouts waiting for their group to complete, by group id
@@ -89,6 +90,7 @@ class CheckpointState:
                 "version": self.version,
                 "published_version": self.published_version,
                 "cursor": self.cursor,
+                "lr_factor": self.lr_factor,
                 "world_size": self.dist.world_size,
                 "config": self.config.model_dump(),
             }
@@ -133,4 +135,6 @@ class CheckpointState:
         self.published_version = None if published is None else int(published)
         self.version = max(int(state["version"]), self.published_version or 0, self.version)
         self._fetched = int(state["cursor"])
+        # the KL-adaptive schedule goes on where it was (checkpoints from before it: factor 1)
+        self.lr_factor = float(state.get("lr_factor", 1.0))
         self._pending.clear()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from trainer.adaptive_lr import next_lr_factor
 from trainer.batch import Rollout, TrainBatch, build_batch, group_rollouts
 from trainer.config import TrainerConfig
 from trainer.distributed import DistContext
@@ -73,6 +74,7 @@ class LearnerStep:
     version: int
     published_version: int | None
     rollbacks: int
+    lr_factor: float
     idle: IdleClock
     t_train_s: float | None
     _t_train_sq: float | None
@@ -131,9 +133,10 @@ class LearnerStep:
             for mb, plan, p, w in zip(minibatches, plans, prox, weights, strict=True):
                 updates += self._update(mb, plan, p, w, sums)
         step_kl = None
-        if snapshot is not None:
+        lr_factor = self.lr_factor  # the factor this step's updates used
+        if snapshot is not None or cfg.target_step_kl is not None:
             step_kl = self._step_kl(minibatches, plans, prox)
-            if cfg.max_step_kl is not None and step_kl > cfg.max_step_kl:
+            if snapshot is not None and cfg.max_step_kl is not None and step_kl > cfg.max_step_kl:
                 snapshot.restore(params, self.optimizer)
                 self.rollbacks += 1
                 log.warning(
@@ -155,6 +158,8 @@ class LearnerStep:
         record["step_kl"] = step_kl
         record["rolled_back"] = step_kl is not None and step_kl > (cfg.max_step_kl or 0.0)
         record["rollbacks"] = self.rollbacks
+        record["lr_factor"] = lr_factor
+        self._adapt_lr(record, updates)
         if cfg.trace_rollouts:
             record["trace"] = self._trace(flat, started_at)
         record["stability_warning"] = self.monitor.observe(record)
@@ -163,6 +168,23 @@ class LearnerStep:
         for callback in self.on_step:
             callback(record)
         return record
+
+    def _adapt_lr(self, record: dict[str, Any], updates: int) -> None:
+        """The KL-adaptive learning rate (trainer/adaptive_lr.py): the next step's factor from
+        this step's move (``target_step_kl``) or mismatch (``target_mismatch_kl``)."""
+        cfg = self.config
+        if not updates:  # nothing was trained: no evidence about the step size
+            return
+        if cfg.target_step_kl is not None and record["step_kl"] is not None:
+            signal, target = float(record["step_kl"]), cfg.target_step_kl
+        elif cfg.target_mismatch_kl is not None:
+            signal, target = float(record["mismatch_kl"]), cfg.target_mismatch_kl
+        else:
+            return
+        self.lr_factor = next_lr_factor(
+            self.lr_factor, signal, target, change=cfg.adaptive_lr_change,
+            low=cfg.adaptive_lr_min, high=cfg.adaptive_lr_max,
+        )  # fmt: skip
 
     def _trace(self, flat: Sequence[Rollout], started_at: float) -> dict[str, Any]:
         """The step's part of the per-rollout age breakdown (``trace_rollouts``): when it started
@@ -377,10 +399,13 @@ class LearnerStep:
                 self.optimizer.zero_grad(set_to_none=True)
                 return 1
         scale = 1.0
-        if cfg.ess_lr_scaling:  # otherwise the optimizer's learning rate is left as it is
+        if cfg.ess_lr_scaling:
             scale = self._ess_lr_scale(mb, prox)
+        adaptive = cfg.target_step_kl is not None or cfg.target_mismatch_kl is not None
+        if cfg.ess_lr_scaling or adaptive:
+            # otherwise the optimizer's learning rate is left as it is
             for group in self.optimizer.param_groups:
-                group["lr"] = cfg.lr * scale
+                group["lr"] = cfg.lr * self.lr_factor * scale
         sums["lr_scale"] += scale
         self.optimizer.step()
         return 1

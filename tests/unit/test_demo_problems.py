@@ -113,11 +113,12 @@ def test_trainer_settings_from_the_command_line_reach_the_trainer(tmp_path: Path
             "entropy_coef = 0.05",
             'weight_mode="mask"',
             "entropy_groups=informative",
+            "target_step_kl=none",
         ]
     )
     assert settings == {
         "filter_groups": True, "entropy_coef": 0.05, "weight_mode": "mask",
-        "entropy_groups": "informative",
+        "entropy_groups": "informative", "target_step_kl": "none",
     }  # fmt: skip
     opts = DemoOptions(nodes=1, run_dir=tmp_path / "run", live=False, trainer_overrides=settings)
     demo = Demo(opts)
@@ -126,3 +127,4 @@ def test_trainer_settings_from_the_command_line_reach_the_trainer(tmp_path: Path
     cfg = TrainerConfig.from_toml(demo.run_dir / "trainer.toml")
     assert (cfg.filter_groups, cfg.entropy_coef, cfg.weight_mode) == (True, 0.05, "mask")
     assert cfg.entropy_groups == "informative" and cfg.max_staleness == opts.staleness
+    assert cfg.target_step_kl is None  # "none" switches the default-on schedule off

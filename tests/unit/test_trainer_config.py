@@ -25,6 +25,17 @@ def test_overrides_win_over_file() -> None:
     assert cfg.kappa == 1  # max(1, S − 1)
 
 
+def test_none_in_a_file_switches_a_setting_off(tmp_path: Path) -> None:
+    """TOML has no null: "none" is how trainer.toml turns off a default-on setting."""
+    path = tmp_path / "t.toml"
+    path.write_text('target_step_kl = "none"\nmax_grad_norm = "None"\n')
+    cfg = TrainerConfig.from_toml(path)
+    assert cfg.target_step_kl is None and cfg.max_grad_norm is None
+    path.write_text('lr = "none"\n')  # lr has no off: a clear error naming the field
+    with pytest.raises(ValidationError, match="lr"):
+        TrainerConfig.from_toml(path)
+
+
 def test_unknown_key_is_rejected(tmp_path: Path) -> None:
     path = tmp_path / "t.toml"
     path.write_text("learning_rate = 0.1\n")

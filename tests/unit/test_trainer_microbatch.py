@@ -169,8 +169,9 @@ def test_bf16_autocast_trains_with_fp32_logprobs(tmp_path: Path) -> None:
         {"ess_lr_scaling": True},  # VCPO's step size
         {"grad_spike_factor": 5.0},  # the guard (judges from its 5th norm on)
         {"max_step_kl": 1e9},  # step_kl measured, no step undone
+        {"target_step_kl": 1e-3},  # the KL-adaptive learning rate
     ],
-    ids=["mis", "geo-rs", "icepop", "m2po", "vcpo-ess", "spike-guard", "step-kl"],
+    ids=["mis", "geo-rs", "icepop", "m2po", "vcpo-ess", "spike-guard", "step-kl", "adaptive-lr"],
 )
 def test_staleness_options_keep_the_step_in_micro_batches(
     tmp_path: Path, option: dict[str, object]
@@ -194,6 +195,9 @@ def test_staleness_options_keep_the_step_in_micro_batches(
         assert any(r["mask_frac"] > 0 for r in ref_rec)  # the band / M2 mask was exercised
     if option.get("ess_lr_scaling"):
         assert all(r["lr_scale"] < 1.0 for r in ref_rec)  # degenerate weights damp the step
-    if "max_step_kl" in option:
+    if "max_step_kl" in option or "target_step_kl" in option:
         for a, b in zip(ref_rec, got_rec, strict=True):
             assert a["step_kl"] > 0 and a["step_kl"] == pytest.approx(b["step_kl"], rel=1e-3)
+    if "target_step_kl" in option:  # the same moves, so the same learning-rate factors
+        assert [r["lr_factor"] for r in ref_rec] == [r["lr_factor"] for r in got_rec]
+        assert len({r["lr_factor"] for r in ref_rec}) > 1  # the schedule did move the rate

@@ -113,6 +113,7 @@ def test_update_matches_trl_grpo_reference(mode: str, noise: float, tis_cap: flo
         clip_eps=0.2,
         clip_eps_high=0.28,
         ess_lr_scaling=False,  # TRL has no step-size factor; the SGD step below is the reference
+        target_step_kl=None,  # nor a KL-adaptive learning rate
         out_dir="unused",
     )
     trainer = Trainer(cfg, model, pad_token_id=0, eos_token_id=EOS)
