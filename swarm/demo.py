@@ -35,7 +35,7 @@ STARTUP_TIMEOUT_S = 90.0
 #: trainer figures recorded in curve.jsonl next to reward and exact match
 MONITOR_FIGURES = (
     "ess_frac", "mismatch_kl", "clip_frac", "mask_frac", "grad_norm", "entropy", "step_kl",
-    "stability_warning", "dropped_uniform",
+    "stability_warning", "dropped_uniform", "lr_factor",
 )  # fmt: skip
 STOP_TIMEOUT_S = 20.0
 

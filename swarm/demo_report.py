@@ -113,7 +113,8 @@ class LiveView:
             _fmt(s.get("verification_compute_frac"), ".1%"),
         )
         health = Table(title="learning stability (trainer/monitors.py)", show_header=True)
-        for col in ("ESS/n", "mismatch KL", "clip frac", "mask frac", "grad norm", "warning"):
+        for col in ("ESS/n", "mismatch KL", "clip frac", "mask frac", "grad norm", "step KL",
+                    "lr ×", "warning"):  # fmt: skip
             health.add_column(col, justify="right" if col != "warning" else "left")
         warning = s.get("trainer_stability_warning") or ""
         health.add_row(
@@ -122,6 +123,8 @@ class LiveView:
             _fmt(s.get("trainer_clip_frac")),
             _fmt(s.get("trainer_mask_frac")),
             _fmt(s.get("trainer_grad_norm"), ".2f"),
+            _fmt(s.get("trainer_step_kl")),
+            _fmt(s.get("trainer_lr_factor"), ".2f"),
             f"[bold red]{warning}[/]" if warning else "ok",
         )
         nodes = Table(show_header=True)
@@ -165,7 +168,8 @@ def monitor_line(s: dict[str, Any]) -> str:
     return (
         f"ESS/n {_fmt(s.get('trainer_ess_frac'), '.2f')} KL {_fmt(s.get('trainer_mismatch_kl'))} "
         f"clip {_fmt(s.get('trainer_clip_frac'))} mask {_fmt(s.get('trainer_mask_frac'))} "
-        f"|g| {_fmt(s.get('trainer_grad_norm'), '.2f')}"
+        f"|g| {_fmt(s.get('trainer_grad_norm'), '.2f')} step KL {_fmt(s.get('trainer_step_kl'))} "
+        f"lr x{_fmt(s.get('trainer_lr_factor'), '.2f')}"
         + (f" WARNING: {warning}" if warning else "")
     )
 
