@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import bisect
 import math
 import statistics
 from collections import defaultdict
@@ -150,6 +151,20 @@ def _rolling(vals: list[float | None], n: int) -> list[float | None]:
     return out
 
 
+def separation(bad: list[float], good: list[float], *, high_bad: bool) -> float:
+    """AUC: the probability that a value from ``bad`` reads worse than one from ``good`` (ties
+    count half): 0.5 = the figure does not tell them apart, 1.0 = a threshold separates them."""
+    if not bad or not good:
+        return math.nan
+    ref = sorted(good)
+    total = 0.0
+    for v in bad:
+        lo, hi = bisect.bisect_left(ref, v), bisect.bisect_right(ref, v)
+        below, ties = lo, hi - lo
+        total += (below if high_bad else len(ref) - hi) + 0.5 * ties
+    return total / (len(bad) * len(ref))
+
+
 MONITOR_SIDES = {  # figure -> True if high is bad
     "mismatch_kl": True,
     "ess_frac": False,
@@ -172,14 +187,18 @@ def monitor_analysis(
         f"evaluation at the peak and the {PRE_WINDOW[1]} after it (the drop shows at the next "
         "evaluation); "
         "'healthy' = every step of a run that did not collapse, after its exact match first "
-        "reached 0.7.",
+        "reached 0.7. 'AUC' compares every step before a collapse with every healthy step, in "
+        "the runs at S > 0 only (at S = 0 the weight figures are trivially healthy): the "
+        "chance that the step before a collapse reads worse (0.5: no signal; a threshold "
+        "that warns before most collapses and seldom otherwise needs about 0.9 or more).",
         "",
         "| monitor | worst before each collapse (median) | healthy steps: 99th pct | threshold | "
-        "collapses warned | healthy runs warned | healthy steps warned |",
-        "|---|---|---|---|---|---|---|",
+        "collapses warned | healthy runs warned | healthy steps warned | AUC (S > 0) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for fig, high_bad in MONITOR_SIDES.items():
         pre: list[float] = []
+        pre_steps: list[float] = []  # every step of the windows, S > 0 (for the AUC)
         for r in collapsed:
             roll = _rolling(r["monitors"].get(fig, []), ROLL)
             peak = r["collapse"]["peak_step"]
@@ -187,7 +206,10 @@ def monitor_analysis(
             win = [v for v in roll[lo:hi] if v is not None]
             if win:
                 pre.append(max(win) if high_bad else min(win))
+                if r["spec"]["staleness"] > 0:
+                    pre_steps.extend(win)
         healthy_vals: list[list[float]] = []
+        healthy_stale: list[float] = []
         for r in healthy:
             first = next(
                 (s for s, e in zip(r["curve_steps"], r["curve_exact"], strict=True) if e >= 0.7),
@@ -197,6 +219,8 @@ def monitor_analysis(
                 continue
             roll = _rolling(r["monitors"].get(fig, []), ROLL)
             healthy_vals.append([v for v in roll[first - 1 :] if v is not None])
+            if r["spec"]["staleness"] > 0:
+                healthy_stale.extend(healthy_vals[-1])
         flat = sorted(v for vs in healthy_vals for v in vs)
         q = (
             (flat[int(0.99 * (len(flat) - 1))] if high_bad else flat[int(0.01 * (len(flat) - 1))])
@@ -214,7 +238,8 @@ def monitor_analysis(
         lines.append(
             f"| {fig} | {statistics.median(pre) if pre else math.nan:.3g} | {q:.3g} | "
             f"{'–' if thr is None else thr} | {warned}/{len(pre)} | "
-            f"{runs_warned}/{len(healthy_vals)} | {steps_warned / max(1, len(flat)):.1%} |"
+            f"{runs_warned}/{len(healthy_vals)} | {steps_warned / max(1, len(flat)):.1%} | "
+            f"{separation(pre_steps, healthy_stale, high_bad=high_bad):.2f} |"
         )
     return lines
 

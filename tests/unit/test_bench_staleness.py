@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -96,3 +99,39 @@ def test_filter_groups_keeps_informative_groups_and_samples_more() -> None:
                                    max_batches=3, min_groups=2)  # fmt: skip
     # prompts 0..3 given, 4..11 sampled (two more batches), the two newest fill the batch
     assert used == 4 * 2 and idx == [10, 11] and [r[0] for r in rows] == [10, 10, 11, 11]
+
+
+def test_separation_is_the_chance_that_a_step_before_a_collapse_reads_worse() -> None:
+    from _staleness_report import separation
+
+    # 2 x 3 pairs: 3 (>1, >2, tie 3 = 0.5) and 4 (> all three): 2.5 + 3 = 5.5 of 6
+    assert separation([3.0, 4.0], [1.0, 2.0, 3.0], high_bad=True) == pytest.approx(5.5 / 6)
+    # the same figure where low is bad: 3 is below none and ties one, 4 below none
+    assert separation([3.0, 4.0], [1.0, 2.0, 3.0], high_bad=False) == pytest.approx(0.5 / 6)
+    assert separation([1.0, 1.0], [1.0], high_bad=True) == 0.5  # no signal
+    assert math.isnan(separation([], [1.0], high_bad=True))
+
+
+def test_the_monitor_table_reports_a_figure_that_separates() -> None:
+    """A synthetic run whose grad norm is 10 near its collapse and 1 everywhere else, beside a
+    healthy one at 1: the AUC column reads 1.00 for grad_norm, and ess_frac (flat) 0.50."""
+    from _staleness_report import monitor_analysis
+
+    n = 60
+    spike = [1.0] * 15 + [10.0] * 40 + [1.0] * 5  # high over the whole window before step 50
+    flat = [0.9] * n
+
+    def run(collapse: dict[str, Any] | None, grad: list[float]) -> dict[str, Any]:
+        return {
+            "spec": {"staleness": 4}, "collapse": collapse,
+            "curve_steps": [10, 20, 30, 40, 50, 60], "curve_exact": [0.1, 0.75, 0.8, 0.9, 0.9, 0.9],
+            "monitors": {"grad_norm": grad, "ess_frac": flat},
+        }  # fmt: skip
+
+    results = [
+        run({"peak_step": 40, "peak": 0.9, "trough_step": 50, "trough": 0.2}, spike),
+        run(None, [1.0] * n),
+    ]
+    rows = {line.split(" | ")[0]: line for line in monitor_analysis(results, {})}
+    assert rows["| grad_norm"].endswith("| 1.00 |")
+    assert rows["| ess_frac"].endswith("| 0.50 |")
