@@ -99,10 +99,37 @@ OPTIONS: dict[str, dict[str, Any]] = {
     # harder task (reverse4)
     "tis-filter": {**_TIS, "filter_groups": True},
     "tis-filter-solved": {**_TIS, "filter_groups": True, "filter_drop": "solved"},
-}
+    # vcpo-filter with the KL-adaptive learning rate (trainer/adaptive_lr.py, rsl_rl's adaptive
+    # schedule): each step's move held near 0.02 nat/token by scaling lr within [0.05, max] x.
+    # max 1: never above lr (the trainer's default range); max 2 and 4 let it rise above lr
+    "vcpo-filter-kl": {
+        **_VCPO, "filter_groups": True, "target_step_kl": 0.02, "adaptive_lr_max": 1.0,
+    },
+    "vcpo-filter-kl2": {
+        **_VCPO, "filter_groups": True, "target_step_kl": 0.02, "adaptive_lr_max": 2.0,
+    },
+    "vcpo-filter-kl4": {
+        **_VCPO, "filter_groups": True, "target_step_kl": 0.02, "adaptive_lr_max": 4.0,
+    },
+    # the same schedule driven by the mismatch KL(μ‖π_prox) instead of the step's own move: no
+    # forward pass, and no effect on fresh rollouts (S = 0 trains as vcpo-filter)
+    "vcpo-filter-mkl": {
+        **_VCPO, "filter_groups": True, "target_step_kl": None, "target_mismatch_kl": 0.05,
+        "adaptive_lr_max": 1.0,
+    },
+    "vcpo-filter-mkl-0.1": {
+        **_VCPO, "filter_groups": True, "target_step_kl": None, "target_mismatch_kl": 0.1,
+        "adaptive_lr_max": 1.0,
+    },
+    # ... a pilot at half the target (3 seeds)
+    "vcpo-filter-kl4-0.01": {
+        **_VCPO, "filter_groups": True, "target_step_kl": 0.01, "adaptive_lr_max": 4.0,
+    },
+}  # fmt: skip
 #: Settings under every option unless it names them (not part of a run's key): the options were
-#: measured without group filtering before it became the trainer's default, and keep meaning that.
-BENCH_BASE: dict[str, Any] = {"filter_groups": False}
+#: measured without group filtering and without the KL-adaptive learning rate before each became
+#: the trainer's default, and keep meaning that.
+BENCH_BASE: dict[str, Any] = {"filter_groups": False, "target_step_kl": None}
 # Every option names VCPO's step size explicitly (off unless the option is about it), so that what
 # an option means -- and its key in the results file -- does not change with TrainerConfig's
 # default (on since this benchmark chose `vcpo-ess`).
@@ -133,6 +160,7 @@ MONITORS = (
     "entropy",
     "reward_mean",
     "step_kl",
+    "lr_factor",
 )
 
 

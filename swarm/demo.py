@@ -141,6 +141,7 @@ class Demo:
             key: value
             for key, value in (
                 ("lr", o.lr), ("entropy_coef", o.entropy_coef), ("minibatches", o.minibatches),
+                ("target_step_kl", o.target_step_kl),
             )
             if value is not None
         }  # fmt: skip

@@ -438,13 +438,14 @@ def _cli_config(config: Path | None, *, state_dir: Path | None, max_steps: int |
     from pydantic import ValidationError
 
     from swarm.configfile import read_toml
-    from trainer.config import TrainerConfig
+    from trainer.config import TrainerConfig, nones
 
     data: dict[str, Any] = {}
     source = "defaults"
     if config is not None:
         source = str(config)
-        data = read_toml(config, example="trainer/trainer.example.toml")  # ValueError subclass
+        # ValueError subclass; "none" switches off a None-able setting (TOML has no null)
+        data = nones(read_toml(config, example="trainer/trainer.example.toml"))
     flags: dict[str, tuple[str, Any]] = {"max_steps": ("--max-steps", max_steps)}
     if state_dir is not None:
         flags["out_dir"] = ("--state-dir", str(state_dir))

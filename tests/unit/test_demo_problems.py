@@ -102,6 +102,22 @@ def test_a_benchmarks_trainer_overrides_win_over_the_profile(tmp_path: Path) -> 
     assert (cfg.minibatches, cfg.overlap, cfg.idle_window_s) == (3, False, 45.0)
 
 
+def test_the_embedded_demo_trains_with_the_kl_adaptive_learning_rate(tmp_path: Path) -> None:
+    """The embedded profile turns on target_step_kl = 0.02 (measured on its task); a
+    --trainer-set of "none" turns it off again; TrainerConfig's own default stays off."""
+    from trainer.config import TrainerConfig
+
+    assert TrainerConfig().target_step_kl is None
+    for overrides, want in (({}, 0.02), ({"target_step_kl": "none"}, None)):
+        opts = DemoOptions(
+            nodes=1, run_dir=tmp_path / f"run{want}", live=False, trainer_overrides=overrides
+        )
+        demo = Demo(opts)
+        demo.run_dir.mkdir(parents=True)
+        demo._write_configs("ed25519:" + "a" * 52)
+        assert TrainerConfig.from_toml(demo.run_dir / "trainer.toml").target_step_kl == want
+
+
 def test_trainer_settings_from_the_command_line_reach_the_trainer(tmp_path: Path) -> None:
     """``swarm demo --trainer-set KEY=VALUE``: TOML values (bool, float, string, bare word)."""
     from swarm.demo_options import parse_trainer_settings

@@ -36,6 +36,17 @@ def test_none_in_a_file_switches_a_setting_off(tmp_path: Path) -> None:
         TrainerConfig.from_toml(path)
 
 
+def test_swarm_trainer_run_reads_none_as_off(tmp_path: Path) -> None:
+    """The CLI's own loader (trainer/main.py), not only from_toml: the demo writes
+    ``target_step_kl = "none"`` for ``--trainer-set target_step_kl=none``."""
+    from trainer.main import _cli_config
+
+    path = tmp_path / "t.toml"
+    path.write_text('target_step_kl = "none"\n')
+    cfg = _cli_config(path, state_dir=tmp_path / "state", max_steps=None)
+    assert cfg.target_step_kl is None
+
+
 def test_unknown_key_is_rejected(tmp_path: Path) -> None:
     path = tmp_path / "t.toml"
     path.write_text("learning_rate = 0.1\n")
