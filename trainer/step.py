@@ -133,11 +133,13 @@ class LearnerStep:
             for mb, plan, p, w in zip(minibatches, plans, prox, weights, strict=True):
                 updates += self._update(mb, plan, p, w, sums)
         step_kl = None
+        rolled_back = False
         lr_factor = self.lr_factor  # the factor this step's updates used
         if snapshot is not None or cfg.target_step_kl is not None:
             step_kl = self._step_kl(minibatches, plans, prox)
             if snapshot is not None and cfg.max_step_kl is not None and step_kl > cfg.max_step_kl:
                 snapshot.restore(params, self.optimizer)
+                rolled_back = True
                 self.rollbacks += 1
                 log.warning(
                     "step %d moved the policy by %.3g nats/token (> max_step_kl %.3g): undone",
@@ -156,7 +158,7 @@ class LearnerStep:
         self._t_train_sq = sq if self._t_train_sq is None else 0.8 * self._t_train_sq + 0.2 * sq
         record = self._record(flat, staleness, admitted, sums, updates, step_time)
         record["step_kl"] = step_kl
-        record["rolled_back"] = step_kl is not None and step_kl > (cfg.max_step_kl or 0.0)
+        record["rolled_back"] = rolled_back
         record["rollbacks"] = self.rollbacks
         record["lr_factor"] = lr_factor
         self._adapt_lr(record, updates)

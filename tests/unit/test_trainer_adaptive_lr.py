@@ -67,6 +67,7 @@ def test_a_step_that_moved_too_far_lowers_the_next_steps_learning_rate(tmp_path:
     tr = _trainer(tmp_path, lr=0.05, target_step_kl=1e-4, ess_lr_scaling=False)
     first = tr.train_step(make_rollouts(0, 4, 4, version=0))
     assert first["lr_factor"] == 1.0 and first["step_kl"] > 2e-4
+    assert first["rolled_back"] is False and first["rollbacks"] == 0  # measured, not undone
     assert tr.lr_factor == pytest.approx(1 / 1.5)
     second = tr.train_step(make_rollouts(1, 4, 4, version=1))
     assert second["lr_factor"] == pytest.approx(1 / 1.5)
