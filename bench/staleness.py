@@ -48,6 +48,10 @@ SECTION = "staleness"
 _TIS: dict[str, Any] = {"weight_mode": "truncate", "weight_level": "token", "weight_cap": 2.0}
 #: the default: TIS with VCPO's learning-rate scaling by the sequence-level ESS
 _VCPO: dict[str, Any] = {**_TIS, "ess_lr_scaling": True}
+#: ... trained on informative groups only (vcpo-filter); the base of the KL-adaptive options
+_FILTER: dict[str, Any] = {**_VCPO, "filter_groups": True}
+#: the mismatch-driven schedule names target_step_kl off (as it was run), rate at most lr
+_MKL: dict[str, Any] = {**_FILTER, "target_step_kl": None, "adaptive_lr_max": 1.0}
 
 #: The corrections compared (TrainerConfig overrides); docs/trainer.md gives each one's source.
 OPTIONS: dict[str, dict[str, Any]] = {
@@ -102,34 +106,19 @@ OPTIONS: dict[str, dict[str, Any]] = {
     # vcpo-filter with the KL-adaptive learning rate (trainer/adaptive_lr.py, rsl_rl's adaptive
     # schedule): each step's move held near 0.02 nat/token by scaling lr within [0.05, max] x.
     # max 1: never above lr (the trainer's default range); max 2 and 4 let it rise above lr
-    "vcpo-filter-kl": {
-        **_VCPO, "filter_groups": True, "target_step_kl": 0.02, "adaptive_lr_max": 1.0,
-    },
-    "vcpo-filter-kl2": {
-        **_VCPO, "filter_groups": True, "target_step_kl": 0.02, "adaptive_lr_max": 2.0,
-    },
-    "vcpo-filter-kl4": {
-        **_VCPO, "filter_groups": True, "target_step_kl": 0.02, "adaptive_lr_max": 4.0,
-    },
+    "vcpo-filter-kl": {**_FILTER, "target_step_kl": 0.02, "adaptive_lr_max": 1.0},
+    "vcpo-filter-kl2": {**_FILTER, "target_step_kl": 0.02, "adaptive_lr_max": 2.0},
+    "vcpo-filter-kl4": {**_FILTER, "target_step_kl": 0.02, "adaptive_lr_max": 4.0},
+    # ... a pilot at half the target (3 seeds)
+    "vcpo-filter-kl4-0.01": {**_FILTER, "target_step_kl": 0.01, "adaptive_lr_max": 4.0},
     # the same schedule driven by the mismatch KL(μ‖π_prox) instead of the step's own move: no
     # forward pass, and no effect on fresh rollouts (S = 0 trains as vcpo-filter)
-    "vcpo-filter-mkl": {
-        **_VCPO, "filter_groups": True, "target_step_kl": None, "target_mismatch_kl": 0.05,
-        "adaptive_lr_max": 1.0,
-    },
-    "vcpo-filter-mkl-0.1": {
-        **_VCPO, "filter_groups": True, "target_step_kl": None, "target_mismatch_kl": 0.1,
-        "adaptive_lr_max": 1.0,
-    },
-    # ... a pilot at half the target (3 seeds)
-    "vcpo-filter-kl4-0.01": {
-        **_VCPO, "filter_groups": True, "target_step_kl": 0.01, "adaptive_lr_max": 4.0,
-    },
-}  # fmt: skip
+    "vcpo-filter-mkl": {**_MKL, "target_mismatch_kl": 0.05},
+    "vcpo-filter-mkl-0.1": {**_MKL, "target_mismatch_kl": 0.1},
+}
 #: Settings under every option unless it names them (not part of a run's key): the options were
-#: measured without group filtering and without the KL-adaptive learning rate before each became
-#: the trainer's default, and keep meaning that.
-BENCH_BASE: dict[str, Any] = {"filter_groups": False, "target_step_kl": None}
+#: measured without group filtering before it became the trainer's default, and keep meaning that.
+BENCH_BASE: dict[str, Any] = {"filter_groups": False}
 # Every option names VCPO's step size explicitly (off unless the option is about it), so that what
 # an option means -- and its key in the results file -- does not change with TrainerConfig's
 # default (on since this benchmark chose `vcpo-ess`).
