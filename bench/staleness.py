@@ -37,8 +37,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# the project before bench/: bench/protocol.py must not shadow the `protocol` package for the
+# modules imported after this one (the unit tests import this file)
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
 
 from _staleness_report import WEIGHT_KEYS  # noqa: E402
 
