@@ -68,6 +68,7 @@ from swarm.adverts import swarm_validators
 from swarm.broadcast import BroadcastNode
 from swarm.chunks import ChunkStore
 from swarm.dht import PeerConfig, SwarmPeer
+from swarm.files import atomic_write_text
 from swarm.holders import DhtHolderDirectory
 from swarm.ratelimit import TokenBucket
 from swarm.reachability import DialbackServer
@@ -235,7 +236,9 @@ class CoordinatorService(VersionHolding, LearnerLink):
         self.census.start()
         self._refresh_snapshot()
         self._upkeep = asyncio.create_task(self._upkeep_loop(), name="coordinator-upkeep")
-        (self.state_dir / "coordinator.json").write_text(json.dumps(self.address_info(), indent=2))
+        # written whole (renamed into place): launchers poll for it to exist and then parse it
+        info = json.dumps(self.address_info(), indent=2)
+        atomic_write_text(self.state_dir / "coordinator.json", info)
         log.info("coordinator up: %s key %s", self.multiaddrs[0], self.fingerprint)
 
     async def register_handlers(self, transport: Transport) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from node.config import ConfigError, NodeConfig, load_node_config
+from swarm.files import atomic_write_text
 
 if TYPE_CHECKING:
     from node.backends.base import InferenceBackend
@@ -368,7 +369,7 @@ async def _start_status_page(cfg: NodeConfig, worker: NodeWorker) -> NodeStatusP
         ) from exc
     await page.start()
     info = {"fingerprint": worker.identity.fingerprint, "status_url": url}
-    (Path(cfg.state_dir).expanduser() / "node.json").write_text(json.dumps(info, indent=2))
+    atomic_write_text(Path(cfg.state_dir).expanduser() / "node.json", json.dumps(info, indent=2))
     log.info("status page: %s/", url)
     return page
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.demo_options import BYZANTINE_MODES, DemoOptions, toml_value
+from swarm.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class Demo:
         )  # fmt: skip
         info_path = coord_dir / "coordinator.json"
 
-        def read_info() -> bool:  # the coordinator writes it non-atomically: parse, not stat
+        def read_info() -> bool:  # written whole (renamed into place); parsed, in case it is not
             try:
                 self.coordinator = json.loads(info_path.read_text())
             except (OSError, ValueError):
@@ -196,11 +197,12 @@ class Demo:
             + (["--max-steps", str(self.opts.max_steps)] if self.opts.max_steps else []),
         )  # fmt: skip
         self._start_nodes(maddr, fp)
-        (self.run_dir / "demo.json").write_text(
+        atomic_write_text(
+            self.run_dir / "demo.json",
             json.dumps(
                 {"coordinator": self.coordinator, "pids": {p.name: p.pid for p in self.procs}},
                 indent=2,
-            )
+            ),
         )
 
     def _start_nodes(self, maddr: str, fp: str) -> None:

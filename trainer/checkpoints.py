@@ -15,11 +15,12 @@ version number (:func:`read_published` on resume).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from swarm.files import atomic_write_text
 
 #: the directory of checkpoints inside ``out_dir``.
 CHECKPOINT_DIR = "checkpoints"
@@ -65,7 +66,5 @@ def write_published(out_dir: Path, version: int) -> None:
 
 
 def atomic_write_json(path: Path, data: Mapping[str, Any]) -> None:
-    """Write ``data`` to ``path`` through a ``.tmp`` file renamed into place."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(dict(data), sort_keys=True, indent=1))
-    os.replace(tmp, path)
+    """Write ``data`` to ``path`` whole, renamed into place (:mod:`swarm.files`)."""
+    atomic_write_text(path, json.dumps(dict(data), sort_keys=True, indent=1))
