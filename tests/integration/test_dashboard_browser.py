@@ -146,6 +146,14 @@ def _points(driver: Any, chart: str) -> int:
     return int(driver.execute_script(f"return RSDash.charts.{chart}.points()") or 0)
 
 
+def _drawn(driver: Any, chart: str) -> list[list[float]]:
+    """The values of each of a chart's series that are numbers (a missing figure is null)."""
+    return driver.execute_script(  # type: ignore[no-any-return]
+        f"const d = RSDash.charts.{chart}.data;"
+        "return d ? d.slice(1).map((s) => s.filter((v) => typeof v === 'number')) : [];"
+    )
+
+
 def test_dashboard_draws_live_and_agrees_with_status(swarm: Swarm, chrome: Any) -> None:
     chrome.get(swarm.url + "/")
     _until(
@@ -154,6 +162,15 @@ def test_dashboard_draws_live_and_agrees_with_status(swarm: Swarm, chrome: Any) 
         and _points(chrome, "staleness") >= 1
         and len(chrome.find_elements("css selector", "#nodes tbody tr")) >= 2,
     )  # fmt: skip
+    # the stability monitors and the step size are drawn from the learner's own figures: the
+    # demo's embedded profile sets target_step_kl, so the step KL is measured and drawn too
+    _until("the monitors' curves", lambda: all(_drawn(chrome, "stability"))
+           and len(_drawn(chrome, "step")) == 2 and all(_drawn(chrome, "step")))  # fmt: skip
+    clip, mask, grad = _drawn(chrome, "stability")
+    assert all(0.0 <= v <= 1.0 for v in clip + mask) and all(v >= 0.0 for v in grad)
+    factor, step_kl = _drawn(chrome, "step")
+    assert all(0.0 < v <= 1.0 for v in factor), factor  # adaptive_lr_max = 1: never above lr
+    assert all(v >= 0.0 for v in step_kl), step_kl
     chrome.execute_script("window.__sameDocument = 'yes'")  # a reload would lose it
     shown, st = _same_snapshot(chrome, swarm.url + "/status", READ_DASHBOARD, "status_seq")
 

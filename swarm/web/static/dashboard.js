@@ -207,6 +207,15 @@
     c("idle", { x: "number", xLabel: "learner step", y2Label: "versions",
       scales: { y: { range: [0, 1] } },
       series: [{ label: "learner idle fraction" }, { label: "mean staleness", scale: "y2", color: "#9c36b5" }] });
+    c("stability", { x: "number", xLabel: "learner step", y2Label: "grad norm",
+      scales: { y: { range: [0, 1] } },
+      series: [{ label: "clip fraction" }, { label: "mask fraction", color: "#e67700" },
+        { label: "gradient norm", scale: "y2", color: "#495057" }] });
+    // the factor is 1 while target_step_kl is off; the step KL is measured only when
+    // target_step_kl or max_step_kl is set (null otherwise: no line)
+    c("step", { x: "number", xLabel: "learner step", yLabel: "× lr", y2Label: "nats/token",
+      scales: { y: { range: (u, lo, hi) => [0, Math.max(1, hi) * 1.05] } },
+      series: [{ label: "learning-rate factor" }, { label: "step KL", scale: "y2", color: "#d6336c" }] });
     c("holders", { x: "time", yLabel: "nodes", counts: true, series: [] });
     c("intake", { x: "time", yLabel: "rollouts/s", y2Label: "queue",
       series: [{ label: "accepted rollouts/s" }, { label: "queue depth", scale: "y2", color: "#868e96", dash: true }] });
@@ -225,6 +234,8 @@
     ch.reward.update([xs, column(steps, "reward_mean"), column(steps, "exact_match")]);
     ch.quality.update([xs, column(steps, "ess_frac"), column(steps, "mismatch_kl")]);
     ch.idle.update([xs, column(steps, "idle_frac"), column(steps, "staleness_mean")]);
+    ch.stability.update([xs, column(steps, "clip_frac"), column(steps, "mask_frac"), column(steps, "grad_norm")]);
+    ch.step.update([xs, column(steps, "lr_factor"), column(steps, "step_kl")]);
     const hist = Object.entries(state.staleness).filter(([k]) => /^-?\d+$/.test(k)).map(([k, v]) => [Number(k), v]).sort((a, b) => a[0] - b[0]);
     ch.staleness.update([hist.map((h) => h[0]), hist.map((h) => h[1])]);
 
