@@ -191,12 +191,12 @@ async def launch_coordinator(
     )
     try:
         await until(info_file.exists, "coordinator.json", 60, proc)
+        info = json.loads(info_file.read_text())
+        key = Identity.load(state / "coordinator.key")
+        assert key.fingerprint == info["fingerprint"]
     except BaseException:  # not handed to the caller yet: nobody else would stop it
         proc.stop()
         raise
-    info = json.loads(info_file.read_text())
-    key = Identity.load(state / "coordinator.key")
-    assert key.fingerprint == info["fingerprint"]
     return CoordinatorProc(
         proc, state, info["multiaddrs"][0], info["peer_id"], info["fingerprint"], key.public_key
     )
