@@ -12,8 +12,12 @@ collapses.
 The rule is the ``adaptive`` schedule of rsl_rl's PPO (ETH Zürich's legged-robot RL library;
 ``desired_kl``), itself after the adaptive KL penalty of Schulman et al. 2017, "Proximal Policy
 Optimization Algorithms", §4: after a step whose KL was above twice the target the learning rate
-is divided by ``change`` (1.5), below half the target multiplied by it, and left alone between;
-it stays within ``[low, high]`` × the configured rate.
+is divided by ``change`` (1.5), above 0 and below half the target multiplied by it, and left
+alone otherwise; it stays within ``[low, high]`` × the configured rate. A step that did not move
+the policy (``step_kl`` = 0: every update skipped, a deterministic policy with nothing to learn,
+every reward equal) is no evidence that the rate is too small, and rsl_rl raises the rate only
+for ``0 < KL < target/2``: raising it there let the rate climb to its ceiling on a run that then
+took one enormous step (docs/trainer.md, "KL-adaptive learning rate", ``vcpo-filter-kl4``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,6 @@ def next_lr_factor(
         return factor
     if step_kl > 2.0 * target:
         factor /= change
-    elif step_kl < 0.5 * target:
+    elif 0.0 < step_kl < 0.5 * target:  # k3 ≥ 0; 0 (or rounding below it): the policy stood still
         factor *= change
     return min(high, max(low, factor))

@@ -24,12 +24,18 @@ def test_the_rule_by_hand() -> None:
     assert next_lr_factor(1.0, 0.03, 0.02) == 1.0
     assert next_lr_factor(1.0, 0.04, 0.02) == 1.0  # exactly 2x: not above
     assert next_lr_factor(0.5, 0.01, 0.02) == 0.5  # exactly half: not below
-    assert next_lr_factor(2.0, 0.0, 0.02, change=2.0, high=4.0) == 4.0
+    assert next_lr_factor(2.0, 0.001, 0.02, change=2.0, high=4.0) == 4.0
     # clamped to [low, high]; by default never above the configured rate
-    assert next_lr_factor(3.5, 0.0, 0.02, high=4.0) == 4.0
+    assert next_lr_factor(3.5, 0.001, 0.02, high=4.0) == 4.0
     assert next_lr_factor(0.06, 1.0, 0.02) == 0.05
-    assert next_lr_factor(1.0, 0.0, 0.02) == 1.0
-    assert next_lr_factor(0.5, 0.0, 0.02) == pytest.approx(0.75)  # recovers towards 1
+    assert next_lr_factor(1.0, 0.001, 0.02) == 1.0
+    assert next_lr_factor(0.5, 0.001, 0.02) == pytest.approx(0.75)  # recovers towards 1
+    # a step that did not move the policy (step_kl = 0, or rounding just below it) is no reason
+    # to raise the rate: rsl_rl raises only for 0 < KL < target/2
+    assert next_lr_factor(0.5, 0.0, 0.02) == 0.5
+    assert next_lr_factor(2.0, 0.0, 0.02, change=2.0, high=4.0) == 2.0
+    assert next_lr_factor(1.0, -1e-9, 0.02, high=4.0) == 1.0
+    assert next_lr_factor(1.0, 1e-12, 0.02, high=4.0) == pytest.approx(1.5)  # moved, a little
     # a step with no evidence (NaN) changes nothing
     assert next_lr_factor(0.7, math.nan, 0.02) == 0.7
 
@@ -90,6 +96,20 @@ def test_a_step_far_below_the_target_raises_it_up_to_the_cap(tmp_path: Path) -> 
         tr.train_step(make_rollouts(i, 4, 4, version=i))
     assert tr.lr_factor == 2.0  # 1 → 1.5 → 2 (capped) → 2
     assert _lrs(tr) == [pytest.approx(2e-6)]
+
+
+def test_a_step_that_did_not_move_the_policy_leaves_the_rate(tmp_path: Path) -> None:
+    # every reward equal: every advantage 0, and with no entropy bonus no gradient at all, so the
+    # updates leave the weights as they are (step_kl = 0 exactly); the factor must not rise
+    tr = _trainer(
+        tmp_path, lr=0.05, target_step_kl=0.02, adaptive_lr_max=4.0, entropy_coef=0.0,
+        ess_lr_scaling=False,
+    )  # fmt: skip
+    tr.lr_factor = 0.5
+    for i in range(2):
+        rec = tr.train_step(make_rollouts(i, 4, 4, version=i, equal_rewards=True))
+        assert rec["updates"] == 1 and rec["step_kl"] == 0.0
+    assert tr.lr_factor == 0.5
 
 
 def test_by_default_never_above_the_configured_rate(tmp_path: Path) -> None:
