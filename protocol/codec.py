@@ -80,11 +80,27 @@ def decode(data: bytes, type_: Any = Message, limits: Limits = DEFAULT_LIMITS) -
     try:
         return decoder.decode(data)
     except msgspec.ValidationError as exc:
-        raise _unsupported_version(data) or _from_validation(str(exc)) from exc
+        raise (
+            _not_one_object(data) or _unsupported_version(data) or _from_validation(str(exc))
+        ) from exc
     except (msgspec.DecodeError, UnicodeError, ValueError, TypeError, OverflowError) as exc:
         raise DecodeError(ReasonCode.MALFORMED, f"not valid MessagePack: {exc}") from exc
     except RecursionError as exc:
         raise DecodeError(ReasonCode.MALFORMED, "nesting too deep") from exc
+
+
+def _not_one_object(data: bytes) -> ProtocolError | None:
+    """On a failed decode, report bytes that are not exactly one MessagePack object (trailing
+    bytes, truncation, a reserved byte, nesting too deep) as ``malformed`` before any schema
+    problem the typed decoder met first (docs/protocol.md §2, "Which code wins"). ``Raw`` only
+    walks the structure: nothing is allocated, however large the frame."""
+    try:
+        msgspec.msgpack.decode(data, type=msgspec.Raw)
+    except RecursionError:
+        return DecodeError(ReasonCode.MALFORMED, "nesting too deep")
+    except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as exc:
+        return DecodeError(ReasonCode.MALFORMED, f"not valid MessagePack: {exc}")
+    return None
 
 
 def _unsupported_version(data: bytes) -> ProtocolError | None:

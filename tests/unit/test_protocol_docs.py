@@ -1,0 +1,213 @@
+"""docs/protocol.md against the code, for the points a client written from the docs alone had to
+guess (issue 36, items 9-14): what the page states is derived from the code here and compared,
+and the behaviour it states is exercised in both directions."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import msgspec.inspect as mi
+import pytest
+
+from protocol import messages as M
+from protocol.codec import decode, encode
+from protocol.envelope import open_envelope, signed_bytes
+from protocol.errors import DecodeError, ReasonCode
+from protocol.examples import example_identity, example_messages
+from protocol.messages import (
+    Heartbeat,
+    Lease,
+    MessageBase,
+    Reject,
+    SignedEnvelope,
+    Standby,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = (ROOT / "docs" / "protocol.md").read_text()
+EXAMPLES = {type(m).__name__: m for m in example_messages()}
+T = 1_700_000_000.0
+
+
+def rule(name: str) -> str:
+    """The text between ``<!-- rule:NAME -->`` and ``<!-- /rule -->``, whitespace collapsed."""
+    found = re.search(rf"<!-- rule:{name} -->(.*?)<!-- /rule -->", DOC, re.S)
+    assert found, f"docs/protocol.md lost its rule {name!r}"
+    return " ".join(found.group(1).split())
+
+
+def code_of(data: bytes, type_: Any = M.Message) -> ReasonCode | None:
+    """The reason code ``decode`` gives ``data`` (None: it decodes)."""
+    try:
+        decode(data, type_)
+    except DecodeError as exc:
+        return exc.code
+    return None
+
+
+def raw(msg: msgspec.Struct) -> dict[str, Any]:
+    decoded = msgspec.msgpack.decode(encode(msg))
+    assert isinstance(decoded, dict)
+    return decoded
+
+
+def pack(obj: object) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
+# --- item 9: messages nested in messages -----------------------------------------------------
+def _structs_in(t: mi.Type) -> Iterator[type[msgspec.Struct]]:
+    if isinstance(t, mi.StructType):
+        yield t.cls
+        return
+    for attr in ("item_type", "key_type", "value_type"):
+        sub = getattr(t, attr, None)
+        if sub is not None:
+            yield from _structs_in(sub)
+    for sub in getattr(t, "types", ()):
+        yield from _structs_in(sub)
+
+
+def nested() -> set[tuple[str, str, str]]:
+    """(parent, field, nested struct) for each struct nested in a type of protocol.messages."""
+    out = set()
+    for name in M.__all__:
+        cls = getattr(M, name)
+        if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
+            continue
+        info = mi.type_info(cls)
+        assert isinstance(info, mi.StructType)
+        for f in info.fields:
+            out |= {(name, f.name, sub.__name__) for sub in _structs_in(f.type)}
+    return out
+
+
+def test_the_doc_names_the_nested_messages_and_the_plain_structs_the_code_has() -> None:
+    text = rule("nested-messages")
+    tagged = {(p, f, c) for p, f, c in nested() if issubclass(getattr(M, c), MessageBase)}
+    plain = {c for _, _, c in nested() if not issubclass(getattr(M, c), MessageBase)}
+    assert tagged == {
+        ("Register", "advert", "CapabilityAdvert"),
+        ("ManifestResponse", "manifest", "SignedEnvelope"),
+    }
+    for parent, field, child in tagged:
+        assert f"the `{field}` (a `{child}`) of `{parent}`" in text, (parent, field, child)
+    listed = text.split("The other nested structs")[1].split("are not messages")[0]
+    assert set(re.findall(r"`(\w+)`", listed)) == plain
+
+
+def test_nested_messages_are_sent_with_type_and_protocol_version() -> None:
+    advert = raw(EXAMPLES["Register"])["advert"]
+    assert advert["type"] == "CapabilityAdvert" and advert["protocol_version"] == 1
+    envelope = raw(EXAMPLES["ManifestResponse"])["manifest"]
+    assert envelope["type"] == "SignedEnvelope" and envelope["protocol_version"] == 1
+    # the plain structs carry neither key
+    for gpu in advert["gpus"]:
+        assert "type" not in gpu and "protocol_version" not in gpu
+    sub = raw(EXAMPLES["RolloutSubmission"])
+    assert not {"type", "protocol_version"} & set(sub["timings"])
+    assert not {"type", "protocol_version"} & set(sub["groups"][0]["samples"][0])
+
+
+@pytest.mark.parametrize(
+    ("message", "field", "expected"),
+    [
+        ("Register", "advert", "CapabilityAdvert"),
+        ("ManifestResponse", "manifest", "SignedEnvelope"),
+    ],
+)
+def test_nested_messages_are_received_as_the_doc_says(
+    message: str, field: str, expected: str
+) -> None:
+    outer = raw(EXAMPLES[message])
+    assert outer[field] is not None
+
+    def variant(**changes: object) -> bytes:
+        inner = dict(outer[field])
+        for key, value in changes.items():
+            if value is None:
+                inner.pop(key)
+            else:
+                inner[key] = value
+        return pack({**outer, field: inner})
+
+    assert code_of(variant()) is None
+    assert code_of(variant(type=None)) is None  # only one message can appear there
+    assert code_of(variant(protocol_version=None)) is None  # absent means 1
+    assert code_of(variant(type=None, protocol_version=None)) is None
+    assert code_of(variant(type="Heartbeat")) is ReasonCode.SCHEMA
+    assert code_of(variant(type="NoSuchMessage")) is ReasonCode.SCHEMA
+    assert code_of(variant(protocol_version=2)) is ReasonCode.UNSUPPORTED_VERSION
+    full = decode(variant(type=None, protocol_version=None), M.Message)
+    assert type(getattr(full, field)).__name__ == expected
+
+
+def test_plain_structs_refuse_type_and_protocol_version() -> None:
+    outer = raw(EXAMPLES["Register"])
+    assert outer["advert"]["gpus"]
+    for key, value in (("type", "GpuInfo"), ("protocol_version", 1)):
+        gpus = [{**outer["advert"]["gpus"][0], key: value}]
+        bad = {**outer, "advert": {**outer["advert"], "gpus": gpus}}
+        assert code_of(pack(bad)) is ReasonCode.UNKNOWN_FIELD
+
+
+def test_type_may_be_absent_only_where_one_message_can_appear() -> None:
+    beat = raw(EXAMPLES["Heartbeat"])
+    del beat["type"]
+    untyped = pack(beat)
+    assert code_of(untyped, Heartbeat) is None  # a method's request: one type expected
+    assert code_of(untyped, Lease | Standby | Reject) is ReasonCode.SCHEMA  # a response
+    assert code_of(untyped) is ReasonCode.SCHEMA
+    # an envelope's payload: the receiver names the type it expects inside
+    me = example_identity()
+    env = SignedEnvelope(
+        signer=me.public_key, nonce=bytes(16), ts=T, payload=untyped,
+        signature=me.sign(signed_bytes(me.public_key, bytes(16), T, untyped)),
+    )  # fmt: skip
+    assert isinstance(open_envelope(env, Heartbeat, now=T, replay=None), Heartbeat)
+    with pytest.raises(DecodeError) as info:
+        open_envelope(env, Lease | Standby | Reject, now=T, replay=None)
+    assert info.value.code is ReasonCode.SCHEMA
+
+
+# --- item 14: which code wins ---------------------------------------------------------------
+def test_the_doc_says_malformed_wins_over_schema() -> None:
+    text = rule("which-code-wins")
+    assert "a frame that has trailing bytes and is not a map is `malformed`, not `schema`" in text
+    assert "a `protocol_version` other than 1 is reported first" in text
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pack([1, 2]) + b"\x00",  # an array, then a trailing byte
+        pack(5) + b"\xc0",  # an int, then nil
+        pack("Heartbeat") + b"\x01\x02",  # a string, then two bytes
+        pack(None) + b"\x90",
+    ],
+)
+def test_trailing_bytes_after_a_non_map_are_malformed(data: bytes) -> None:
+    assert code_of(data) is ReasonCode.MALFORMED
+    assert code_of(data, Heartbeat) is ReasonCode.MALFORMED
+
+
+def test_without_trailing_bytes_a_non_map_is_schema() -> None:
+    for obj in ([1, 2], 5, "Heartbeat", None):
+        assert code_of(pack(obj)) is ReasonCode.SCHEMA
+
+
+def test_malformed_wins_over_schema_and_version_problems_inside_the_map() -> None:
+    beat = raw(EXAMPLES["Heartbeat"])
+    wrong_type = pack({**beat, "seq": "five"})
+    assert code_of(wrong_type) is ReasonCode.SCHEMA
+    assert code_of(wrong_type + b"\x00") is ReasonCode.MALFORMED
+    assert code_of(wrong_type[:-1]) is ReasonCode.MALFORMED  # truncated
+    foreign = pack({**beat, "protocol_version": 2, "new_field": 1})
+    assert code_of(foreign) is ReasonCode.UNSUPPORTED_VERSION  # wins over unknown_field
+    assert code_of(foreign + b"\x00") is ReasonCode.MALFORMED
+    reserved = pack({**beat, "seq": "x"})[:-1] + b"\xc1"  # 0xc1 is never valid MessagePack
+    assert code_of(reserved) is ReasonCode.MALFORMED
