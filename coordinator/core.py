@@ -370,7 +370,7 @@ class Coordinator(SubmissionDesk, ActiveSet):
                 top_k=s.top_k,
                 max_new_tokens=lease.max_new_tokens,
                 stop_token_ids=list(self.stop_token_ids),
-                seed=lease.epoch,
+                seed=self.leases.seed_of(lease.lease_id),  # keyed: docs/protocol.md §11.1
             ),
             issued_at=lease.issued_at,
             deadline=lease.deadline,

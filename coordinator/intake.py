@@ -127,6 +127,8 @@ class IntakeContext:
     dtype: str = "float32"
     #: the node's adaptive spot-check rate (share of its leases re-scored)
     check_rate: float = 0.0
+    #: the lease's sampling seed (:meth:`coordinator.leases.LeaseManager.seed_of`)
+    lease_seed: int = 0
     #: filled in by the intake as the checks run
     report: CheckReport = field(default_factory=CheckReport)
 
@@ -218,7 +220,7 @@ def check_seeds(sub: RolloutSubmission, ctx: IntakeContext) -> None:
     for group in sub.groups:
         position = ctx.slots[group.prompt_id].position
         for j, sample in enumerate(group.samples):
-            if sample.seed != expected_seed(ctx.lease.epoch, position, j):
+            if sample.seed != expected_seed(ctx.lease_seed, position, j):
                 # The detail never names the expected seed: derive it (docs/protocol.md §11).
                 raise _reject(
                     ReasonCode.SAMPLING_MISMATCH,
@@ -259,13 +261,26 @@ def check_sample(sample: Sample, ctx: IntakeContext, where: str) -> tuple[list[i
 def check_termination(
     tokens: Sequence[int], finish: str, ctx: IntakeContext, limit: int, where: str
 ) -> None:
-    """A token of the lease's stop set last iff finish is "eos"/"stop" (the node's label of
-    which kind of stop token it was is not checked: both end the sample alike), none before it;
-    length == limit iff "length"."""
+    """"eos"/"stop" (either label: the node's word for which kind of stop token it was is not
+    checked) iff a token of the lease's stop set is last, and none before it; "length": exactly
+    ``limit`` tokens, none in the stop set. A stop token at position ``limit`` is a stop: the
+    sample is "eos"/"stop", not "length" (docs/protocol.md §12.2 check 10)."""
     stops = ctx.stop_token_ids
     body = tokens[:-1] if finish in ("eos", "stop") else tokens
-    if any(t in stops for t in body):
-        raise _reject(ReasonCode.BAD_TERMINATION, f"{where}: tokens continue after EOS/stop")
+    early = next((i for i, t in enumerate(body) if t in stops), None)
+    if early is not None and early == len(tokens) - 1:  # finish "length", a stop token last
+        raise _reject(
+            ReasonCode.BAD_TERMINATION,
+            f"{where}: finish 'length' but the last token (id {tokens[-1]}) is in the lease's "
+            "stop set: a sample that ends on a stop token is 'eos' or 'stop', also at "
+            "max_new_tokens",
+        )
+    if early is not None:
+        raise _reject(
+            ReasonCode.BAD_TERMINATION,
+            f"{where}: token {early} (id {tokens[early]}) is in the lease's stop set but "
+            f"{len(tokens) - 1 - early} token(s) follow it: a sample ends at its first stop token",
+        )
     if finish in ("eos", "stop") and (not tokens or tokens[-1] not in stops):
         raise _reject(
             ReasonCode.BAD_TERMINATION,

@@ -32,6 +32,8 @@ deadline.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import math
 import secrets
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 CURSOR = "prompt_cursor"
+#: Domain label of the keyed lease-seed derivation (docs/protocol.md §11.1).
+SEED_LABEL = b"rollout-swarm/lease-seed/"
 #: Bounds on the throughput used for sizing (tokens/s): beyond them an advert is not believed.
 MIN_TOKENS_PER_S = 1e-3
 MAX_TOKENS_PER_S = 1e9
@@ -73,6 +77,17 @@ class LeaseManager:
         #: Random hex suffix of lease ids (``secrets.token_hex``); injectable like the clock, so a
         #: simulation is reproducible from its seed.
         self.nonce: Callable[[int], str] = secrets.token_hex
+        #: the coordinator's secret (kept in its state database): lease seeds are keyed with it
+        self._secret = store.secret()
+
+    def seed_of(self, lease_id: str) -> int:
+        """The lease's sampling seed, ``u64be(HMAC-SHA256(secret, SEED_LABEL + id)[:8]) >> 1``.
+
+        Keyed with a secret no node knows, so a node cannot predict the seeds of its next
+        leases (the fencing epoch, which it can, used to be the seed); it receives the seed in
+        the lease and derives the prompt and sample seeds from it (docs/protocol.md §11.1)."""
+        mac = hmac.new(self._secret, SEED_LABEL + lease_id.encode(), hashlib.sha256).digest()
+        return int.from_bytes(mac[:8], "big") >> 1
 
     # --- sizing ----------------------------------------------------------------------------------
     def _tps(self, tokens_per_s: float | None) -> float:

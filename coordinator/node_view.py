@@ -16,7 +16,7 @@ whoever renders them must treat them as text (the dashboard sets ``textContent``
 | ``node_software`` | the node's rollout-swarm version string |
 | ``node_versions_held`` | versions it holds in full (DHT holder census), ascending |
 | ``node_strikes`` | strikes ever recorded (failed verification checks that are its fault) |
-| ``node_suspect`` | a suspect now: its work is re-checked in full (coordinator/trust.py) |
+| ``node_suspect`` | a suspect now: its work is re-checked in full (operator only) |
 | ``node_last_error`` | the latest strike, ``reason: detail``; None = never struck |
 | ``node_last_error_age_s`` | seconds since that strike |
 | ``node_ban_reason`` | why it is banned, while a ban is in force; else None |
@@ -34,7 +34,17 @@ from protocol.errors import ProtocolError
 from protocol.messages import CapabilityAdvert
 from swarm.display import describe_hardware
 
-__all__ = ["NODE_FIELDS", "advert_of", "node_details"]
+__all__ = ["NODE_FIELDS", "OPERATOR_ONLY_FIELDS", "advert_of", "node_details"]
+
+#: Keys of the status document that say how closely each node is watched: its check rate, trust
+#: level and clean-check count, whether it is under full checks, whether the reward audit flagged
+#: it. A node that could read them would forge while its rate sits at the floor and learn from
+#: ``node_clean_checks`` rising which of its leases were checked (issue 34, finding 4). They are
+#: on the operator's ``/status`` (HTTP, bound to localhost by default) only, never in the unsigned
+#: ``rswarm/status`` answer any peer can call (:func:`coordinator.status.wire_status`).
+OPERATOR_ONLY_FIELDS = frozenset(
+    {"node_check_rate", "node_trust", "node_clean_checks", "node_suspect", "nodes_flagged"}
+)
 
 NODE_FIELDS = (
     "node_peer_id",

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from coordinator.capacity import Pipeline, node_rate
 from coordinator.core import Coordinator
 from coordinator.dissemination import HolderCensus
-from coordinator.node_view import node_details
+from coordinator.node_view import OPERATOR_ONLY_FIELDS, node_details
 from coordinator.store import NodeRecord
 from coordinator.trust import TrustState
 from protocol.limits import MAX_NAME_LEN, MAX_STATUS_KEYS
@@ -192,9 +192,12 @@ def _counter_by_label(counter: Any, label: str) -> dict[str, float]:
 def wire_status(status: dict[str, Any]) -> dict[str, Any]:
     """Fit the status document into StatusResponse's bounded shape (depth <= 2, scalars, at most
     MAX_STATUS_KEYS keys of at most MAX_NAME_LEN characters per map). Keys beyond the limit are
-    dropped, the last-added first: the trainer's report comes after the coordinator's figures."""
+    dropped, the last-added first: the trainer's report comes after the coordinator's figures.
+    Any peer may call ``rswarm/status``: how closely each node is watched
+    (:data:`~coordinator.node_view.OPERATOR_ONLY_FIELDS`) stays on the operator's ``/status``."""
     out: dict[str, Any] = {}
-    for key, value in list(status.items())[:MAX_STATUS_KEYS]:
+    public = [(k, v) for k, v in status.items() if k not in OPERATOR_ONLY_FIELDS]
+    for key, value in public[:MAX_STATUS_KEYS]:
         name = str(key)[:MAX_NAME_LEN]
         if isinstance(value, dict):
             items = list(value.items())[:MAX_STATUS_KEYS]

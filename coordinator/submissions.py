@@ -214,6 +214,7 @@ class SubmissionDesk:
             backend=backend,
             dtype=dtype,
             check_rate=self.trust.rate_of(trust),
+            lease_seed=self.leases.seed_of(lease.lease_id),
             report=CheckReport(),
         )
 
