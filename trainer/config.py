@@ -37,6 +37,27 @@ class TrainerConfig(BaseModel):
         description="Torch device of the weights: 'auto' = this rank's GPU if any, else 'cpu'.",
     )
 
+    # --- LoRA (docs/trainer.md "LoRA or full fine-tuning"; policy/lora.py) -------------------
+    lora_rank: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="LoRA rank r: train low-rank adapters with peft over the frozen base model "
+        "(model_path or the embedded default at `seed`) and publish each version as an adapter "
+        "(docs/protocol.md §8.6); 0: full-parameter training (full and delta versions).",
+    )
+    lora_alpha: float = Field(
+        32.0,
+        gt=0.0,
+        description="LoRA alpha: the adapter's output is scaled by alpha / lora_rank (dropout 0).",
+    )
+    lora_target_modules: tuple[str, ...] = Field(
+        ("all-linear",),
+        min_length=1,
+        description="Modules that get adapters: names or name suffixes of linear layers (e.g. "
+        "q_proj, v_proj), or ['all-linear'] for every linear layer but the output head.",
+    )
+
     # --- sampling contract (must equal the coordinator's leases) -----------------------------
     temperature: float | None = Field(
         None,

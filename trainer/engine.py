@@ -77,6 +77,15 @@ class Engine:
         """Detached CPU copies of the current weights (every key, tied ones included)."""
         return {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
 
+    def trainable_state_dict(self, model: nn.Module) -> dict[str, Tensor]:
+        """Detached CPU copies of the trainable parameters only (LoRA: the adapters), by name.
+        Sharded, a collective: rank 0 gets them gathered, the others ``{}``."""
+        return {
+            name: p.detach().to("cpu").clone()
+            for name, p in model.named_parameters()
+            if p.requires_grad
+        }
+
     def pad_pass(self, model: nn.Module, *, backward: bool) -> None:
         """A forward (and backward) that changes nothing; only needed when sharded."""
 
@@ -129,6 +138,18 @@ class FSDPEngine(Engine):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state: dict[str, Tensor] = get_model_state_dict(model, options=options)  # type: ignore[assignment]
         return state
+
+    def trainable_state_dict(self, model: nn.Module) -> dict[str, Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        out: dict[str, Tensor] = {}
+        for name, p in model.named_parameters():  # the same order on every rank
+            if not p.requires_grad:
+                continue
+            full = p.full_tensor() if isinstance(p, DTensor) else p  # an all-gather
+            if self.dist.is_leader:
+                out[name] = full.detach().to("cpu").clone()
+        return out
 
     def pad_pass(self, model: nn.Module, *, backward: bool) -> None:
         self.pad_passes += 1

@@ -78,6 +78,10 @@ class Trainer(LearnerStep, CheckpointState):
         self.dist = dist or DistContext()
         #: how the model runs: one process, or FSDP2 over the ranks (see :mod:`trainer.engine`).
         self.engine = engine or Engine(self.dist)
+        if config.lora_rank and not _has_lora(model):  # built by the caller, not by setup
+            _inject_lora(model, config)
+        #: the base model's fingerprint a LoRA version names (computed at the first publication)
+        self._lora_base: str | None = None
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=config.lr,
@@ -146,6 +150,8 @@ class Trainer(LearnerStep, CheckpointState):
         engine = make_engine(config, dist)
         if model is None:
             model = build_model(spec, seed=config.seed)
+        if config.lora_rank:  # before sharding: FSDP2 wraps the adapted layers
+            _inject_lora(model, config)
         model = engine.prepare(model, _resolve_device(config.device, dist))
         tok = load_tokenizer(spec)
         writer = None
@@ -454,9 +460,28 @@ class Trainer(LearnerStep, CheckpointState):
 
     # ------------------------------------------------------------------ publish
     def state_dict_for_publish(self) -> dict[str, Tensor]:
-        """Detached CPU copies of the current weights (every key, tied ones included). Sharded,
-        a collective: every rank calls it, rank 0 gets the gathered weights, the others ``{}``."""
-        return self.engine.full_state_dict(self.model)
+        """Detached CPU copies of the current weights (every key, tied ones included); with LoRA
+        (``lora_rank``) the adapter only, as a :class:`policy.lora.AdapterState` naming its base.
+        Sharded, a collective: every rank calls it, rank 0 gets the gathered weights, the others
+        ``{}``."""
+        cfg = self.config
+        if not cfg.lora_rank:
+            return self.engine.full_state_dict(self.model)
+        from policy.lora import AdapterState, adapter_state, base_fingerprint
+        from policy.model import ModelSpec
+
+        named = self.engine.trainable_state_dict(self.model)
+        if not self.dist.is_leader:
+            return {}
+        if self._lora_base is None:
+            spec = ModelSpec(path=cfg.model_path, dtype=cfg.dtype)
+            self._lora_base = base_fingerprint(spec, seed=cfg.seed)
+        return AdapterState(
+            adapter_state(named.items()),
+            base_model=self._lora_base,
+            rank=cfg.lora_rank,
+            alpha=cfg.lora_alpha,
+        )
 
     async def _publish(self, publisher: Publisher | None) -> None:
         """Publish the current weights (every rank calls it; rank 0 holds the publisher)."""
@@ -492,6 +517,25 @@ def _train_in_thread(trainer: Trainer, batch: list[Rollout], threads: int) -> No
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     trainer.train_step(batch)
+
+
+def _has_lora(model: torch.nn.Module) -> bool:
+    return any(".lora_A." in name for name, _ in model.named_parameters())
+
+
+def _inject_lora(model: torch.nn.Module, config: TrainerConfig) -> None:
+    """peft adapters on ``model`` (policy/lora.py), initialised from ``config.seed``: every rank
+    draws the same ``lora_A`` (FSDP2 broadcasts rank 0's anyway)."""
+    from policy.lora import inject_lora
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        inject_lora(
+            model,
+            rank=config.lora_rank,
+            alpha=config.lora_alpha,
+            target_modules=list(config.lora_target_modules),
+        )
 
 
 def _resolve_device(name: str, dist: DistContext) -> torch.device:
