@@ -6,6 +6,10 @@ Layout::
     <root>/v000000000042/chunks/000017.bin     chunk 17, written atomically (tmp file + rename)
 
 A chunk is written only after it matches the manifest's hash (``protocol.manifest.verify_chunk``).
+A seed (:meth:`ChunkStore.seed`) writes every chunk before the manifest, so a version it was
+killed in the middle of is never seen: its directory has no manifest and is removed on the next
+start. A downloader writes the manifest first (a download resumes from its verified chunks) and
+readers ask :meth:`ChunkStore.is_complete` before loading.
 A version has a full part and, for a delta version, a delta part (``protocol.manifest.Part``);
 "complete" means the *full* part is held (the weights can be loaded); the delta part is held
 only by peers that fetched it, and served like any chunk.
@@ -47,6 +51,7 @@ class ChunkStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self._manifests: dict[int, tuple[SignedEnvelope, Manifest]] = {}
         self._have: dict[int, set[int]] = {}
+        self._remove_unfinished()
         for version in self._versions_on_disk():
             self.open(version)
 
@@ -63,6 +68,14 @@ class ChunkStore:
             if p.is_dir() and p.name[1:].isdigit() and (p / "manifest.env").is_file():
                 out.append(int(p.name[1:]))
         return sorted(out)
+
+    def _remove_unfinished(self) -> None:
+        """Delete version directories without a manifest: what a seed killed before writing
+        it left (a downloader writes the manifest first, so it never leaves one)."""
+        for p in self.root.glob("v*"):
+            if p.is_dir() and p.name[1:].isdigit() and not (p / "manifest.env").exists():
+                logger.warning("removing %s: a version whose seeding did not finish", p)
+                shutil.rmtree(p, ignore_errors=True)
 
     def versions(self) -> list[int]:
         """Versions with a manifest in the store, ascending."""
@@ -156,12 +169,31 @@ class ChunkStore:
             return None
 
     def seed(self, env: SignedEnvelope, manifest: Manifest, chunks: Iterable[bytes]) -> None:
-        """Store a whole version at once (the seed side); every chunk is verified."""
-        self.put_manifest(env, manifest)
-        for index, data in enumerate(chunks):
-            self.put_chunk(manifest.version, index, data)
-        if len(self._have[manifest.version]) != len(manifest.chunks):
-            raise ValueError(f"version {manifest.version}: fewer chunks than the manifest lists")
+        """Store a whole version at once (the seed side); every chunk is verified first.
+
+        The chunks go to disk before the manifest, which is written last (atomically): a seed
+        killed half-way leaves a version directory without a manifest, which :meth:`open`
+        ignores and the next start removes, never a version whose manifest lists parts that are
+        not all in the store."""
+        version = manifest.version
+        data = list(chunks)
+        if len(data) != len(manifest.chunks):
+            raise ValueError(
+                f"version {version}: {len(data)} chunks given, the manifest lists "
+                f"{len(manifest.chunks)}"
+            )
+        for index, chunk in enumerate(data):
+            verify_chunk(manifest, index, chunk)
+        if version in self._manifests:  # already known (a download in progress): fill it in
+            for index, chunk in enumerate(data):
+                self.put_chunk(version, index, chunk)
+            return
+        (self._dir(version) / "chunks").mkdir(parents=True, exist_ok=True)
+        for index, chunk in enumerate(data):
+            self._atomic_write(self._chunk_path(version, index), chunk)
+        self._atomic_write(self._dir(version) / "manifest.env", encode(env))
+        self._manifests[version] = (env, manifest)
+        self._have[version] = set(range(len(data)))
 
     def load_files(
         self, version: int, part: Part = "full", *, verify: bool = True
