@@ -426,6 +426,8 @@ def _finish(
             raise BackendError(f"vLLM stopped without a stop token (stop_reason={reason!r})")
         return SampleOut(token_ids, logprobs, "stop")
     if reason == "length":
+        if token_ids and token_ids[-1] in stop_set:  # vLLM checks the length cap first
+            return SampleOut(token_ids, logprobs, "stop")  # the stop wins (protocol.md §12.2)
         return SampleOut(token_ids, logprobs, "length")
     raise BackendError(f"vLLM finished a sample with reason {reason!r} (aborted?)")
 

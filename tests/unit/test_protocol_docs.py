@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import msgspec.inspect as mi
 import pytest
+from coord_harness import TOK, Harness, submission
 
 from protocol import messages as M
 from protocol.codec import decode, encode
@@ -19,6 +20,7 @@ from protocol.envelope import open_envelope, signed_bytes
 from protocol.errors import DecodeError, ReasonCode
 from protocol.examples import example_identity, example_messages
 from protocol.messages import (
+    Ack,
     Heartbeat,
     Lease,
     MessageBase,
@@ -211,3 +213,60 @@ def test_malformed_wins_over_schema_and_version_problems_inside_the_map() -> Non
     assert code_of(foreign + b"\x00") is ReasonCode.MALFORMED
     reserved = pack({**beat, "seq": "x"})[:-1] + b"\xc1"  # 0xc1 is never valid MessagePack
     assert code_of(reserved) is ReasonCode.MALFORMED
+
+
+# --- item 11: a stop token as the last allowed token ---------------------------------------------
+@pytest.fixture
+def h(tmp_path: Path) -> Harness:
+    harness = Harness(tmp_path)
+    harness.publish(1)
+    return harness
+
+
+def test_the_doc_says_a_stop_token_at_max_new_tokens_is_a_stop() -> None:
+    text = rule("termination")
+    length_rule = "with `length` there are exactly `max_new_tokens` tokens and none is in the stop"
+    assert length_rule in text
+    assert "is a stop token ends `eos` or `stop`, never `length`" in text
+
+
+async def test_a_stop_token_at_max_new_tokens_ends_the_sample_as_a_stop(h: Harness) -> None:
+    node = h.node()
+    lease = h.lease(node, max_prompts=1)
+    limit, eos = lease.sampling.max_new_tokens, TOK.eos_token_id
+    full = [5] * (limit - 1) + [eos]  # the last allowed token is the stop token
+    for finish in ("eos", "stop"):
+        ok = submission(h.lease(node, max_prompts=1), completions=[[full, full]], finish=finish)
+        assert isinstance(await h.core.submit(node.public_key, ok), Ack)
+    as_length = submission(lease, completions=[[full, full]], finish="length")
+    verdict = await h.core.submit(node.public_key, as_length)
+    assert isinstance(verdict, Reject) and verdict.code is ReasonCode.BAD_TERMINATION
+    # the detail says what is wrong: no token continues after the stop token here
+    assert "continue" not in verdict.detail
+    assert f"finish 'length' but the last token (id {eos}) is in the lease's stop set" in (
+        verdict.detail
+    )
+
+
+async def test_tokens_after_a_stop_token_are_named_as_such(h: Harness) -> None:
+    node = h.node()
+    eos = TOK.eos_token_id
+    for finish, tokens in (("eos", [5, eos, 6, eos]), ("length", [5, eos, 6, 7])):
+        lease = h.lease(node, max_prompts=1)
+        sub = submission(lease, completions=[[tokens, tokens]], finish=finish)
+        verdict = await h.core.submit(node.public_key, sub)
+        assert isinstance(verdict, Reject) and verdict.code is ReasonCode.BAD_TERMINATION
+        assert f"token 1 (id {eos}) is in the lease's stop set but 2 token(s) follow it" in (
+            verdict.detail
+        )
+
+
+def test_the_vllm_backend_reports_a_stop_token_at_the_length_cap_as_a_stop() -> None:
+    """vLLM checks its length cap before the stop tokens: a sample whose last allowed token is a
+    stop token comes back as finish_reason "length", which the intake refuses (with a strike)."""
+    from node.backends.vllm import _finish
+
+    stops = {2, 7}
+    assert _finish([5, 6, 2], [-0.1] * 3, "length", stops).finish_reason == "stop"
+    assert _finish([5, 6, 9], [-0.1] * 3, "length", stops).finish_reason == "length"
+    assert _finish([5, 6, 7], [-0.1] * 3, "stop", stops).finish_reason == "stop"
