@@ -18,8 +18,17 @@ neither the weights nor Adam's moments keep the jump. This is the trust-region t
 OpenAI Spinning Up's PPO does with ``target_kl`` (it stops the step's updates instead; here a
 single update can already be the jump, so the step is undone).
 
-The snapshot holds the rank's local parameters and optimizer tensors (with FSDP2, its shards):
-one more copy of the parameters and of Adam's two moments while a step runs.
+The snapshot holds the parameters the optimizer steps and their optimizer state: in one process
+the model's parameters, under FSDP2 this rank's shards (one more copy of the parameters and of
+Adam's two moments while a step runs). Under FSDP2 ``model.parameters()`` is not that: after a
+no-grad forward the root module (embeddings, final norm and the tied head) stays *unsharded*
+(FSDP2 keeps the root's weights gathered after forward, expecting the backward), and its module
+attributes are then temporary full tensors that the optimizer never sees. A snapshot of those
+missed the update of the root's weights and their Adam moments, and a restore written into them
+was lost (issue 36). So :meth:`StepSnapshot.take` and :meth:`StepSnapshot.restore` first
+reshard every FSDP2 module (:func:`reshard`) and work on ``optimizer.param_groups``; the
+restore's reshard also drops a gathered copy of the undone weights, which the next forward would
+otherwise reuse instead of gathering the restored shards.
 """
 
 from __future__ import annotations
@@ -31,18 +40,35 @@ import torch
 from torch import Tensor
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Free every FSDP2 module's gathered weights and register its shards again (a no-op for a
+    module that is not sharded, or already is); local, no collective."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The parameters ``optimizer`` steps, in its order (under FSDP2: this rank's shards)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 @dataclass
 class StepSnapshot:
-    """Copies of the parameters and the optimizer state before a step."""
+    """Copies of the optimizer's parameters and of their optimizer state before a step."""
 
     params: list[Tensor]
     state: list[dict[str, Any]]
 
     @classmethod
     @torch.no_grad()
-    def take(
-        cls, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer
-    ) -> StepSnapshot:
+    def take(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> StepSnapshot:
+        reshard(model)
+        params = optimizer_params(optimizer)
         return cls(
             params=[p.detach().clone() for p in params],
             state=[
@@ -53,8 +79,10 @@ class StepSnapshot:
         )  # fmt: skip
 
     @torch.no_grad()
-    def restore(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Put the weights and the optimizer state back as they were at :meth:`take`."""
+        reshard(model)
+        params = optimizer_params(optimizer)
         for p, saved, st in zip(params, self.params, self.state, strict=True):
             p.copy_(saved)
             if st:

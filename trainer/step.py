@@ -124,9 +124,9 @@ class LearnerStep:
         plans = self._micro_plans(minibatches)
         prox = self._proximal(minibatches, plans)  # π_prox: weights before the first update
         weights = [self._weights(mb, p, sums) for mb, p in zip(minibatches, prox, strict=True)]
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        # after the π_prox forward (FSDP2 keeps the root unsharded): the snapshot reshards first
         snapshot = (
-            StepSnapshot.take(params, self.optimizer) if cfg.max_step_kl is not None else None
+            StepSnapshot.take(self.model, self.optimizer) if cfg.max_step_kl is not None else None
         )
         updates = 0
         for _epoch in range(cfg.ppo_epochs):
@@ -138,7 +138,7 @@ class LearnerStep:
         if snapshot is not None or cfg.target_step_kl is not None:
             step_kl = self._step_kl(minibatches, plans, prox)
             if snapshot is not None and cfg.max_step_kl is not None and step_kl > cfg.max_step_kl:
-                snapshot.restore(params, self.optimizer)
+                snapshot.restore(self.model, self.optimizer)
                 rolled_back = True
                 self.rollbacks += 1
                 log.warning(

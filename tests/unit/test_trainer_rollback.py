@@ -31,20 +31,20 @@ def test_snapshot_restores_weights_and_adam_moments() -> None:
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     params = list(model.parameters())
-    first = StepSnapshot.take(params, opt)  # before any step: no optimizer state yet
+    first = StepSnapshot.take(model, opt)  # before any step: no optimizer state yet
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
     after_one = [p.detach().clone() for p in params]
     moments = [opt.state[p]["exp_avg_sq"].clone() for p in params]
-    snap = StepSnapshot.take(params, opt)
+    snap = StepSnapshot.take(model, opt)
     model(torch.full((1, 3), 5.0)).sum().backward()
     opt.step()
     assert not torch.equal(params[0], after_one[0])
-    snap.restore(params, opt)
+    snap.restore(model, opt)
     for p, w, m in zip(params, after_one, moments, strict=True):
         assert torch.equal(p, w) and torch.equal(opt.state[p]["exp_avg_sq"], m)
         assert float(opt.state[p]["step"]) == 1.0
-    first.restore(params, opt)
+    first.restore(model, opt)
     assert all(p not in opt.state for p in params)
 
 

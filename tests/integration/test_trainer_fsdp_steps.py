@@ -1,0 +1,148 @@
+"""What one sharded learner step does beside the plain update, on 2 gloo ranks (FSDP2, the
+torchrun code path: env:// rendezvous): the step rollback (``max_step_kl``).
+
+* Rollback: a step the rollback undoes must leave every shard of every parameter and every
+  optimizer-state tensor of every rank exactly as before the step, including the root module's
+  (embeddings with the tied head, final norm), which FSDP2 keeps unsharded after a forward; and
+  the next forward must use the restored weights (the same rollouts again see the same π_prox).
+
+One ``torch.multiprocessing`` job of 2 ranks (``tests/integration/test_trainer_fsdp.py`` checks
+the plain step the same way).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_trainer_fsdp import BATCHES, _config, _free_port, _rollouts
+
+from trainer.distributed import DistContext, init_distributed, shutdown_distributed
+from trainer.recipe import Trainer
+from trainer.rollback import optimizer_params
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # ~15 s of CPU; minutes when loaded
+
+#: max_step_kl that undoes any step that moved the policy at all / that undoes none.
+UNDO, KEEP = 1e-12, 1e9
+
+
+def _with(trainer: Trainer, **kw: Any) -> None:
+    trainer.config = trainer.config.model_copy(update=kw)
+
+
+def _local(t: Any) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    root = Path(out)
+    os.environ.update(
+        {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+         "LOCAL_RANK": str(rank)}
+    )  # fmt: skip
+    ctx = init_distributed("gloo")
+    ok = False
+    try:
+        _rollback(rank, ctx, root)
+        ok = True
+    finally:
+        shutdown_distributed(clean=ok)
+
+
+def _rollback(rank: int, ctx: DistContext, root: Path) -> None:
+    tr = Trainer.setup(
+        _config(root / "rollback", "cpu", lr=0.05, max_step_kl=UNDO, resume=False), dist=ctx
+    )
+    # before any forward every module is sharded: the names of the optimizer's parameters
+    names = [n for n, _ in tr.model.named_parameters()]
+    params = optimizer_params(tr.optimizer)
+    assert len(names) == len(params) and all(type(p).__name__ == "DTensor" for p in params)
+
+    def shards() -> dict[str, torch.Tensor]:
+        return {n: _local(p) for n, p in zip(names, params, strict=True)}
+
+    def moments() -> dict[str, dict[str, torch.Tensor]]:
+        return {
+            n: {k: _local(v) for k, v in tr.optimizer.state.get(p, {}).items()}
+            for n, p in zip(names, params, strict=True)
+        }
+
+    initial = shards()
+    # A: the first step, undone: the shards as they were, no optimizer state at all
+    a = tr.train_step(BATCHES[0])
+    state_a = moments()
+    shards_a = shards()
+    # B: a step kept, so the optimizer has moments to restore
+    _with(tr, max_step_kl=KEEP)
+    b = tr.train_step(BATCHES[1])
+    shards_b, state_b = shards(), moments()
+    full_b = tr.state_dict_for_publish()
+    # C and D: the same batch twice, both undone
+    _with(tr, max_step_kl=UNDO)
+    c = tr.train_step(_rollouts(3, 5, tr.version))
+    shards_c, state_c = shards(), moments()
+    d = tr.train_step(_rollouts(3, 5, tr.version))  # the same rollouts, again at Δ = 0
+    full_d = tr.state_dict_for_publish()
+    torch.save(
+        {
+            "names": names, "initial": initial, "a": a, "state_a": state_a, "shards_a": shards_a,
+            "b": b, "shards_b": shards_b, "state_b": state_b, "c": c, "shards_c": shards_c,
+            "state_c": state_c, "d": d, "full_b": full_b, "full_d": full_d,
+        },
+        root / f"rollback-r{rank}.pt",
+    )  # fmt: skip
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return dict(torch.load(path, weights_only=False, map_location="cpu"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp-steps")
+    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    return out
+
+
+def _same(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
+    assert set(got) == set(want), what
+    for k, v in want.items():
+        if isinstance(v, dict):
+            _same(got[k], v, f"{what} {k}")
+        else:
+            assert torch.equal(got[k], v), f"{what}: {k} differs (max {(got[k] - v).abs().max()})"
+
+
+def test_a_rolled_back_step_restores_every_shard_and_optimizer_state(two_ranks: Path) -> None:
+    for rank in range(2):
+        r = _load(two_ranks / f"rollback-r{rank}.pt")
+        assert r["a"]["rolled_back"] and r["a"]["step_kl"] > UNDO
+        # A: nothing of the first step is left, on any parameter (the root's included)
+        _same(r["shards_a"], r["initial"], f"rank {rank} after A")
+        assert all(not s for s in r["state_a"].values()), f"rank {rank}: optimizer state left"
+        # B trained (so the restores below have something to undo to)
+        assert not r["b"]["rolled_back"] and r["b"]["rollbacks"] == 1
+        assert sum(not torch.equal(r["shards_b"][k], r["initial"][k]) for k in r["names"]) > 5
+        assert all(r["state_b"][n] for n in r["names"])  # every parameter has its moments
+        # C: back to B's shards and moments, bit for bit
+        assert r["c"]["rolled_back"] and r["c"]["rollbacks"] == 2
+        _same(r["shards_c"], r["shards_b"], f"rank {rank} after C")
+        _same(r["state_c"], r["state_b"], f"rank {rank} moments after C")
+        # D: the same rollouts on the restored weights see the same π_prox (a forward that
+        # reused the undone step's gathered root weights would see another one). The figures of
+        # π_prox against μ over all the step's tokens do not depend on its minibatch split (the
+        # step number reseeds it); same code and inputs, so equal up to float64 summation order
+        assert r["d"]["rolled_back"] and r["d"]["rollbacks"] == 3 and r["d"]["updates"] == 3
+        for key in ("mismatch_kl", "mismatch_kl_k1", "mismatch_m2", "ess"):
+            assert r["d"][key] == pytest.approx(r["c"][key], rel=1e-9), key
+    # what a publication gathers after the rollbacks is B's weights
+    r0 = _load(two_ranks / "rollback-r0.pt")
+    _same(r0["full_d"], r0["full_b"], "published after D")
