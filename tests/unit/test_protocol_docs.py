@@ -99,7 +99,11 @@ def test_the_doc_names_the_nested_messages_and_the_plain_structs_the_code_has() 
     for parent, field, child in tagged:
         assert f"the `{field}` (a `{child}`) of `{parent}`" in text, (parent, field, child)
     listed = text.split("The other nested structs")[1].split("are not messages")[0]
-    assert set(re.findall(r"`(\w+)`", listed)) == plain
+    documented = set(re.findall(r"`(\w+)`", listed))
+    assert documented == plain, (
+        f"docs/protocol.md §2 (rule nested-messages) lists {sorted(documented - plain)} that the "
+        f"code lacks and lacks {sorted(plain - documented)}: name every nested struct there"
+    )
 
 
 def test_nested_messages_are_sent_with_type_and_protocol_version() -> None:
@@ -270,3 +274,71 @@ def test_the_vllm_backend_reports_a_stop_token_at_the_length_cap_as_a_stop() -> 
     assert _finish([5, 6, 2], [-0.1] * 3, "length", stops).finish_reason == "stop"
     assert _finish([5, 6, 9], [-0.1] * 3, "length", stops).finish_reason == "length"
     assert _finish([5, 6, 7], [-0.1] * 3, "stop", stops).finish_reason == "stop"
+
+
+# --- item 12: defaults quoted in the doc; how the sampling vectors are rounded --------------------
+def _config_default(dotted: str) -> object:
+    """The default of a coordinator config key ``section.key`` (or a top-level ``key``)."""
+    from coordinator.config import CoordinatorConfig
+
+    node: Any = CoordinatorConfig()
+    for part in dotted.split("."):
+        assert hasattr(node, part), f"docs/protocol.md names `{dotted}`: not a coordinator key"
+        node = getattr(node, part)
+    return node
+
+
+SECTIONS = ("intake", "leases", "sampling", "prompt", "reputation", "reward_audit", "capacity")
+
+
+def test_every_coordinator_key_the_doc_names_exists_with_the_default_it_quotes() -> None:
+    keys = set(re.findall(rf"`((?:{'|'.join(SECTIONS)})\.[a-z_]+)`", DOC))
+    assert "intake.sampling_z_max" in keys and "intake.registration_change_interval_s" in keys
+    for key in keys:
+        _config_default(key)  # exists
+    quoted = re.findall(rf"`((?:{'|'.join(SECTIONS)})\.[a-z_]+)` \(([0-9.e-]+)[ );]", DOC)
+    assert len(quoted) >= 2
+    for key, value in quoted:
+        default = _config_default(key)
+        assert isinstance(default, int | float)
+        assert float(value) == float(default), f"protocol.md: `{key}` ({value}), code {default}"
+
+
+def _reference_logprobs(logits: list[float], t: float, p: float, k: int) -> list[float | None]:
+    """§11.3 written out in float64, independently of policy.draw."""
+    import numpy as np
+
+    x = np.array(logits, dtype=np.float64) / t
+    keep = np.ones(len(x), dtype=bool)
+    if 0 < k < len(x):
+        keep &= x >= np.sort(x)[::-1][k - 1]
+    if p < 1:
+        ranked = [i for i in sorted(range(len(x)), key=lambda i: (-x[i], i)) if keep[i]]
+        q = np.exp(x[ranked] - x[ranked].max())
+        q /= q.sum()
+        before = np.concatenate([[0.0], np.cumsum(q)[:-1]])
+        keep = np.zeros(len(x), dtype=bool)
+        keep[[i for i, mass in zip(ranked, before, strict=True) if mass < p]] = True
+    top = x[keep].max()
+    lse = top + np.log(np.exp(x[keep] - top).sum())
+    return [float(x[i] - lse) if keep[i] else None for i in range(len(x))]
+
+
+def test_the_sampling_vectors_log_probs_are_6_decimal_roundings_within_the_stated_bound() -> None:
+    assert "reproduces every log-prob within 2e-6" in rule("vector-rounding")
+    found = re.search(r"<!-- vectors:sampling.*?-->\s*```json\n(.*?)```", DOC, re.S)
+    assert found
+    import json
+
+    worst = 0.0
+    for row in json.loads(found.group(1))["draw"]:
+        ref = _reference_logprobs(row["logits"], row["temperature"], row["top_p"], row["top_k"])
+        for got, printed in zip(ref, row["logprobs"], strict=True):
+            assert (got is None) == (printed is None), row
+            if got is not None:
+                assert printed == round(printed, 6)  # 6 decimals
+                worst = max(worst, abs(got - printed))
+    # At most 5e-7 of rounding plus the generator's float32 error (a few 1e-8 here), well inside
+    # the 2e-6 the doc tells implementers to compare within. Above 5e-7: some printed value is
+    # not the exact result rounded, so a digit-for-digit comparison would fail.
+    assert 5e-7 < worst < 1e-6
