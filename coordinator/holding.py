@@ -7,12 +7,18 @@ from then on leases may name it, lease requests waiting for a version look again
 spot-check model is loaded in a worker thread (:meth:`VersionHolding._preload`). The time from the
 publish call to holding the version is T_bcast's main part (:meth:`VersionHolding._update_t_bcast`,
 docs/capacity.md).
+
+A LoRA version (``Manifest.lora``) is scored on its adapter merged into a copy of the base model,
+which is built once per process (:func:`_lora_base`) and must have the fingerprint the version
+names; the merge is the node's ``"merged"`` one (:func:`policy.lora.merged_copy`), so an honest
+node's log-probs agree as they do for full versions.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from typing import Any
 
@@ -159,11 +165,39 @@ class VersionHolding:
             raise VerifierUnavailable(f"policy v{version} is not held by the coordinator")
         try:
             files = self.broadcast.store.load_files(version)
+            entry = self.broadcast.store.manifest(version)
         except KeyError as exc:  # pruned between the check and the read
             raise VerifierUnavailable(f"policy v{version} is no longer held") from exc
+        lora = entry[1].lora if entry is not None else None
+        if lora is not None:
+            from policy.lora import merged_copy
+
+            fingerprint, base = _lora_base(model_spec(self.config))
+            if fingerprint.split(":", 1)[-1] != lora.base_model:
+                raise VerifierUnavailable(
+                    f"policy v{version} is a LoRA adapter over base {lora.base_model[:16]}…, "
+                    f"the coordinator's model_path is {fingerprint[:23]}…"
+                )
+            return merged_copy(base, files_to_state_dict(files), rank=lora.rank, alpha=lora.alpha)
         model = build_model(model_spec(self.config))
         load_weights(model, files_to_state_dict(files))
         return model
+
+
+_BASES: dict[str | None, tuple[str, Any]] = {}
+_BASES_LOCK = threading.Lock()
+
+
+def _lora_base(spec: Any) -> tuple[str, Any]:
+    """``(fingerprint, model)`` of the base model of ``spec``, built once per process (read only:
+    each LoRA version scores on its own merged copy)."""
+    from policy.lora import base_fingerprint
+    from policy.model import build_model
+
+    with _BASES_LOCK:
+        if spec.path not in _BASES:
+            _BASES[spec.path] = (base_fingerprint(spec), build_model(spec))
+        return _BASES[spec.path]
 
 
 def _import_model_stack(spec: Any) -> None:

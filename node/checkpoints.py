@@ -18,6 +18,13 @@ Step 2 fetches a delta version as its delta when this node holds the base (the v
 usually), else the full checkpoint; either way what comes back was verified bit for bit against
 the signed manifest (:mod:`swarm.deltasync`).
 
+A LoRA version (``Manifest.lora``, docs/protocol.md §8.6) is refused with ``lora_base_missing``
+unless the backend's base model has the fingerprint it names (checked on the stored manifest
+before any download when it is here already, and before loading); its adapter goes to
+``backend.load_adapter``, which holds the last ``keep_adapters`` (S + 1) adapters over the one
+loaded base. A lease at a version whose adapter is held is a switch (``activate_adapter``): no
+download, no reload, and no rollback check (that version was accepted when it was the newest).
+
 The chunk store keeps the newest ``keep_versions`` (``S + 1``) versions. The pinned key is given
 as a fingerprint; the raw public key is taken from the first manifest (on disk or from a seed)
 whose signer has exactly that fingerprint.
@@ -26,7 +33,8 @@ Failures::
 
     CheckpointError
     ├── CheckpointRefused               (also a ProtocolError) bad_signature, manifest_invalid,
-    │                                   chunk_hash_mismatch, version_not_newer: do not retry as is
+    │                                   chunk_hash_mismatch, version_not_newer, lora_base_missing:
+    │                                   do not retry as is
     └── CheckpointUnavailable           no peer could provide the version in time: retry later
 """
 
@@ -136,6 +144,7 @@ class CheckpointManager:
         clock: Callable[[], float] = time.time,
         download_timeout_s: float = 600.0,
         progress: bool = True,
+        keep_adapters: int = 5,
     ) -> None:
         self.broadcast = broadcast
         self.backend = backend
@@ -145,6 +154,9 @@ class CheckpointManager:
         self.clock = clock
         self.download_timeout_s = download_timeout_s
         self.progress = progress
+        self.keep_adapters = keep_adapters
+        #: lease switches to a LoRA adapter already held (no download, no reload)
+        self.switches = 0
         self._lock = asyncio.Lock()
         self._key: bytes | None = None
         self.loads = 0
@@ -169,6 +181,11 @@ class CheckpointManager:
         async with self._lock:
             if self.loaded_version == version:
                 return
+            holds = getattr(self.backend, "holds_adapter", None)  # duck-typed test backends
+            if holds is not None and holds(version):  # accepted before, held in memory: a switch
+                await asyncio.to_thread(self.backend.activate_adapter, version)
+                self.switches += 1
+                return
             highest = self.highest_accepted
             if highest is not None and version < highest:
                 raise CheckpointRefused(
@@ -178,15 +195,22 @@ class CheckpointManager:
                 )
             t0 = time.monotonic()
             key = await self._pinned_key(version)
+            stored = self.broadcast.store.manifest(version)
+            if stored is not None:  # refused before any download when it cannot be used here
+                self._check_base(stored[1])
             files = await self._download(version)
             manifest = self._verify(version, key, files)
+            self._check_base(manifest)
             from swarm.checkpoint_io import files_to_state_dict
 
             state_dict = await asyncio.to_thread(files_to_state_dict, files)
-            changed = self.changed_tensors(version)
-            await asyncio.to_thread(
-                self.backend.load_state_dict, version, state_dict, changed=changed
-            )
+            changed = None if manifest.lora is not None else self.changed_tensors(version)
+            if manifest.lora is not None:
+                await asyncio.to_thread(self._load_adapter, version, state_dict, manifest)
+            else:
+                await asyncio.to_thread(
+                    self.backend.load_state_dict, version, state_dict, changed=changed
+                )
             self.accepted.set(version)
             self.loads += 1
             self.last_load_s = time.monotonic() - t0
@@ -228,6 +252,37 @@ class CheckpointManager:
         if before.keys() != after.keys():
             return None
         return frozenset(n for n, t in after.items() if t != before[n])
+
+    def _check_base(self, manifest: Manifest) -> None:
+        """Refuse (``lora_base_missing``) a LoRA version over a base this backend does not hold."""
+        lora = manifest.lora
+        if lora is None:
+            return
+        fingerprint = getattr(self.backend, "base_fingerprint", None)
+        ours = fingerprint() if fingerprint is not None else None
+        if ours is None or ours.split(":", 1)[-1] != lora.base_model:
+            have = "no LoRA support" if ours is None else f"base {ours.split(':', 1)[-1][:16]}…"
+            raise CheckpointRefused(
+                ReasonCode.LORA_BASE_MISSING,
+                f"v{manifest.version} is a LoRA adapter over base model "
+                f"{lora.base_model[:16]}…, this node's backend has {have}; start the node with "
+                "that base model (model_path; `swarm model import` prints its fingerprint)",
+            )
+
+    def _load_adapter(self, version: int, state_dict: Any, manifest: Manifest) -> None:
+        from policy.lora import LoraError
+
+        assert manifest.lora is not None
+        try:
+            self.backend.load_adapter(
+                version,
+                state_dict,
+                rank=manifest.lora.rank,
+                alpha=manifest.lora.alpha,
+                keep=self.keep_adapters,
+            )
+        except LoraError as exc:  # signed, but does not fit the base: nothing was loaded
+            raise CheckpointRefused(ReasonCode.MANIFEST_INVALID, f"v{version}: {exc}") from exc
 
     # -- steps ---------------------------------------------------------------------------------
     async def _pinned_key(self, version: int) -> bytes:

@@ -186,6 +186,7 @@ class NodeWorker(SwarmPresence):
             seeds=lambda: [self.coordinator_peer_id],
             clock=self.clock,
             download_timeout_s=cfg.download_timeout_s,
+            keep_adapters=cfg.keep_versions,  # S + 1 LoRA adapters, as versions on disk
         )
         self.client = CoordinatorClient(
             self._transport, self.coordinator_peer_id, self.identity, clock=self.clock

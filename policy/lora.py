@@ -43,6 +43,7 @@ __all__ = [
     "ADAPTER_FILE",
     "AdapterSet",
     "AdapterState",
+    "ApplyMode",
     "LoraError",
     "adapter_modules",
     "adapter_state",

@@ -13,7 +13,8 @@ Hierarchy::
     │   │   └── SchemaViolation       (also a ValueError) raised by message __post_init__ checks;
     │   │                             msgspec turns it into a validation error during decode
     │   ├── AuthError                 bad_signature, replayed, clock_skew
-    │   ├── ManifestError             manifest_invalid
+    │   ├── ManifestError             manifest_invalid, lora_base_missing (a LoRA version over
+    │   │   │                         a base model this receiver does not hold)
     │   │   ├── ChunkHashMismatch     chunk_hash_mismatch; .index and .file name the chunk
     │   │   └── DeltaError            delta_invalid, delta_mismatch, delta_base_missing,
     │   │                             delta_chain_gap: a delta version cannot be applied here
@@ -75,6 +76,7 @@ class ReasonCode(StrEnum):
     DELTA_MISMATCH = "delta_mismatch"
     DELTA_BASE_MISSING = "delta_base_missing"
     DELTA_CHAIN_GAP = "delta_chain_gap"
+    LORA_BASE_MISSING = "lora_base_missing"
     # transport and catch-all
     TIMEOUT = "timeout"
     CLOSED = "closed"
@@ -168,7 +170,7 @@ def error_for(code: ReasonCode | str, detail: str) -> ProtocolError:
         return DecodeError(rc, detail)
     if rc in _AUTH:
         return AuthError(rc, detail)
-    if rc is ReasonCode.MANIFEST_INVALID:
+    if rc in (ReasonCode.MANIFEST_INVALID, ReasonCode.LORA_BASE_MISSING):
         return ManifestError(rc, detail)
     if rc in _DELTA:
         return DeltaError(rc, detail)

@@ -17,6 +17,11 @@ A version has two *parts* in one chunk list: the **full** checkpoint (safetensor
 for a delta version (``Manifest.delta``), the **delta** files that turn the base version's full
 checkpoint into this one (:mod:`protocol.delta`). A receiver fetches one part or the other
 (:func:`part_indices`); the full part always exists, so any version can be fetched whole.
+
+A version is of one of three *kinds* (:func:`version_kind`): ``"full"`` (the full checkpoint
+only, a keyframe), ``"delta"`` (``Manifest.delta``: a keyframe's files plus the delta) or
+``"lora"`` (``Manifest.lora``: the full part is a LoRA adapter over the base model it names,
+docs/protocol.md §8.6; never with a delta).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from protocol.messages import (
     PROTOCOL_VERSION,
     ChunkInfo,
     DeltaInfo,
+    LoraInfo,
     Manifest,
     SignedEnvelope,
     TensorInfo,
@@ -61,10 +67,12 @@ __all__ = [
     "sign_manifest",
     "verify_chunk",
     "verify_manifest",
+    "version_kind",
 ]
 
 HashAlgorithm = Literal["sha256", "blake3"]
 Part = Literal["full", "delta"]
+VersionKind = Literal["full", "delta", "lora"]
 ROOT_DOMAIN = b"rollout-swarm/manifest-root/v1\x00"
 Buffer = bytes | bytearray | memoryview
 _HASHERS: dict[str, Callable[[Buffer], bytes]] = {
@@ -106,11 +114,13 @@ def build_manifest(
     limits: Limits = DEFAULT_LIMITS,
     tensors: list[TensorInfo] | None = None,
     delta: DeltaInfo | None = None,
+    lora: LoraInfo | None = None,
 ) -> tuple[Manifest, list[bytes]]:
     """Split ``files`` (name -> bytes) into chunks; return the unsigned manifest and the chunks.
 
     ``files`` holds the full checkpoint and, with ``delta``, the delta files it names;
-    ``tensors`` is the full checkpoint's tensor list (:func:`protocol.delta.tensor_infos`)."""
+    ``tensors`` is the full checkpoint's tensor list (:func:`protocol.delta.tensor_infos`);
+    ``lora``: the full checkpoint is a LoRA adapter over that base (no delta then)."""
     if not files:
         raise ValueError("a checkpoint needs at least one file")
     if not 0 < chunk_size <= limits.chunk_size:
@@ -147,6 +157,7 @@ def build_manifest(
         expires_at=expires_at,
         tensors=tensors,
         delta=delta,
+        lora=lora,
     )
     check_manifest(manifest, now=created_at, limits=limits)
     return manifest, chunks
@@ -255,6 +266,8 @@ def _check_parts(manifest: Manifest, bad: Callable[[str], ManifestError]) -> Non
             if a.name >= b.name:
                 raise bad(f"tensors not strictly ascending by name at {b.name!r}")
     delta = manifest.delta
+    if manifest.lora is not None and delta is not None:
+        raise bad("a LoRA version cannot also be a delta")
     if delta is None:
         return
     if tensors is None:
@@ -269,6 +282,13 @@ def _check_parts(manifest: Manifest, bad: Callable[[str], ManifestError]) -> Non
         raise bad(f"delta file {missing[0]!r} has no chunks")
     if files <= set(delta.files):
         raise bad("no full checkpoint files besides the delta")
+
+
+def version_kind(manifest: Manifest) -> VersionKind:
+    """``"lora"``, ``"delta"`` or ``"full"`` (module docstring)."""
+    if manifest.lora is not None:
+        return "lora"
+    return "delta" if manifest.delta is not None else "full"
 
 
 def delta_files(manifest: Manifest) -> frozenset[str]:

@@ -72,6 +72,7 @@ __all__ = [
     "HeartbeatAck",
     "Lease",
     "LeaseRequest",
+    "LoraInfo",
     "Manifest",
     "ManifestRequest",
     "ManifestResponse",
@@ -351,6 +352,16 @@ class DeltaInfo(WireStruct):
     files: Annotated[list[FileName], Meta(min_length=1, max_length=L.MAX_DELTA_FILES)]
 
 
+class LoraInfo(WireStruct):
+    """This version is a LoRA adapter over a base model the receiver holds (protocol §8.6)."""
+
+    # hex SHA-256 fingerprint of the base model (policy.lora.base_fingerprint; for a model
+    # directory, what `swarm model import` prints after "sha256:")
+    base_model: HexDigest
+    rank: Annotated[int, Meta(ge=1, le=65536)]  # r: A is [r, in], B is [out, r]
+    alpha: Annotated[float, Meta(gt=0.0, le=L.MAX_FLOAT)]  # the adapter is scaled by alpha / r
+
+
 class Manifest(MessageBase):
     """Checkpoint version description; signed by the coordinator key in a SignedEnvelope."""
 
@@ -369,6 +380,8 @@ class Manifest(MessageBase):
     # every tensor of the full checkpoint, ascending by name; None = not listed (then no delta)
     tensors: Annotated[list[TensorInfo], Meta(max_length=L.MAX_TENSORS_SCHEMA)] | None = None
     delta: DeltaInfo | None = None  # None = a keyframe: this version travels in full only
+    # present: the full part is a LoRA adapter over lora.base_model (no delta); None = weights
+    lora: LoraInfo | None = None
 
 
 class ManifestResponse(MessageBase):

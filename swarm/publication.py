@@ -17,6 +17,10 @@ Because the full checkpoint is listed in every version, a keyframe is not needed
 node in (it fetches the full checkpoint of the newest version) nor to bound anyone's work (a
 peer never fetches more delta bytes than the full checkpoint), so periodic keyframes are off by
 default: each one would make every peer that holds the base download the full checkpoint.
+
+A *LoRA version* (``lora``: docs/protocol.md §8.6) is an adapter over a base model every peer
+holds: its full part is the adapter file, a few MB, and it never travels as a delta (an adapter
+changes in every element from one step to the next).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Literal
 from protocol.delta import LayoutChanged, encode_delta, tensor_infos
 from protocol.limits import DEFAULT_CHUNK_SIZE
 from protocol.manifest import HashAlgorithm, build_manifest
-from protocol.messages import DeltaInfo, Manifest
+from protocol.messages import DeltaInfo, LoraInfo, Manifest
 from swarm.chunks import ChunkStore
 
 logger = logging.getLogger(__name__)
@@ -64,7 +68,7 @@ class Built:
 
     manifest: Manifest
     chunks: list[bytes]
-    kind: Literal["keyframe", "delta"]
+    kind: Literal["keyframe", "delta", "lora"]
     reason: str  # why it is a keyframe ("" for a delta)
     full_bytes: int
     delta_bytes: int  # 0 for a keyframe
@@ -123,13 +127,32 @@ class VersionBuilder:
         created_at: float,
         expires_at: float,
         force_keyframe: bool = False,
+        lora: LoraInfo | None = None,
     ) -> Built:
-        """Chunks and unsigned manifest of ``version`` whose full checkpoint is ``files``."""
+        """Chunks and unsigned manifest of ``version`` whose full checkpoint is ``files``
+        (with ``lora``: the adapter files of a LoRA version over that base)."""
         if DELTA_FILE in files:
             raise ValueError(f"{DELTA_FILE!r} is reserved for the delta; rename that file")
         t0 = time.perf_counter()
         tensors = tensor_infos(files, self.hash)
         full = sum(len(f) for f in files.values())
+        if lora is not None:
+            manifest, chunks = build_manifest(
+                files,
+                version=version,
+                parent_version=parent_version,
+                model_config_hash=self.model_config_hash,
+                tokenizer_hash=self.tokenizer_hash,
+                created_at=created_at,
+                expires_at=expires_at,
+                chunk_size=self.chunk_size,
+                hash=self.hash,
+                tensors=tensors,
+                lora=lora,
+            )
+            total = sum(math.prod(t.shape) for t in tensors)
+            encode_s = time.perf_counter() - t0
+            return Built(manifest, chunks, "lora", "", full, 0, 0, total, encode_s)
         reason, delta = self._keyframe_reason(base, version, force_keyframe), None
         if not reason and base is not None:
             try:

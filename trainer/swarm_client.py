@@ -31,6 +31,7 @@ from protocol.errors import ReasonCode
 from protocol.identity import Identity
 from protocol.messages import (
     FetchRollouts,
+    LoraInfo,
     Manifest,
     ManifestResponse,
     PublishVersion,
@@ -192,7 +193,12 @@ class SwarmPublisher:
         )
         store = self.broadcast.store
         last = self.last_version if self.last_version is not None else store.latest()
-        base = await asyncio.to_thread(held_base, store, last)
+        lora = _lora_info(state_dict)  # a LoRA adapter: its own file, never a delta
+        if lora is not None:
+            from policy.lora import ADAPTER_FILE
+
+            files = {ADAPTER_FILE: b"".join(files.values())}
+        base = None if lora is not None else await asyncio.to_thread(held_base, store, last)
         prepare_s += time.monotonic() - t0
         for attempt in ("as planned", "as a keyframe"):
             t_build = time.monotonic()
@@ -206,6 +212,7 @@ class SwarmPublisher:
                 created_at=now,
                 expires_at=now + MANIFEST_TTL_S,
                 force_keyframe=self._keyframe_next or attempt == "as a keyframe",
+                lora=lora,
             )
             prepare_s += time.monotonic() - t_build
             self.last_prepare_s = prepare_s
@@ -232,7 +239,9 @@ class SwarmPublisher:
         signed: Manifest = await self.broadcast.seed_version(msg.manifest, built.chunks)
         self.last_version = signed.version
         self._keyframe_next = False
-        if signed.delta is not None:
+        if signed.lora is not None:
+            what = f"a LoRA adapter (rank {signed.lora.rank}) over {signed.lora.base_model[:12]}"
+        elif signed.delta is not None:
             what = f"a delta of {built.delta_bytes} bytes against v{signed.delta.base_version}"
         else:
             what = f"a keyframe ({built.reason})"
@@ -296,6 +305,19 @@ class SwarmPublisher:
         if not isinstance(msg, StatusResponse):
             raise CoordinatorError(f"unexpected answer to status: {type(msg).__name__}")
         return dict(msg.status)
+
+
+def _lora_info(state_dict: Mapping[str, Any]) -> LoraInfo | None:
+    """The manifest's ``lora`` of a :class:`policy.lora.AdapterState` (None: full weights)."""
+    from policy.lora import AdapterState
+
+    if not isinstance(state_dict, AdapterState):
+        return None
+    return LoraInfo(
+        base_model=digest_hex(state_dict.base_model),
+        rank=state_dict.rank,
+        alpha=float(state_dict.alpha),
+    )
 
 
 def _wire_stats(stats: Mapping[str, Any]) -> dict[str, Any]:

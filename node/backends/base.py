@@ -113,6 +113,31 @@ class InferenceBackend(ABC):
         ``changed`` names the tensors that differ from the loaded version (their signed digests
         differ; the others are bit-identical): a backend may update only those. None = all."""
 
+    # ------------------------------------------------------------------ LoRA versions
+    def base_fingerprint(self) -> str | None:
+        """``sha256:<hex>`` of the base model this backend applies LoRA adapters to
+        (:func:`policy.lora.base_fingerprint`); None: it applies none."""
+        return None
+
+    def holds_adapter(self, version: int) -> bool:
+        """``version``'s adapter is in memory (accepted earlier): :meth:`activate_adapter`
+        switches to it without a download or a reload of the base."""
+        return False
+
+    def load_adapter(
+        self, version: int, tensors: Mapping[str, Any], *, rank: int, alpha: float, keep: int
+    ) -> None:
+        """Hold LoRA ``version`` (adapter tensors, docs/protocol.md §8.6) over the base and make
+        it the active weights, keeping at most ``keep`` adapters in memory (S + 1: a lease at
+        any of the last S versions switches without a download); the base is not reloaded."""
+        raise BackendError(
+            f"the {self.name} backend cannot apply LoRA adapters; run the hf or vllm backend"
+        )
+
+    def activate_adapter(self, version: int) -> None:
+        """Make the held adapter of ``version`` the active weights (``loaded_version``)."""
+        raise BackendError(f"the {self.name} backend holds no LoRA adapters")
+
     @abstractmethod
     def generate(
         self, requests: list[GenerationRequest], sampling: SamplingConfig

@@ -16,6 +16,11 @@ stop/EOS token (kept) or at ``max_new_tokens``; the loop ends when every row has
 are dropped from the batch when at least half of the live rows are done, so long tails do not pay
 for finished samples.
 
+LoRA versions (docs/protocol.md §8.6): the base model is loaded once; each adapter is held in a
+:class:`policy.lora.AdapterSet` (up to S + 1 of them) and a lease switches to its version's
+adapter without reloading the base (``lora_mode``: ``"merged"`` into the weights, recomputed from
+a kept copy of the base weights, or ``"unmerged"`` forward hooks; docs/models.md compares them).
+
 Threads: torch's process-wide thread setting is respected, never changed here.
 """
 
@@ -35,6 +40,7 @@ from node.backends.base import (
     sample_seed,
 )
 from policy.draw import SAMPLING_RULE, draw_tokens, sample_uniforms
+from policy.lora import AdapterSet, ApplyMode
 from policy.model import ModelSpec, build_model, load_weights
 from policy.scoring import cache_kwarg
 
@@ -78,10 +84,14 @@ class HFBackend(InferenceBackend):
         eos_token_ids: Sequence[int] | None = None,
         max_batch_rows: int = 1024,
         pad_token_id: int | None = None,
+        lora_mode: ApplyMode = "merged",
+        lora_base: str | None = None,
     ) -> None:
         """``model`` (optional) replaces ``build_model(spec)`` (tests, benchmarks);
         ``eos_token_ids`` overrides the model's EOS ids (``()`` = only ``stop_token_ids`` stop,
-        for benchmarks); ``max_batch_rows`` bounds the samples decoded in one batch."""
+        for benchmarks); ``max_batch_rows`` bounds the samples decoded in one batch;
+        ``lora_mode`` how adapters are applied; ``lora_base`` the base fingerprint of ``model``
+        (default: :func:`policy.lora.base_fingerprint` of ``spec``, computed when first asked)."""
         self.spec = spec or ModelSpec()
         self.device = resolve_device(device)
         if model is None:
@@ -99,6 +109,14 @@ class HFBackend(InferenceBackend):
         self.max_batch_rows = max(1, max_batch_rows)
         self.loaded_version = None
         self._cache_kw = cache_kwarg(self.model)
+        self.lora_mode: ApplyMode = lora_mode
+        self._lora_base = lora_base
+        #: the adapters held over the base (None: no LoRA version loaded yet)
+        self.adapters: AdapterSet | None = None
+        #: the weights are the base model's as built (no full version loaded over them)
+        self._base_intact = True
+        #: times the base model was built again (a LoRA version after a full one)
+        self.base_reloads = 0
 
     # ------------------------------------------------------------------ weights
     def load_state_dict(
@@ -107,11 +125,48 @@ class HFBackend(InferenceBackend):
         state_dict: Mapping[str, Any],
         changed: Collection[str] | None = None,
     ) -> None:
+        if self.adapters is not None:  # a full version after LoRA ones: the weights are its own
+            self.adapters.activate(None)
+            self.adapters = None
+            changed = None
         with torch.no_grad():
             if changed is None or self.loaded_version is None:
                 load_weights(self.model, dict(state_dict))
             else:
                 self._update(state_dict, changed)
+        self._base_intact = False
+        self.loaded_version = version
+
+    # ------------------------------------------------------------------ LoRA
+    def base_fingerprint(self) -> str | None:
+        if self._lora_base is None:
+            from policy.lora import base_fingerprint
+
+            self._lora_base = base_fingerprint(self.spec)
+        return self._lora_base
+
+    def holds_adapter(self, version: int) -> bool:
+        return self.adapters is not None and version in self.adapters
+
+    def load_adapter(
+        self, version: int, tensors: Mapping[str, Any], *, rank: int, alpha: float, keep: int
+    ) -> None:
+        if not self._base_intact:  # full versions were loaded over the base: build it again
+            log.warning("LoRA v%d after full versions: building the base model again", version)
+            with torch.no_grad():
+                load_weights(self.model, build_model(self.spec).state_dict())
+            self._base_intact = True
+            self.base_reloads += 1
+        if self.adapters is None:
+            self.adapters = AdapterSet(self.model, keep=keep, mode=self.lora_mode)
+        self.adapters.keep = max(1, keep)
+        self.adapters.add(version, tensors, rank=rank, alpha=alpha)
+        self.activate_adapter(version)
+
+    def activate_adapter(self, version: int) -> None:
+        if self.adapters is None or version not in self.adapters:
+            raise KeyError(f"LoRA v{version} is not held by this backend")
+        self.adapters.activate(version)
         self.loaded_version = version
 
     def _update(self, state_dict: Mapping[str, Any], changed: Collection[str]) -> None:
