@@ -182,9 +182,6 @@ class IntakeSection(_Section):
     clean_checks_halflife: float = Field(
         default=2.0, gt=0, description="Passed spot checks that halve a node's check rate"
     )
-    spot_check_max_samples: int = Field(
-        default=8, ge=1, description="Samples re-scored per spot-checked lease"
-    )
     tolerances: dict[str, Tolerance] = Field(
         default_factory=_default_tolerances,
         description='Per "backend/dtype" tolerance ("*" matches any backend); backend and dtype '

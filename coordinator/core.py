@@ -144,7 +144,6 @@ class Coordinator(SubmissionDesk, ActiveSet):
             tokenizer,
             verifier=verifier,
             secret=store.secret(),
-            spot_check_max_samples=config.intake.spot_check_max_samples,
             metrics=self.metrics,
         )
         self._g_active = Gauge(

@@ -17,12 +17,11 @@ raising :class:`~coordinator.errors.IntakeRejection` with a protocol reason code
                              "eos"/"stop", length == max_new_tokens iff "length")
 6. :func:`score_rewards`     reward recomputed by the task verifier from the decoded completion
                              (the wire has no reward field at all: a node cannot even claim one)
-7. :meth:`Intake.spot_check` behaviour log-probs of a sampled fraction re-scored at the claimed
-                             version in the registered dtype (:class:`LogprobVerifier`), with the
-                             registered (backend, dtype)'s tolerance, tail bound and boundary
-                             margin; the sampling statistic, and every token replayed from its
-                             seed (``sampling_mismatch``), whatever the backend. A suspect node
-                             is checked on every lease, every sample.
+7. :meth:`Intake.spot_check` every sample of a checked lease re-scored at the claimed version
+                             (:class:`LogprobVerifier`) against the tolerance the coordinator
+                             calibrated for that version; the sampling statistic, and every token
+                             replayed from its seed (``sampling_mismatch``), whatever the
+                             backend. A suspect node is checked on every lease.
 
 A lease is spot-checked when ``HMAC(secret, lease_id) < rate``, the node's adaptive check rate
 (:mod:`coordinator.trust`): unpredictable for a node, which does not know the secret. What was
@@ -261,7 +260,7 @@ def check_sample(sample: Sample, ctx: IntakeContext, where: str) -> tuple[list[i
 def check_termination(
     tokens: Sequence[int], finish: str, ctx: IntakeContext, limit: int, where: str
 ) -> None:
-    """"eos"/"stop" (either label: the node's word for which kind of stop token it was is not
+    """ "eos"/"stop" (either label: the node's word for which kind of stop token it was is not
     checked) iff a token of the lease's stop set is last, and none before it; "length": exactly
     ``limit`` tokens, none in the stop set. A stop token at position ``limit`` is a stop: the
     sample is "eos"/"stop", not "length" (docs/protocol.md §12.2 check 10)."""
@@ -333,14 +332,12 @@ class Intake:
         *,
         verifier: LogprobVerifier | None,
         secret: bytes,
-        spot_check_max_samples: int,
         metrics: IntakeMetrics | None = None,
     ) -> None:
         self.task = task
         self.tokenizer = tokenizer
         self.verifier = verifier
         self.secret = secret
-        self.max_samples = spot_check_max_samples
         self.metrics = metrics or IntakeMetrics()
         #: Runs blocking scoring (math-verify) off the event loop; injectable like the clock (the
         #: simulation runs it inline, so a submission completes without an event loop).
@@ -399,8 +396,8 @@ class Intake:
                 )
         suspect = ctx.suspect and self.verifier is not None
         if accepted and (suspect or self.spot_checked(ctx.lease.lease_id, ctx.check_rate)):
-            report.full = suspect
-            await self.spot_check(sub, ctx, accepted, every_sample=suspect)
+            report.full = True  # a checked lease is re-scored in full (issue 34, finding 5)
+            await self.spot_check(sub, ctx, accepted)
         return accepted
 
     async def spot_check(
@@ -408,20 +405,14 @@ class Intake:
         sub: RolloutSubmission,
         ctx: IntakeContext,
         samples: Sequence[AcceptedSample],
-        *,
-        every_sample: bool = False,
     ) -> None:
-        """Check 7: re-score a deterministic, secret-keyed subset of ``samples`` (all of them for
-        a suspect node) in the registered dtype: claimed log-probs, their tail, the sampling
-        statistic and each token against the sample's seeded uniform."""
+        """Check 7: re-score every sample of the lease (one batched forward; a subset let a node
+        forge a few samples per lease and be caught on a fraction of a percent of its leases):
+        claimed log-probs, the sampling statistic and each token against its seeded uniform."""
         assert self.verifier is not None
         lease = ctx.lease
         lease_id = lease.lease_id
-        ranked = sorted(
-            samples, key=lambda s: self._u(f"pick:{lease_id}:{s.prompt_index}:{s.sample_index}")
-        )
-        chosen = ranked if every_sample else ranked[: self.max_samples]
-        picked = [s for s in chosen if s.completion_tokens]
+        picked = [s for s in samples if s.completion_tokens]
         if not picked:
             return
         try:

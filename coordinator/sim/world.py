@@ -219,7 +219,7 @@ class World:
             suspect or intake.spot_checked(lease.lease_id, self.core.trust.rate_of(trust))
         ):
             return cheap
-        k = n if suspect else min(n, self.config.intake.spot_check_max_samples)
+        k = n  # a checked lease is re-scored in full (issue 34)
         self.stats.spot_checked += 1
         per_token = 2.0 * s.model.params_b * 1e9 / (s.verification.verifier_tflops * 1e12)
         return cheap + per_token * k * (s.model.prompt_tokens + tokens / n)

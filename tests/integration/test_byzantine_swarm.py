@@ -568,7 +568,7 @@ async def tied_swarm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[
         tmp,
         trainer_id,
         sampling={"temperature": 1.3, "top_k": 5, "top_p": 0.8, "max_new_tokens": 8},
-        intake={"spot_check_fraction": 1.0, "spot_check_max_samples": 64},
+        intake={"spot_check_fraction": 1.0},
     )
     coord = await launch_coordinator(tmp, config)
     trainer = Trainer(coord, trainer_id, tmp)

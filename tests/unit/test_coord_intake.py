@@ -217,7 +217,7 @@ async def test_fabricated_logprobs_caught_by_spot_check(tmp_path: Path) -> None:
         loaded.append(version)
         return model
 
-    h = Harness(tmp_path, intake={"spot_check_fraction": 1.0, "spot_check_max_samples": 4})
+    h = Harness(tmp_path, intake={"spot_check_fraction": 1.0})
     verifier = InProcessLogprobVerifier(loader, h.cfg.intake.tolerances, cache_size=3)
     h.verifier = verifier
     h.reopen()

@@ -32,7 +32,7 @@ def harness(
 ) -> Harness:
     h = Harness(
         tmp_path,
-        intake={"spot_check_fraction": fraction, "spot_check_max_samples": 64, **(intake or {})},
+        intake={"spot_check_fraction": fraction, **(intake or {})},
         sampling={"max_new_tokens": 12},
     )
     h.verifier = InProcessLogprobVerifier(

@@ -96,7 +96,7 @@ async def test_greedy_mode_reports_honest_logprobs_and_is_caught_by_the_sampling
     model = build_model(ModelSpec(), seed=0)
     h = Harness(
         tmp_path,
-        intake={"spot_check_fraction": 1.0, "spot_check_max_samples": 64},
+        intake={"spot_check_fraction": 1.0},
         sampling={"max_new_tokens": 12},
     )
     h.verifier = InProcessLogprobVerifier(lambda v: model, h.cfg.intake.tolerances, cache_size=2)

@@ -25,6 +25,7 @@ from protocol.messages import (
     Reject,
     RolloutSubmission,
     pack_logprobs,
+    pack_tokens,
     unpack_logprobs,
 )
 
@@ -47,12 +48,19 @@ def finetuned(model: Any) -> Any:
 
 
 def checked(
-    tmp_path: Path, model: Any, *, sampling: dict[str, Any] | None = None, **intake: Any
+    tmp_path: Path,
+    model: Any,
+    *,
+    sampling: dict[str, Any] | None = None,
+    top: dict[str, Any] | None = None,
+    **intake: Any,
 ) -> Harness:
-    """A coordinator that re-scores every lease (every sample) with ``model``."""
+    """A coordinator that re-scores every lease (every sample) with ``model``; ``top``: other
+    top-level settings (group_size, ...)."""
     h = Harness(
         tmp_path,
-        intake={"spot_check_fraction": 1.0, "spot_check_max_samples": 64, **intake},
+        **(top or {}),
+        intake={"spot_check_fraction": 1.0, **intake},
         sampling={"max_new_tokens": 12, **(sampling or {})},
     )
     h.verifier = InProcessLogprobVerifier(
@@ -268,3 +276,44 @@ def test_a_token_only_another_machine_keeps_leaves_the_statistic_finite() -> Non
     assert all(x > float("-inf") for a in audits for x in a.logprobs)
     assert abs(sampling_z(audits)) < 6.0
     assert sum(a.replay_misses or 0 for a in audits) == 0
+
+
+# --- issue 34, finding 5: only 8 samples of a checked lease were re-scored ----------------------
+async def test_every_sample_of_a_checked_lease_is_rescored(tmp_path: Path, model: Any) -> None:
+    """One sample of 24 replaced by a reward-1 forgery (the right answer, with the honest
+    log-probs of those tokens, so only the seeded replay can tell): with 8 of 24 samples
+    re-scored it passed 2 checks in 3. Every sample is re-scored now: each lease is refused."""
+    from coord_harness import answer
+
+    from policy.scoring import score_logprobs
+
+    h = checked(tmp_path, model, top={"group_size": 8})
+    refused = 0
+    for k in range(6):
+        node = h.node()  # a fresh identity per lease (its refused leases stay active)
+        lease = h.lease(node, max_prompts=3)
+        honest = sampled(lease, model)
+        gi, si = k % 3, (5 * k) % 8
+        forged_tokens = answer(lease, gi)
+        prompt = list(unpack_tokens_of(lease, gi))
+        lps = score_logprobs(model, [prompt], [forged_tokens])[0]
+        group = honest.groups[gi]
+        samples = list(group.samples)
+        samples[si] = msgspec.structs.replace(
+            samples[si],
+            token_ids=pack_tokens(forged_tokens),
+            logprobs=pack_logprobs(lps),
+            finish_reason="eos",
+        )
+        groups = list(honest.groups)
+        groups[gi] = msgspec.structs.replace(group, samples=samples)
+        got = await h.core.submit(node.public_key, msgspec.structs.replace(honest, groups=groups))
+        refused += isinstance(got, Reject) and got.code is ReasonCode.SAMPLING_MISMATCH
+    assert refused == 6
+    assert h.store.rollout_count() == 0
+
+
+def unpack_tokens_of(lease: Any, index: int) -> list[int]:
+    from protocol.messages import unpack_tokens
+
+    return unpack_tokens(lease.prompts[index].token_ids)
