@@ -342,3 +342,83 @@ def test_the_sampling_vectors_log_probs_are_6_decimal_roundings_within_the_state
     # the 2e-6 the doc tells implementers to compare within. Above 5e-7: some printed value is
     # not the exact result rounded, so a digit-for-digit comparison would fail.
     assert 5e-7 < worst < 1e-6
+
+
+# --- item 10: the embedded model of §13 --------------------------------------------------------
+def embedded_model_facts(tmp: Path) -> dict[str, Any]:
+    """What §13 states about the embedded model, read from the code: the config the nodes and
+    the trainer build, the layer modules, and the checkpoint the trainer publishes (its real
+    path: ``state_dict_for_publish``, cast to ``publish_dtype``, serialised)."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+
+    from swarm.checkpoint_io import cast_floats, state_dict_to_files
+    from trainer.config import TrainerConfig
+    from trainer.recipe import Trainer
+
+    cfg = TrainerConfig(out_dir=str(tmp / "run"))
+    trainer = Trainer.setup(cfg)
+    model = trainer.model
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or {}
+    attn = model.model.layers[0].self_attn
+    mlp = model.model.layers[0].mlp
+    files = state_dict_to_files(cast_floats(trainer.state_dict_for_publish(), cfg.publish_dtype))
+    (name, data), *more = files.items()
+    assert not more
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_len])
+    header.pop("__metadata__", None)
+    (tmp / name).write_bytes(data)
+    with safe_open(str(tmp / name), framework="pt") as f:
+        tied = torch.equal(
+            f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight")
+        )
+    return {
+        "architecture": type(model).__name__,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": attn.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": rope.get("rope_theta", getattr(config, "rope_theta", None)),
+        "rope_type": rope.get("rope_type", "default"),
+        "sliding_window": bool(config.use_sliding_window),
+        "hidden_act": config.hidden_act,
+        "attention_bias": {
+            p: getattr(attn, p).bias is not None for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+        },
+        "mlp_bias": any(getattr(mlp, p).bias is not None for p in ("gate_proj", "up_proj")),
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_eos_pad": [config.bos_token_id, config.eos_token_id, config.pad_token_id],
+        "checkpoint_file": name,
+        "lm_head_equals_embed_tokens": tied,
+        "tensors": [[k, v["dtype"], v["shape"]] for k, v in sorted(header.items())],
+    }
+
+
+def render_facts(facts: dict[str, Any]) -> str:
+    """The JSON block as §13 prints it: one key per line, one tensor per line."""
+    import json
+
+    lines = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in facts.items() if k != "tensors"]
+    rows = [f"  {json.dumps(t)}" for t in facts["tensors"]]
+    return "{\n" + "\n".join(lines) + '\n "tensors": [\n' + ",\n".join(rows) + "\n ]\n}\n"
+
+
+def test_the_embedded_model_is_what_section_13_says(tmp_path: Path) -> None:
+    found = re.search(r"<!-- vectors:embedded-model.*?-->\s*```json\n(.*?)```", DOC, re.S)
+    assert found, "docs/protocol.md §13 lost its embedded-model block"
+    facts = embedded_model_facts(tmp_path)
+    assert found.group(1) == render_facts(facts), "regenerate §13's block:\n" + render_facts(facts)
+    # what the prose around it says
+    assert facts["architecture"] == "Qwen2ForCausalLM" and facts["lm_head_equals_embed_tokens"]
+    names = [t[0] for t in facts["tensors"]]
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" in names
+    assert {t[1] for t in facts["tensors"]} == {"BF16"}
