@@ -105,6 +105,23 @@ class DistContext:
         dist.all_reduce(buf, op=dist.ReduceOp.MAX)
         return [int(v) for v in buf.cpu().tolist()]
 
+    def all_gather_1d(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's 1-D ``tensor`` (lengths may differ, one dtype), in rank order, on every
+        rank; on this rank's collective device (a single process: ``[tensor]`` as it is)."""
+        if not self.enabled:
+            return [tensor]
+        dev = torch.device(self.device)
+        local = tensor.reshape(-1).to(dev)
+        size = torch.tensor([local.numel()], dtype=torch.int64, device=dev)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size)
+        counts = [int(s.item()) for s in sizes]
+        padded = local.new_zeros(max(1, *counts))  # same shape on every rank
+        padded[: local.numel()] = local
+        parts = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(parts, padded)
+        return [part[:n] for part, n in zip(parts, counts, strict=True)]
+
     def broadcast_parameters(self, module: torch.nn.Module) -> None:
         """Make every rank start from rank 0's weights (and buffers) of ``module``."""
         for tensor in module.state_dict().values():

@@ -98,6 +98,7 @@ def behaviour_weights(
     decay: float = 1.0,
     cap_low: float | None = None,
     m2_threshold: float | None = None,
+    m2_keep: Tensor | None = None,
 ) -> BehaviourWeights:
     """Importance weights ``w = π_prox/μ`` that correct for sampling from a stale policy μ.
 
@@ -117,7 +118,12 @@ def behaviour_weights(
         cap_low: C_low, the lower bound of the mask/reject band; None means 1/C.
         m2_threshold: τ_M2 (M2PO): drop the tokens with the largest (log π_prox/μ)² until the
             mean over the tokens left is ≤ τ_M2 (:func:`second_moment_mask`); None disables.
+        m2_keep: ``[N, T]`` M2PO's mask chosen elsewhere, over more tokens than these (a
+            minibatch spread over ranks: :meth:`trainer.step.LearnerStep._m2_keep`); 1.0 on the
+            tokens kept. Excludes ``m2_threshold``.
     """
+    if m2_threshold is not None and m2_keep is not None:
+        raise ValueError("pass m2_threshold or a precomputed m2_keep, not both")
     log_ratio = (prox_logp - behaviour_logp) * mask
     if level == "token":
         unit_log = log_ratio
@@ -148,7 +154,9 @@ def behaviour_weights(
         raise ValueError(f"unknown weight mode {mode!r}: use truncate, mask, reject, raw or off")
     m2_masked = torch.zeros_like(mask)
     if m2_threshold is not None:
-        keep = second_moment_mask(log_ratio, mask, m2_threshold)
+        m2_keep = second_moment_mask(log_ratio, mask, m2_threshold)
+    if m2_keep is not None:
+        keep = m2_keep.to(mask.dtype)
         m2_masked = (1.0 - keep) * mask
         weights = weights * keep
     if decay != 1.0:
@@ -167,25 +175,31 @@ def second_moment_mask(log_ratio: Tensor, mask: Tensor, threshold: float) -> Ten
     With M̂2 = mean over completion tokens of (log r)², the tokens with the largest (log r)² are
     dropped one by one until M̂2 of the tokens left is ≤ ``threshold`` (Zheng et al. 2025,
     "Prosperity before Collapse", arXiv 2510.01161; AReaL's ``m2_threshold``). At least one token
-    is kept. Ties are broken by position (stable sort), so the result is deterministic.
+    is kept. Ties are broken by position (row, then token), so the result is deterministic.
     """
     sel = mask > 0
-    m2 = (log_ratio * log_ratio)[sel]
     keep = torch.zeros_like(mask)
+    keep[sel] = second_moment_keep((log_ratio * log_ratio)[sel], threshold).to(mask.dtype)
+    return keep
+
+
+def second_moment_keep(m2: Tensor, threshold: float) -> Tensor:
+    """:func:`second_moment_mask` on a flat ``[n]`` tensor of (log r)², the tokens in position
+    order (ties go to the earlier one: it is dropped first); ``[n]`` bool, True where kept."""
     n = m2.numel()
+    kept = torch.zeros(n, dtype=torch.bool, device=m2.device)
     if n == 0:
-        return keep
+        return kept
     order = torch.sort(m2, descending=True, stable=True).indices
     ordered = m2[order].double()
     # mean of the suffix starting at i = mean of what is left after dropping the i largest
     suffix_sum = ordered.flip(0).cumsum(0).flip(0)
-    suffix_mean = suffix_sum / torch.arange(n, 0, -1, dtype=ordered.dtype)
+    suffix_mean = suffix_sum / torch.arange(n, 0, -1, dtype=ordered.dtype, device=m2.device)
     ok = torch.nonzero(suffix_mean <= threshold)
     drop = int(ok[0]) if ok.numel() else n - 1
-    kept = torch.ones(n, dtype=mask.dtype)
-    kept[order[:drop]] = 0.0
-    keep[sel] = kept
-    return keep
+    kept[:] = True
+    kept[order[:drop]] = False
+    return kept
 
 
 @dataclass(frozen=True)

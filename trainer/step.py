@@ -34,6 +34,7 @@ from trainer.loss import (
     ess_lr_scale,
     group_advantages,
     policy_loss,
+    second_moment_keep,
     sequence_ratio_sums,
     token_logprobs,
     token_logprobs_and_entropy,
@@ -120,10 +121,12 @@ class LearnerStep:
             pos += len(g)
 
         sums: defaultdict[str, float] = defaultdict(float)
-        minibatches = self._local_minibatches(kept)
+        minibatches, rows = self._local_minibatches(kept)
         plans = self._micro_plans(minibatches)
         prox = self._proximal(minibatches, plans)  # π_prox: weights before the first update
-        weights = [self._weights(mb, p, sums) for mb, p in zip(minibatches, prox, strict=True)]
+        weights = [
+            self._weights(mb, p, r, sums) for mb, p, r in zip(minibatches, prox, rows, strict=True)
+        ]
         # after the π_prox forward (FSDP2 keeps the root unsharded): the snapshot reshards first
         snapshot = (
             StepSnapshot.take(self.model, self.optimizer) if cfg.max_step_kl is not None else None
@@ -216,26 +219,39 @@ class LearnerStep:
 
     def _local_minibatches(
         self, kept: list[list[tuple[Rollout, float, int]]]
-    ) -> list[TrainBatch | None]:
+    ) -> tuple[list[TrainBatch | None], list[Tensor | None]]:
         """Seeded shuffle of the groups, split into ``minibatches`` parts; rank ``r`` trains on
         the groups ``part[r::world]`` of each part, which rank 0 scatters (so the sharded run
-        takes the single-process run's minibatches)."""
+        takes the single-process run's minibatches). Also returns, per minibatch, the ``[n]``
+        row each of this rank's sequences has in the whole minibatch (the single-process
+        batch's order: groups as in the part, samples as in the group)."""
         cfg = self.config
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
         order = torch.randperm(len(kept), generator=gen).tolist() if len(kept) > 1 else [0]
         order = order[: len(kept)]
         n_mb = min(cfg.minibatches, max(1, len(kept)))
         parts = [order[i * len(order) // n_mb : (i + 1) * len(order) // n_mb] for i in range(n_mb)]
+        first_row: dict[int, int] = {}  # group → its first row in its part's whole minibatch
+        for part in parts:
+            row = 0
+            for gi in part:
+                first_row[gi] = row
+                row += len(kept[gi])
         world = self.dist.world_size
         per_rank = [
-            [[it for gi in part[r::world] for it in kept[gi]] for part in parts]
+            [
+                [(*it, first_row[gi] + j) for gi in part[r::world] for j, it in enumerate(kept[gi])]
+                for part in parts
+            ]
             for r in range(world)
         ]
         shares = self.dist.scatter(per_rank if self.dist.is_leader else None)
         out: list[TrainBatch | None] = []
+        rows: list[Tensor | None] = []
         for local in shares:
             if not local:
                 out.append(None)
+                rows.append(None)
                 continue
             batch = build_batch(
                 [it[0] for it in local],
@@ -245,7 +261,8 @@ class LearnerStep:
                 eos_token_id=self.stop_token_ids,
             )
             out.append(batch.to(self.device))
-        return out
+            rows.append(torch.tensor([it[3] for it in local], dtype=torch.long))
+        return out, rows
 
     @property
     def device(self) -> torch.device:
@@ -320,11 +337,20 @@ class LearnerStep:
         return kl_sum / tokens if tokens > 0 else 0.0
 
     def _weights(
-        self, mb: TrainBatch | None, prox: Tensor | None, sums: defaultdict[str, float]
+        self,
+        mb: TrainBatch | None,
+        prox: Tensor | None,
+        rows: Tensor | None,
+        sums: defaultdict[str, float],
     ) -> Tensor | None:
+        """The minibatch's behaviour weights (``[n, T]``, this rank's rows); a collective with
+        ``m2_threshold`` (every rank calls it, with or without rows of its own)."""
+        cfg = self.config
+        keep = None
+        if cfg.m2_threshold is not None:
+            keep = self._m2_keep(mb, prox, rows, cfg.m2_threshold)
         if mb is None or prox is None:
             return None
-        cfg = self.config
         bw = behaviour_weights(
             prox,
             mb.behaviour_logprobs,
@@ -335,12 +361,45 @@ class LearnerStep:
             level=cfg.weight_level,
             decay=cfg.staleness_decay,
             cap_low=cfg.weight_cap_low,
-            m2_threshold=cfg.m2_threshold,
+            m2_keep=keep,
         )
         st = weight_stats(prox, mb.behaviour_logprobs, mb.completion_mask, bw, cfg.weight_level)
         for key in _WEIGHT_SUMS:
             sums[key] += getattr(st, key)
         return bw.weights
+
+    def _m2_keep(
+        self, mb: TrainBatch | None, prox: Tensor | None, rows: Tensor | None, threshold: float
+    ) -> Tensor | None:
+        """M2PO's mask (``[n, T]``, 1.0 kept) chosen over the whole minibatch, every rank's tokens:
+        each rank's (log π_prox/μ)² and their places in the minibatch (row, token) are gathered
+        and every rank runs :func:`~trainer.loss.second_moment_keep` on all of them, in the
+        single-process order, so the mask (and the loss, ESS and update) do not depend on the
+        number of ranks. A collective (every rank calls it, ``mb`` None when it has no rows)."""
+        if mb is None or prox is None or rows is None:
+            m2 = torch.zeros(0, dtype=torch.float64)
+            keys = torch.zeros(0, dtype=torch.long)
+        else:
+            mask = mb.completion_mask
+            log_ratio = (prox - mb.behaviour_logprobs) * mask  # as behaviour_weights computes it
+            sel = mask > 0
+            m2 = (log_ratio * log_ratio)[sel].double()  # float32 → float64: exact, same order
+            t_idx = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+            row_idx = rows.to(mask.device).unsqueeze(-1).expand_as(mask)
+            keys = (row_idx * (1 << 32) + t_idx)[sel]  # position in the single-process batch
+        values_by_rank = self.dist.all_gather_1d(m2)
+        keys_by_rank = self.dist.all_gather_1d(keys)
+        values, all_keys = torch.cat(values_by_rank), torch.cat(keys_by_rank)
+        by_position = torch.argsort(all_keys, stable=True)
+        kept = torch.empty_like(values, dtype=torch.bool)
+        kept[by_position] = second_moment_keep(values[by_position], threshold)
+        if mb is None or prox is None:
+            return None
+        start = sum(int(v.numel()) for v in values_by_rank[: self.dist.rank])
+        mask = mb.completion_mask
+        keep = torch.zeros_like(mask)
+        keep[mask > 0] = kept[start : start + int(m2.numel())].to(mask.device, mask.dtype)
+        return keep
 
     def _update(
         self,

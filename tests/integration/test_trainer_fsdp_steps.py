@@ -1,13 +1,16 @@
 """What one sharded learner step does beside the plain update, on 2 gloo ranks (FSDP2, the
-torchrun code path: env:// rendezvous): the step rollback (``max_step_kl``).
+torchrun code path: env:// rendezvous) against one process: the step rollback (``max_step_kl``)
+and M2PO's second-moment mask (``m2_threshold``).
 
 * Rollback: a step the rollback undoes must leave every shard of every parameter and every
   optimizer-state tensor of every rank exactly as before the step, including the root module's
   (embeddings with the tied head, final norm), which FSDP2 keeps unsharded after a forward; and
   the next forward must use the restored weights (the same rollouts again see the same π_prox).
+* M2PO: the mask is chosen over the whole minibatch (all ranks' tokens), so 2 ranks take the
+  one-process step: same loss, mask fraction, ESS and update.
 
-One ``torch.multiprocessing`` job of 2 ranks (``tests/integration/test_trainer_fsdp.py`` checks
-the plain step the same way).
+One ``torch.multiprocessing`` job of 2 ranks runs both; the single-process references run in
+this process (``tests/integration/test_trainer_fsdp.py`` does the same for the plain step).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import torch.multiprocessing as mp
 from test_trainer_fsdp import BATCHES, _config, _free_port, _rollouts
 
+from trainer.config import TrainerConfig
 from trainer.distributed import DistContext, init_distributed, shutdown_distributed
 from trainer.recipe import Trainer
 from trainer.rollback import optimizer_params
@@ -29,6 +33,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # ~15 s of CPU; minut
 
 #: max_step_kl that undoes any step that moved the policy at all / that undoes none.
 UNDO, KEEP = 1e-12, 1e9
+LR_SGD = 0.5
+#: M2PO's τ: on these batches (behaviour log-probs −3.2…−2.9 against the tiny model's near-
+#: uniform ones) it drops about half the tokens, so a mask chosen per rank differs from the
+#: whole minibatch's.
+M2_TAU = 0.02
+
+
+def _m2_config(out_dir: Path) -> TrainerConfig:
+    return _config(
+        out_dir, "cpu", weight_mode="raw", m2_threshold=M2_TAU, ess_lr_scaling=False,
+        max_steps=1, checkpoint_every=100, resume=False,
+    )  # fmt: skip
 
 
 def _with(trainer: Trainer, **kw: Any) -> None:
@@ -52,6 +68,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     ok = False
     try:
         _rollback(rank, ctx, root)
+        _m2po(rank, ctx, root)
         ok = True
     finally:
         shutdown_distributed(clean=ok)
@@ -101,6 +118,16 @@ def _rollback(rank: int, ctx: DistContext, root: Path) -> None:
     )  # fmt: skip
 
 
+def _m2po(rank: int, ctx: DistContext, root: Path) -> None:
+    tr = Trainer.setup(_m2_config(root / "m2po"), dist=ctx)
+    tr.optimizer = torch.optim.SGD(tr.model.parameters(), lr=LR_SGD)
+    initial = tr.state_dict_for_publish()
+    rec = tr.train_step(BATCHES[0])
+    after = tr.state_dict_for_publish()
+    if rank == 0:
+        torch.save({"rec": rec, "initial": initial, "after": after}, root / "m2po.pt")
+
+
 def _load(path: Path) -> dict[str, Any]:
     return dict(torch.load(path, weights_only=False, map_location="cpu"))
 
@@ -146,3 +173,38 @@ def test_a_rolled_back_step_restores_every_shard_and_optimizer_state(two_ranks: 
     # what a publication gathers after the rollbacks is B's weights
     r0 = _load(two_ranks / "rollback-r0.pt")
     _same(r0["full_d"], r0["full_b"], "published after D")
+
+
+def test_m2po_mask_over_the_whole_minibatch_matches_one_process(
+    two_ranks: Path, tmp_path: Path
+) -> None:
+    torch.set_num_threads(1)
+    single = Trainer.setup(_m2_config(tmp_path / "single"), dist=DistContext())
+    single.optimizer = torch.optim.SGD(single.model.parameters(), lr=LR_SGD)
+    initial = single.state_dict_for_publish()
+    ref = single.train_step(BATCHES[0])
+    ref_after = single.state_dict_for_publish()
+    got = _load(two_ranks / "m2po.pt")
+    rec = got["rec"]
+    assert 0.2 < ref["mask_frac"] < 0.8  # the mask bites, and not on everything
+    # The ranks' π_prox comes from other batch shapes (each rank pads its own share), so log
+    # π_prox differs by float32 rounding (~1e-7 relative); the mask compares (log r)² of
+    # distinct values, so the same tokens are dropped unless one sits within that rounding of
+    # the cut (the tokens' count is exact: 1/tokens apart). Loss and ESS are float64 sums of
+    # float32 terms: 1e-5 relative is ~100x their rounding; the per-rank mask moved them by 5%
+    # and 2.4% (issue 36: loss −0.22986 vs −0.24090, ESS 0.372 vs 0.363).
+    assert rec["mask_frac"] == pytest.approx(ref["mask_frac"], abs=0.5 / ref["completion_tokens"])
+    assert rec["completion_tokens"] == ref["completion_tokens"]
+    assert rec["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
+    assert rec["ess"] == pytest.approx(ref["ess"], rel=1e-5)
+    assert rec["ess_frac"] == pytest.approx(ref["ess_frac"], rel=1e-5)
+    # SGD's update is linear in the gradient: the sharded update equals the single-process one
+    # to float32 rounding of another summation order (~1e-6 of the update); a mask chosen per
+    # rank made it differ by half its size. 1e-4 of the update's norm separates the two.
+    num = den = 0.0
+    for k, w in ref_after.items():
+        if k.endswith("k_proj.bias"):  # no gradient in exact arithmetic: rounding noise only
+            continue
+        num += float((got["after"][k] - w).double().pow(2).sum())
+        den += float((w - initial[k]).double().pow(2).sum())
+    assert den > 0 and (num / den) ** 0.5 < 1e-4, (num / den) ** 0.5

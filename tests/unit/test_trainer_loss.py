@@ -15,6 +15,7 @@ from trainer.loss import (
     ess_lr_scale,
     group_advantages,
     policy_loss,
+    second_moment_keep,
     second_moment_mask,
     sequence_ratio_sums,
     token_entropy,
@@ -178,6 +179,29 @@ def test_second_moment_mask_drops_the_largest_until_the_mean_is_below_tau() -> N
     # Nothing satisfies τ: the single smallest token is kept (as AReaL does).
     assert second_moment_mask(log_r, mask, 1e-6).tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]]
     assert second_moment_mask(log_r, torch.zeros_like(mask), 0.04).sum().item() == 0.0
+
+
+def test_second_moment_keep_breaks_ties_by_position() -> None:
+    # (log r)² = 1, 4, 4, 0 in position order. τ = 1: without both 4s the mean is 0.5 (with one
+    # of them 5/3): both go. τ = 1.7: one 4 is enough (5/3 ≤ 1.7) and the earlier one goes.
+    m2 = torch.tensor([1.0, 4.0, 4.0, 0.0])
+    assert second_moment_keep(m2, 1.0).tolist() == [True, False, False, True]
+    assert second_moment_keep(m2, 1.7).tolist() == [True, False, True, True]
+    assert second_moment_keep(torch.zeros(0), 1.0).tolist() == []
+
+
+def test_m2po_mask_given_precomputed_is_applied_as_is() -> None:
+    # the sharded trainer chooses the mask over every rank's tokens and passes it in
+    prox, beh, mask, st = _ratio_batch()
+    keep = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]])
+    bw = behaviour_weights(prox, beh, mask, st, cap=2.0, mode="raw", level="token", m2_keep=keep)
+    _close(bw.weights, [[5.0, 0.0, 1.0], [1.5, 0.0, 0.0]])
+    assert bw.m2_masked.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match="not both"):
+        behaviour_weights(
+            prox, beh, mask, st, cap=2.0, mode="raw", level="token", m2_threshold=0.1,
+            m2_keep=keep,
+        )  # fmt: skip
 
 
 def test_m2po_mask_in_behaviour_weights_and_stats() -> None:
