@@ -60,6 +60,25 @@ class Stats:
     spot_checked: int = 0
     max_queue: int = 0
     dissemination: list[float] = field(default_factory=list)  # ready − publish, per version load
+    #: width of one stretch of the timeline (seconds); figure -> per-stretch sums
+    bucket_s: float = 60.0
+    timeline: dict[str, list[float]] = field(default_factory=dict)
+
+    def book(self, figure: str, at: float, value: float) -> None:
+        """Add ``value`` to ``figure`` in the stretch of time holding ``at``."""
+        i = int(at // self.bucket_s) if self.bucket_s > 0 else 0
+        row = self.timeline.setdefault(figure, [])
+        if len(row) <= i:
+            row.extend([0.0] * (i + 1 - len(row)))
+        row[i] += value
+
+    def book_span(self, figure: str, start: float, end: float) -> None:
+        """Add the seconds of [start, end) to ``figure``, split over the stretches they cover."""
+        t = start
+        while t < end:
+            edge = (int(t // self.bucket_s) + 1) * self.bucket_s
+            self.book(figure, t, min(end, edge) - t)
+            t = edge
 
 
 class WorldApi(Protocol):
@@ -78,7 +97,9 @@ class WorldApi(Protocol):
 
     def clock(self) -> float: ...
 
-    def call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any: ...
+    def call(self, op: str, fn: Callable[..., Any], *args: Any, tokens: float = 0.0) -> Any: ...
+
+    def reply_lag(self) -> float: ...
 
     def billed(self, price: float | None, since: float, until: float) -> float: ...
 

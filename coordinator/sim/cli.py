@@ -64,8 +64,9 @@ def run_cli(
     profile: bool = False,
     runs: bool = True,
 ) -> int:
+    from coordinator.sim.calibration import CalibrationError, load_calibration
     from coordinator.sim.catalogue import load_catalogue
-    from coordinator.sim.costs import load_figures, token_check_cost
+    from coordinator.sim.costs import load_figures
     from coordinator.sim.report import DOC, scenario_section, slug, write_section
     from coordinator.sim.runner import build_pool, run_one, run_scenario
     from coordinator.sim.scaling import fsync_ms, profile_top, scaling_section, simpy_event_us
@@ -88,11 +89,11 @@ def run_cli(
         catalogue = load_catalogue()
         for _, sc in loaded:
             build_pool(sc, catalogue)  # unknown GPU kinds fail here, before hours of running
-    except ScenarioError as exc:
+        cal = load_calibration()
+    except (ScenarioError, CalibrationError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     figures = load_figures()
-    token_s = token_check_cost()
     doc = out or DOC
     command = "swarm simulate " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "swarm simulate"
     status = 0
@@ -104,14 +105,14 @@ def run_cli(
         def report(
             done: list[RunResult], sc: Scenario = sc, name: str = name, pool: Any = pool
         ) -> None:
-            section = scenario_section(sc, name, pool, done, figures, token_s, doc.parent, command)
-            if write:
+            if write:  # --no-write writes nothing: no section, no plots, no runs file
+                section = scenario_section(sc, name, pool, done, figures, cal, doc.parent, command)
                 store_runs(cache, slug(sc.name), done)
                 write_section(slug(sc.name), section, doc)
 
-        results = run_scenario(sc, catalogue, figures, token_check_s=token_s, on_result=report)
+        results = run_scenario(sc, catalogue, figures, calibration=cal, on_result=report)
         if not write:
-            print(scenario_section(sc, name, pool, results, figures, token_s, doc.parent, command))
+            print(scenario_section(sc, name, pool, results, figures, cal, None, command))
         everything += [r.as_dict() for r in results]
         broken = [
             (r.policy, r.label, k) for r in results for k in STRUCTURAL if not r.invariants[k][0]
@@ -139,14 +140,14 @@ def run_cli(
             short = sc.with_values({"hours": minutes / 60, "warmup_minutes": minutes / 4})
             prof = cProfile.Profile()
             prof.enable()
-            run_one(short, "cost_aware", catalogue, figures, token_check_s=token_s)
+            run_one(short, "cost_aware", catalogue, figures, calibration=cal)
             prof.disable()
             top = profile_top(prof)
             note = f"cProfile of {minutes:g} simulated minutes of `{name}`, policy cost_aware"
         text = scaling_section(
             scaling_runs, figures, fsync=fsync_ms(), event_us=simpy_event_us(), profile=top,
             profile_note=note,
-            out_dir=doc.parent, command=command,
+            out_dir=doc.parent if write else None, command=command,
         )  # fmt: skip
         if write:
             write_section("scaling", text, doc)

@@ -40,6 +40,9 @@ class Learner:
         self.steps = 0
         self.steps_in_window = 0
         self.idle_s = 0.0  # waiting for a batch, within the measured window
+        #: when the wait for the current batch began (None while training): a learner that never
+        #: gets a batch is idle the whole time, and :meth:`idle_until` counts that wait too
+        self.waiting_since: float | None = 0.0
         self.busy_s = 0.0  # training, within the measured window
         self.trained = 0  # rollouts trained on, within the window
         self.trained_total = 0
@@ -55,6 +58,11 @@ class Learner:
 
     def _too_stale(self, r: AcceptedRollout) -> bool:
         return self.version - r.policy_version > self.s
+
+    def idle_until(self, end: float) -> float:
+        """Idle seconds within the window up to ``end``, the wait in progress included."""
+        ongoing = 0.0 if self.waiting_since is None else self._clip(self.waiting_since, end)
+        return self.idle_s + ongoing
 
     def _fetch(self, need: int) -> int:
         w = self.w
@@ -83,14 +91,21 @@ class Learner:
         env.process(w.publish(0))
         while True:
             t0 = env.now
+            self.waiting_since = t0
             while True:
                 complete = self._complete()
                 if len(complete) >= self.prompts_per_step:
                     break
                 need = (self.prompts_per_step - len(complete)) * cfg.group_size
-                if not self._fetch(need):
+                got = self._fetch(need)
+                lag = w.reply_lag()  # the fetch's answer waits for the coordinator's core
+                if lag > 0:
+                    yield env.timeout(lag)
+                if not got:
                     yield w.wait_for_rollouts()
+            self.waiting_since = None
             self.idle_s += self._clip(t0, env.now)
+            w.stats.book_span("learner_idle_s", t0, env.now)
             batch = [r for gid in complete[: self.prompts_per_step] for r in self.pending.pop(gid)]
             in_window = w.window[0] <= env.now <= w.window[1]
             for r in batch:
@@ -109,6 +124,7 @@ class Learner:
             yield env.timeout(step)
             self.busy_s += self._clip(t1, env.now)
             self.steps += 1
+            w.stats.book("steps", env.now, 1.0)
             self.steps_in_window += int(in_window)
             self.version += 1
             w.core.t_train_s = step  # CoordinatorService._on_fetch: the trainer's step_time_s

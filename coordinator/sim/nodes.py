@@ -234,9 +234,10 @@ class SimNode:
             if not (yield from self.wait(half)):
                 return
             got = w.call("lease", w.core.request_lease, self.key, self.request)
+            lag = w.reply_lag()  # the answer waits for the coordinator's core
             if isinstance(got, Lease):
                 self.bill_start(env.now)
-                if not (yield from self.work(got)):
+                if not (yield from self.work(got, lag)):
                     return
                 continue
             self.bill_stop(env.now)
@@ -248,15 +249,16 @@ class SimNode:
                 delay = got.retry_after_s if got.retry_after_s is not None else w.heartbeat_s
             else:
                 raise AssertionError(f"unexpected answer {got!r}")
-            if not (yield from self.wait(half + delay)):
+            if not (yield from self.wait(half + lag + delay)):
                 return
 
-    def work(self, lease: Lease) -> Gen:
-        """Run one lease: checkpoint, generation, upload, verdict. False if the node departed."""
+    def work(self, lease: Lease, lag: float = 0.0) -> Gen:
+        """Run one lease (its answer left the coordinator ``lag`` s after it was issued):
+        checkpoint, generation, upload, verdict. False if the node departed."""
         w = self.w
         env = w.env
         scen = w.scenario
-        arrive = env.now + self.link.rtt_s / 2
+        arrive = env.now + lag + self.link.rtt_s / 2
         ready = self.downloads.ready_at(lease.policy_version, arrive)
         load = 0.0
         if self.loaded != lease.policy_version:

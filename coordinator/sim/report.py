@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from coordinator.sim.base import PoolNode
+from coordinator.sim.calibration import Calibration
 from coordinator.sim.costs import Figures
 from coordinator.sim.results import RunResult
 from coordinator.sim.scenario import Scenario
@@ -150,6 +151,25 @@ def cpu_table(r: RunResult) -> str:
     return "\n".join(lines)
 
 
+def timeline_table(r: RunResult) -> str:
+    """The run stretch by stretch: where the warm-up transient ends (measured window marked)."""
+    lines = [
+        "| minutes | accepted rollouts/s | learner steps | learner idle | submissions | mean "
+        "wait for a verifier (s) | samples refused late | coordinator core busy |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    warm = r.hours * 60 - r.window_h * 60
+    for row in r.timeline:
+        mark = "" if row["start_min"] >= warm - 1e-9 else " (warm-up)"
+        lines.append(
+            f"| {row['start_min']:.1f}–{row['end_min']:.1f}{mark} | "
+            f"{row['accepted_per_s']:,.1f} | {row['steps']:.0f} | {_pct(row['learner_idle'])} | "
+            f"{row['submissions']:,.0f} | {row['verify_wait_s']:.1f} | "
+            f"{row['refused_late']:,.0f} | {_pct(row['coordinator_busy'])} |"
+        )
+    return "\n".join(lines)
+
+
 def plots(name: str, results: Sequence[RunResult], out_dir: Path) -> list[str]:
     """Cost per policy, and staleness histograms of the runs; returns the file names."""
     import matplotlib
@@ -202,10 +222,13 @@ def scenario_section(
     pool: Sequence[PoolNode],
     results: Sequence[RunResult],
     figures: Figures,
-    token_check_s: float,
-    out_dir: Path,
+    calibration: Calibration,
+    out_dir: Path | None,
     command: str,
 ) -> str:
+    """The scenario's section; plots are written into ``out_dir`` (None: none, ``--no-write``).
+    Everything but the measured CPU and wall times is a function of the scenario, its seed and
+    the calibration: the same command prints the same tables."""
     base = [r for r in results if r.label == "base"]
     sweeps = [r for r in results if r.label != "base"]
     lrn, m = scenario.learner, scenario.model
@@ -229,7 +252,11 @@ def scenario_section(
         f"cheaters {scenario.byzantine.fraction:.0%}, {_check_rates(scenario)}, "
         f"{scenario.verification.workers} intake verifier(s) at "
         f"{scenario.verification.verifier_tflops:g} TFLOP/s. Figures: {figures.source}; "
-        f"per-token check cost {1e6 * token_check_s:.2f} µs measured at start-up.",
+        f"coordinator costs from coordinator/sim/calibration.json ({calibration.source}: "
+        f"open {1e6 * calibration.open_s:.0f} µs per message, per-token checks "
+        f"{1e6 * calibration.token_check_s:.2f} µs, re-plan "
+        f"{1e3 * calibration.plan_node_s * 1000:.1f} ms and status "
+        f"{1e3 * calibration.status_node_s * 1000:.1f} ms per 1,000 nodes).",
         "",
         "Pool (the whole marketplace; `fastest_first` and `premium_only` rent part of it):",
         "",
@@ -245,12 +272,21 @@ def scenario_section(
         parts += [f"Planner at the end of the `{ca.policy}` run: {ca.plan}", ""]
     if sweeps:
         parts += ["### One axis at a time (policy `cost_aware`)", "", sweep_table(sweeps), ""]
-    for fname in plots(scenario.name, results, out_dir):
+    for fname in plots(scenario.name, results, out_dir) if out_dir is not None else []:
         parts += [f"![{fname}]({fname})", ""]
     if base:
         ca = next((r for r in base if r.policy == "cost_aware"), base[0])
         parts += [
-            f"### Coordinator CPU (`{ca.policy}` run, {ca.nodes} nodes)",
+            f"### Over time, warm-up included (`{ca.policy}` run)",
+            "",
+            timeline_table(ca),
+            "",
+            f"Coordinator core (calibrated costs): busy {_pct(ca.coordinator_utilisation)} of "
+            f"the run, a message waited {1e3 * ca.coordinator_wait_mean_s:.1f} ms for it on "
+            f"average and {ca.coordinator_backlog_max_s:.2f} s at most.",
+            "",
+            f"### Coordinator CPU (`{ca.policy}` run, {ca.nodes} nodes; measured, varies run "
+            "to run)",
             "",
             cpu_table(ca),
             "",

@@ -13,6 +13,7 @@ Invariants (checked after every run from the coordinator's own store and the lea
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -64,6 +65,13 @@ class RunResult:
     #: (the wire carries 4 tokens per sample: production adds tokens · this per rollout)
     tokens_per_rollout: float = 0.0
     token_check_s: float = 0.0
+    #: the coordinator core as the calibration charges it: busy share of the run, mean and
+    #: largest wait of a message for the core (seconds)
+    coordinator_utilisation: float = 0.0
+    coordinator_wait_mean_s: float = 0.0
+    coordinator_backlog_max_s: float = 0.0
+    #: the run in equal stretches, warm-up included (:func:`timeline_rows`)
+    timeline: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def sim_hours_per_wall_minute(self) -> float:
@@ -105,6 +113,7 @@ class RunResult:
         }
         kw["staleness"] = {int(k): int(v) for k, v in kw["staleness"].items()}
         kw["invariants"] = {k: (bool(v[0]), str(v[1])) for k, v in kw["invariants"].items()}
+        kw["timeline"] = [dict(row) for row in kw.get("timeline", [])]
         return cls(**kw)
 
     def as_dict(self) -> dict[str, Any]:
@@ -184,7 +193,7 @@ def collect(w: World, label: str, wall_s: float, cpu_s: float) -> RunResult:
         dropped_stale=ln.dropped_stale,
         swarm_cost=sum(n.cost for n in w.nodes),
         learner_cost=w.scenario.learner.price_per_hour * window_s / 3600.0,
-        learner_idle=ln.idle_s / window_s,
+        learner_idle=ln.idle_until(w.end_s) / window_s,
         staleness=dict(sorted(ln.staleness.items())),
         lost_to_churn=lost,
         refused_too_stale=st.refused_too_stale,
@@ -211,7 +220,49 @@ def collect(w: World, label: str, wall_s: float, cpu_s: float) -> RunResult:
         invariants=inv,
         tokens_per_rollout=w.scenario.model.completion_tokens_mean,
         token_check_s=w.token_check_s,
+        coordinator_utilisation=w.cpu_core.busy_s / max(1e-9, w.end_s),
+        coordinator_wait_mean_s=w.cpu_core.wait_s / max(1, w.cpu_core.calls),
+        coordinator_backlog_max_s=w.cpu_core.max_backlog_s,
+        timeline=timeline_rows(w),
     )
+
+
+def timeline_rows(w: World) -> list[dict[str, float]]:
+    """Per stretch of the run (``Stats.bucket_s``; the warm-up included, so its transient
+    shows): accepted rollouts/s, learner steps and idle share, submissions and their mean wait
+    for a verifier, samples refused as late (expired or fenced), the coordinator core's busy
+    share as calibrated."""
+    st, ln = w.stats, w.learner
+    width = st.bucket_s
+    n = max(1, math.ceil(w.end_s / width - 1e-9)) if width > 0 else 1
+    rows = []
+    for i in range(n):
+        lo, hi = i * width, min(w.end_s, (i + 1) * width)
+        span = max(1e-9, hi - lo)
+
+        def get(name: str, i: int = i) -> float:
+            row = st.timeline.get(name, [])
+            return row[i] if i < len(row) else 0.0
+
+        idle = get("learner_idle_s")
+        if ln.waiting_since is not None:  # the wait in progress at the end is idle time too
+            idle += max(0.0, hi - max(lo, ln.waiting_since))
+
+        subs = get("submissions")
+        rows.append(
+            {
+                "start_min": lo / 60.0,
+                "end_min": hi / 60.0,
+                "accepted_per_s": get("accepted") / span,
+                "steps": get("steps"),
+                "learner_idle": min(1.0, idle / span),
+                "submissions": subs,
+                "verify_wait_s": get("verify_wait_s") / subs if subs else 0.0,
+                "refused_late": get("refused_late"),
+                "coordinator_busy": get("coordinator_busy_s") / span,
+            }
+        )
+    return rows
 
 
 def _billed_node_seconds(w: World) -> float:

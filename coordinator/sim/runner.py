@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from coordinator.capacity import NodeCapacity, plan_activation
 from coordinator.sim.base import PoolNode
+from coordinator.sim.calibration import Calibration
 from coordinator.sim.catalogue import GpuKind
 from coordinator.sim.costs import Figures
 from coordinator.sim.network import draw_link
@@ -131,13 +132,13 @@ def run_one(
     figures: Figures,
     *,
     label: str = "base",
-    token_check_s: float = 0.0,
+    calibration: Calibration | None = None,
 ) -> RunResult:
     pool = provision(policy, build_pool(scenario, catalogue), scenario)
     if not pool:
         raise ScenarioError(f"policy {policy}: the pool has no node to rent")
     hours = scenario.policy_hours.get(policy, scenario.hours)
-    world = World(scenario, policy, pool, figures, hours=hours, token_check_s=token_check_s)
+    world = World(scenario, policy, pool, figures, hours=hours, calibration=calibration)
     quiet = logging.getLogger("coordinator")  # bans and expiries by the thousand: not news here
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -167,7 +168,7 @@ def run_scenario(
     catalogue: dict[str, GpuKind],
     figures: Figures,
     *,
-    token_check_s: float = 0.0,
+    calibration: Calibration | None = None,
     only: Callable[[str, Policy], bool] | None = None,
     log: Callable[[str], None] | None = None,
     on_result: Callable[[list[RunResult]], None] | None = None,
@@ -179,7 +180,7 @@ def run_scenario(
     runs = [r for r in plan_runs(scenario) if only is None or only(r[0], r[1])]
     for i, (label, policy, variant) in enumerate(runs, 1):
         say(f"[{scenario.name}] run {i}/{len(runs)}: {policy} {label} ...")
-        res = run_one(variant, policy, catalogue, figures, label=label, token_check_s=token_check_s)
+        res = run_one(variant, policy, catalogue, figures, label=label, calibration=calibration)
         bad = [k for k, (ok, _) in res.invariants.items() if not ok]
         say(
             f"[{scenario.name}]   {res.hours:g} h simulated in {res.wall_s:.1f} s wall "

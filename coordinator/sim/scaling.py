@@ -144,9 +144,11 @@ def scaling_section(
     event_us: float,
     profile: Sequence[tuple[str, float, float]] = (),
     profile_note: str = "",
-    out_dir: Path,
+    out_dir: Path | None,
     command: str,
 ) -> str:
+    """The scaling section; its plot is written into ``out_dir`` (None: not drawn, as with
+    ``--no-write``)."""
     runs = sorted(results, key=lambda r: r.nodes)
     lines = [
         "## How far one coordinator goes",
@@ -238,8 +240,9 @@ def scaling_section(
         lines += [f"| `{name}` | {tt:.2f} | {share:.1%} |" for name, tt, share in profile]
         lines.append("")
     fname = "simulation-scaling.png"
-    _plot(runs, figures, out_dir / fname)
-    lines += [f"![{fname}]({fname})", ""]
+    if out_dir is not None:
+        _plot(runs, figures, out_dir / fname)
+        lines += [f"![{fname}]({fname})", ""]
     return "\n".join(lines)
 
 

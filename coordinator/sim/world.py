@@ -15,8 +15,14 @@ calls the methods the network service would call, when the service would call th
 
 ``submit`` runs when the intake has verified the submission: it waits for a free intake worker
 (``verification.workers``) and for the verification time the measured figures give
-(:mod:`coordinator.sim.costs`). Every call's CPU time is measured (``time.process_time``) and
-booked by operation: that is the coordinator's real cost in the report.
+(:mod:`coordinator.sim.costs`, :mod:`coordinator.sim.calibration`).
+
+The coordinator's own time is charged from the checked-in calibration
+(:mod:`coordinator.sim.calibration`), never from a clock read during the run, so a seed gives
+the same run every time: every message costs its open (signature, decode) and its core call on
+one coordinator core (:class:`~coordinator.sim.calibration.CoreQueue`), every tick its upkeep, a
+re-plan and the status document; a backlog delays the answers. Every call's CPU time is also
+measured (``time.process_time``) and booked by operation for the report; it decides nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from coordinator.config import CoordinatorConfig, parse_config
 from coordinator.core import Coordinator
 from coordinator.errors import Rejection
 from coordinator.sim.base import Gen, PoolNode, Stats
+from coordinator.sim.calibration import Calibration, CoreQueue, load_calibration
 from coordinator.sim.costs import Figures
 from coordinator.sim.learner import Learner
 from coordinator.sim.network import Dissemination, draw_link
@@ -51,6 +58,8 @@ from protocol.messages import Ack, Lease, Reject, RolloutSubmission
 
 EPOCH = 1_800_000_000.0  # the coordinator's clock at simulated time 0 (Unix seconds)
 TICK_S = 1.0  # coordinator.service.TICK_S
+#: the run is reported in this many equal stretches of time (the warm-up transient included)
+TIMELINE_BUCKETS = 12
 #: Tokens of the reverse task's honest answer (3 characters + EOS): one wire token stands for
 #: ``completion_tokens_mean / 4`` simulated tokens (see :attr:`World.token_unit`).
 WIRE_TOKENS = 4
@@ -67,19 +76,22 @@ class World:
         figures: Figures,
         *,
         hours: float | None = None,
-        token_check_s: float = 0.0,
+        calibration: Calibration | None = None,
         store_dir: Path | None = None,
     ) -> None:
         self.scenario = scenario
         self.policy = policy
         self.figures = figures
-        self.token_check_s = token_check_s
+        self.cal = calibration if calibration is not None else load_calibration()
+        self.token_check_s = self.cal.token_check_s
         self.hours = hours if hours is not None else scenario.hours
         self.end_s = self.hours * 3600.0
         self.window = (min(scenario.warmup_minutes * 60.0, self.end_s / 2), self.end_s)
         self.rng = random.Random(scenario.seed * 1_000_003 + len(pool))
         self.env = simpy.Environment()
-        self.stats = Stats()
+        self.stats = Stats(bucket_s=self.end_s / TIMELINE_BUCKETS)
+        self.cpu_core = CoreQueue()
+        self._reply_at = 0.0
         self.tokenizer = CharTokenizer()
         model = scenario.model
         self.token_unit = model.completion_tokens_mean / WIRE_TOKENS
@@ -157,9 +169,11 @@ class World:
         return EPOCH + self.env.now
 
     # --- helpers the processes use ---------------------------------------------------------------
-    def call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
+    def call(self, op: str, fn: Callable[..., Any], *args: Any, tokens: float = 0.0) -> Any:
         """``fn(*args)`` on the coordinator, its CPU time booked under ``op``; a
-        :class:`Rejection` is returned, not raised."""
+        :class:`Rejection` is returned, not raised. The message's calibrated cost (open and
+        core call; ``tokens`` submitted) is charged to the coordinator core: :meth:`reply_lag`
+        is then how long the answer waits for it."""
         t0 = time.process_time()
         try:
             out = fn(*args)
@@ -168,7 +182,17 @@ class World:
         booked = self.stats.cpu[op]
         booked[0] += 1
         booked[1] += time.process_time() - t0
+        self._charge(self.cal.message_s(op, tokens))
         return out
+
+    def _charge(self, seconds: float) -> None:
+        now = self.env.now
+        self._reply_at = self.cpu_core.charge(now, seconds)
+        self.stats.book("coordinator_busy_s", now, seconds)
+
+    def reply_lag(self) -> float:
+        """Seconds from now until the answer of the last :meth:`call` leaves the coordinator."""
+        return max(0.0, self._reply_at - self.env.now)
 
     def billed(self, price: float | None, since: float, until: float) -> float:
         lo, hi = max(since, self.window[0]), min(until, self.window[1])
@@ -238,9 +262,17 @@ class World:
             yield self.env.timeout(service)
             if bad:
                 self.stats.bad_leases.add(lease.lease_id)
-            verdict = self.call("submit", _run_inline, self.core.submit(node.key, sub))
+            verdict = self.call(
+                "submit", _run_inline, self.core.submit(node.key, sub), tokens=tokens
+            )
+            self.stats.book("verify_wait_s", arrived, self.env.now - arrived - service)
+            self.stats.book("submissions", arrived, 1.0)
         if isinstance(verdict, Ack):
+            self.stats.book("accepted", self.env.now, float(n))
             self._wake_learner()
+        lag = self.reply_lag()
+        if lag > 0:
+            yield self.env.timeout(lag)
         return verdict
 
     def record_verdict(self, node: SimNode, lease: Lease, verdict: Any, n: int, bad: bool) -> None:
@@ -256,6 +288,7 @@ class World:
             return
         if code in (ReasonCode.STALE_EPOCH, ReasonCode.LEASE_EXPIRED, ReasonCode.DUPLICATE):
             self.stats.lost_refused += n
+            self.stats.book("refused_late", self.env.now, float(n))
         elif code is ReasonCode.TOO_STALE:
             self.stats.refused_too_stale += n
 
@@ -294,9 +327,20 @@ class World:
         self.core.t_bcast_s = 0.7 * self.core.t_bcast_s + 0.3 * hold
 
     def ticks(self) -> Gen:
+        """The service's upkeep every second: the core's tick (a re-plan when one is due) and the
+        status document (``CoordinatorService._refresh_snapshot``), charged to the core."""
         while True:
             yield self.env.timeout(TICK_S)
-            self.call("tick", self.core.tick)
+            planned = self.core._planned_at
+            t0 = time.process_time()
+            self.core.tick()
+            booked = self.stats.cpu["tick"]
+            booked[0] += 1
+            booked[1] += time.process_time() - t0
+            live = sum(1 for n in self.nodes if n.alive and n.registered)
+            replanned = self.core._planned_at != planned
+            short = self.core.plan is not None and not self.core.plan.meets_rule
+            self._charge(self.cal.upkeep_s(live, replanned=replanned, short=short, status=True))
 
     # --- the run ---------------------------------------------------------------------------------
     def run(self) -> None:
