@@ -123,8 +123,12 @@ class StatusHistory:
         hold each recent version in full (None: not counted yet)."""
         now = self.clock()
         accepted = _number(status.get("rollouts_accepted"))
+        counts = status.get("node_counts")  # by state; present whatever the swarm's size
         states = status.get("node_states")
-        by_state = Counter(states.values()) if isinstance(states, Mapping) else Counter()
+        if isinstance(counts, Mapping):
+            by_state = Counter({str(k): int(v) for k, v in counts.items() if _number(v)})
+        else:
+            by_state = Counter(states.values()) if isinstance(states, Mapping) else Counter()
         rejected = status.get("rejected_by_reason")
         row: dict[str, Any] = {
             "t": round(now, 3),

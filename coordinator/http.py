@@ -1,5 +1,5 @@
 """Read-only HTTP observability: the dashboard (``/``), ``/status`` (JSON), ``/api/history``
-(JSON) and ``/metrics`` (Prometheus).
+(JSON), ``/api/nodes`` (JSON, the node table a page at a time) and ``/metrics`` (Prometheus).
 
 Served by :class:`swarm.web.server.ReadOnlyHttpServer` (stdlib, daemon threads, GET/HEAD only,
 strict Content-Security-Policy). It never touches the coordinator's state: the event loop hands it
@@ -11,13 +11,19 @@ The page polls ``/status`` and ``/api/history?since=SEQ&epoch=E`` every two seco
 holding a server-sent-event stream: the snapshot changes once a tick (1 s), so a stream would buy
 at most a second, at the price of a server thread held per open tab and of proxies and SSH tunnels
 that buffer streams; polling also recovers by itself from a coordinator restart (a new ``epoch``).
+
+``/api/nodes?offset=O&limit=L`` answers one page of the node table (the per-node maps of
+:func:`coordinator.status.node_page`, at most :data:`MAX_PAGE` nodes). A large swarm's ``/status``
+carries node counts only (:data:`coordinator.status.NODE_MAPS_MAX`), and the dashboard reads its
+table from here. The page is built by ``node_pages`` — the service hands the work to its event
+loop, which owns the coordinator's state, and waits at most :data:`PAGE_TIMEOUT_S`.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -33,6 +39,13 @@ from swarm.web.server import (
 
 #: What ``GET /`` serves.
 DASHBOARD_PAGE = "dashboard.html"
+#: Most nodes one ``/api/nodes`` answer holds.
+MAX_PAGE = 500
+#: How long a request waits for its page (seconds).
+PAGE_TIMEOUT_S = 5.0
+
+#: ``(offset, limit) -> page``: builds one page of the node table (None: no table served).
+NodePages = Callable[[int, int], dict[str, Any]]
 
 
 class StatusHttpServer:
@@ -46,8 +59,10 @@ class StatusHttpServer:
         *,
         core_registry: CollectorRegistry,
         history: StatusHistory | None = None,
+        node_pages: NodePages | None = None,
     ) -> None:
         self._registry = core_registry
+        self._node_pages = node_pages
         self._history = history if history is not None else StatusHistory()
         self._status: bytes = b"{}"
         self._lock = threading.Lock()
@@ -56,6 +71,7 @@ class StatusHttpServer:
                 "/status": self._get_status,
                 "/metrics": self._get_metrics,
                 "/api/history": self._get_history,
+                "/api/nodes": self._get_nodes,
             },
             {"/": DASHBOARD_PAGE, "/index.html": DASHBOARD_PAGE},
         )
@@ -94,3 +110,21 @@ class StatusHttpServer:
         if since is not None and not (since.isdigit() and len(since) <= 18):
             return json_response({"error": f"since={since[:40]!r}: expected a row number"}, 400)
         return json_response(self._history.since(int(since) if since else None, query.get("epoch")))
+
+    def _get_nodes(self, query: Mapping[str, str]) -> Response:
+        if self._node_pages is None:
+            return json_response({"error": "this server has no node table"}, 404)
+        bounds = []
+        for name, default in (("offset", 0), ("limit", 100)):
+            raw = query.get(name)
+            if raw is not None and not (raw.isdigit() and len(raw) <= 9):
+                return json_response(
+                    {"error": f"{name}={raw[:40]!r}: expected a whole number >= 0"}, 400
+                )
+            bounds.append(int(raw) if raw is not None else default)
+        offset, limit = bounds[0], min(bounds[1], MAX_PAGE)
+        try:
+            page = self._node_pages(offset, limit)
+        except TimeoutError:
+            return json_response({"error": "the coordinator is busy: try again"}, 503)
+        return json_response(page)

@@ -23,6 +23,7 @@ The command line launcher is :mod:`coordinator.launch`, the status document
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -39,10 +40,10 @@ from coordinator.dissemination import HolderCensus, coordinator_census
 from coordinator.errors import Rejection
 from coordinator.history import StatusHistory
 from coordinator.holding import VersionHolding, model_spec
-from coordinator.http import StatusHttpServer
+from coordinator.http import PAGE_TIMEOUT_S, StatusHttpServer
 from coordinator.learner_link import LearnerLink
 from coordinator.logprobs import InProcessLogprobVerifier
-from coordinator.status import TrainerGauges, build_status, wire_status
+from coordinator.status import TrainerGauges, build_status, node_page, wire_status
 from coordinator.store import Store
 from coordinator.tasks import make_task
 from policy.preflight import PolicySetup
@@ -228,6 +229,7 @@ class CoordinatorService(VersionHolding, LearnerLink):
             cfg.network.http_port,
             core_registry=self.core.registry,
             history=self.history,
+            node_pages=self._node_page_threadsafe(asyncio.get_running_loop()),
         )
         self.http.start()
         self.census = coordinator_census(
@@ -353,6 +355,26 @@ class CoordinatorService(VersionHolding, LearnerLink):
         if self.setup is not None:  # the trainer checks its positions against these
             status["longest_prompt_tokens"] = self.setup.report.longest_prompt
         return status
+
+    def _node_page_threadsafe(
+        self, loop: asyncio.AbstractEventLoop
+    ) -> Callable[[int, int], dict[str, Any]]:
+        """``/api/nodes`` for the HTTP threads: the page is built on the event loop (which owns
+        the coordinator's state), the thread waits ``PAGE_TIMEOUT_S`` at most."""
+
+        async def build(offset: int, limit: int) -> dict[str, Any]:
+            assert self.core is not None
+            return node_page(self.core, offset, limit, self.census)
+
+        def page(offset: int, limit: int) -> dict[str, Any]:
+            done = asyncio.run_coroutine_threadsafe(build(offset, limit), loop)
+            try:
+                return done.result(timeout=PAGE_TIMEOUT_S)
+            except concurrent.futures.TimeoutError as exc:
+                done.cancel()
+                raise TimeoutError("node page") from exc
+
+        return page
 
     def node_reachability(self, nodes: dict[str, Any]) -> dict[str, str]:
         """``{fingerprint: "public" | "private" | "unknown"}``, as measured by this coordinator's

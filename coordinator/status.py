@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -27,6 +28,13 @@ from swarm.broadcast import BroadcastNode
 NEW = TrustState(0, False, None, None)
 
 
+#: Above this many registered nodes the per-tick document carries counts (``node_counts``), not
+#: the per-node maps: building them cost ~1 s of the event loop every tick at 10,000 nodes
+#: (issue 35). The dashboard then reads its node table page by page (:func:`node_page`,
+#: ``/api/nodes``); ``node_maps_omitted`` says how many nodes the maps would have held.
+NODE_MAPS_MAX = 500
+
+
 def build_status(
     core: Coordinator,
     *,
@@ -36,16 +44,89 @@ def build_status(
     trainer_stats: dict[str, Any],
     broadcast: BroadcastNode | None,
     census: HolderCensus | None = None,
+    node_maps_max: int = NODE_MAPS_MAX,
 ) -> dict[str, Any]:
     """The ``/status`` document (also served over ``rswarm/status``). ``census``: who holds
     which recent version (:mod:`coordinator.dissemination`), for ``version_holders`` and
-    ``node_versions_held``."""
+    ``node_versions_held``. The per-node maps (:func:`node_maps`) are included up to
+    ``node_maps_max`` registered nodes; above, ``node_counts`` alone (its cost no longer grows
+    with the swarm: counts come from SQL, not rows)."""
     snap = core.status()
     now = time.time()
-    nodes = core.store.nodes()
-    # one query each for the whole swarm: this runs every tick and on every status request
-    alive = {n.node_key for n in core.alive_nodes()}
-    banned = core.store.banned_keys(core.clock())
+    registered = int(snap["nodes_registered"])
+    rejected = _counter_by_label(core.metrics.rejected, "reason")
+    plan = core.plan
+    snap.update(
+        {
+            "coordinator_fingerprint": fingerprint,
+            "peer_id": peer_id,
+            "uptime_s": round(now - started_at, 1),
+            "rejected_by_reason": rejected,
+            "queue_depth": core.store.rollout_count()
+            - count_of(trainer_stats.get("rollout_cursor")),
+            "plan_available_rollouts_per_s": plan.available if plan else None,
+            "plan_meets_rule": plan.meets_rule if plan else None,
+            "versions_held": [
+                v for v in broadcast.store.versions() if broadcast.store.is_complete(v)
+            ]
+            if broadcast
+            else [],
+        }
+    )
+    if registered <= node_maps_max:
+        maps = node_maps(core, core.store.nodes(), census, now)
+        snap.update(maps)
+        snap["node_counts"] = dict(Counter(maps["node_states"].values()))
+    else:
+        snap["node_counts"] = _estimated_counts(core, snap)
+        snap["node_maps_omitted"] = registered
+    snap["version_holders"] = {str(v): n for v, n in census.counts.items()} if census else {}
+    snap["version_holders_age_s"] = (
+        round(now - census.taken_at, 1) if census and census.taken_at else None
+    )
+    for key, value in trainer_stats.items():
+        snap[f"trainer_{key}"] = value
+    finite: dict[str, Any] = _finite(snap)
+    return finite
+
+
+def _estimated_counts(core: Coordinator, snap: dict[str, Any]) -> dict[str, int]:
+    """Nodes by state from the counts of :meth:`Coordinator.status`: banned, alive (active or on
+    standby: the plan's standby list, taken at the last re-plan), gone."""
+    banned = len(snap.get("nodes_banned") or [])
+    alive = int(snap["nodes_alive"])
+    plan = core.plan
+    standby = (
+        min(alive, len(plan.standby)) if plan is not None and core.config.capacity.activation else 0
+    )
+    gone = max(0, int(snap["nodes_registered"]) - alive - banned)
+    counts = {"active": alive - standby, "standby": standby, "gone": gone, "banned": banned}
+    return {k: v for k, v in counts.items() if v}
+
+
+def node_page(
+    core: Coordinator, offset: int, limit: int, census: HolderCensus | None = None
+) -> dict[str, Any]:
+    """One page of the node table: the maps of :func:`node_maps` for the registered nodes
+    ``offset`` .. ``offset + limit`` in fingerprint order, with ``total`` (registered nodes),
+    ``offset`` and ``limit``. Costs the page, not the swarm."""
+    core.flush_liveness()
+    page = core.store.node_page(offset, limit)
+    out: dict[str, Any] = {"total": core.store.node_count(), "offset": offset, "limit": limit}
+    out.update(node_maps(core, page, census, time.time()))
+    finite: dict[str, Any] = _finite(out)
+    return finite
+
+
+def node_maps(
+    core: Coordinator, nodes: list[NodeRecord], census: HolderCensus | None, now: float
+) -> dict[str, Any]:
+    """Every per-node map of the status document for ``nodes``: state, last seen, throughput,
+    the trust maps (operator only, :data:`coordinator.node_view.OPERATOR_ONLY_FIELDS`), the
+    last problem, :func:`~coordinator.node_view.node_details` and :func:`capacity_maps`."""
+    clock = core.clock()
+    horizon = clock - core.config.heartbeat_interval_s * core.config.heartbeat_misses
+    banned = core.store.banned_keys(clock)
     states: dict[str, str] = {}
     last_seen: dict[str, float] = {}
     tokens_per_s: dict[str, float | None] = {}
@@ -55,7 +136,7 @@ def build_status(
         leases_done[n.fingerprint] = n.leases_completed
         if n.node_key in banned:
             states[n.fingerprint] = "banned"
-        elif n.node_key not in alive:
+        elif n.last_seen < horizon:  # Store.live_nodes' rule, on the rows already read
             states[n.fingerprint] = "gone"
         else:
             states[n.fingerprint] = "active" if core.is_active(n.node_key) else "standby"
@@ -70,54 +151,30 @@ def build_status(
         trust_level[n.fingerprint] = core.trust.level_of(t)
         clean[n.fingerprint] = t.clean_checks
     flagged = [n.fingerprint for n in nodes if trust.get(n.node_key, NEW).flagged_at]
-    rejected = _counter_by_label(core.metrics.rejected, "reason")
-    plan = core.plan
-    snap.update(
-        {
-            "coordinator_fingerprint": fingerprint,
-            "peer_id": peer_id,
-            "uptime_s": round(now - started_at, 1),
-            "node_states": states,
-            "node_last_seen_s": last_seen,
-            "node_tokens_per_s": tokens_per_s,
-            "node_leases_completed": leases_done,
-            "node_check_rate": check_rate,
-            "node_trust": trust_level,
-            "node_clean_checks": clean,
-            "nodes_flagged": flagged,
-            # what a node said when it last gave a lease back (cleared by its next accepted work)
-            "node_problems": {
-                n.fingerprint: core.node_problems[n.node_key]
-                for n in nodes
-                if n.node_key in core.node_problems
-            },
-            "rejected_by_reason": rejected,
-            "queue_depth": core.store.rollout_count()
-            - count_of(trainer_stats.get("rollout_cursor")),
-            "plan_available_rollouts_per_s": plan.available if plan else None,
-            "plan_meets_rule": plan.meets_rule if plan else None,
-            "versions_held": [
-                v for v in broadcast.store.versions() if broadcast.store.is_complete(v)
-            ]
-            if broadcast
-            else [],
-        }
-    )
+    out: dict[str, Any] = {
+        "node_states": states,
+        "node_last_seen_s": last_seen,
+        "node_tokens_per_s": tokens_per_s,
+        "node_leases_completed": leases_done,
+        "node_check_rate": check_rate,
+        "node_trust": trust_level,
+        "node_clean_checks": clean,
+        "nodes_flagged": flagged,
+        # what a node said when it last gave a lease back (cleared by its next accepted work)
+        "node_problems": {
+            n.fingerprint: core.node_problems[n.node_key]
+            for n in nodes
+            if n.node_key in core.node_problems
+        },
+    }
     suspects = frozenset(
         k for k, t in trust.items() if t.suspect and core.config.intake.suspect_full_check
     )
-    snap.update(
+    out.update(
         node_details(core.store, nodes, census.by_peer if census else {}, now, suspects=suspects)
     )
-    snap.update(capacity_maps(core, nodes))
-    snap["version_holders"] = {str(v): n for v, n in census.counts.items()} if census else {}
-    snap["version_holders_age_s"] = (
-        round(now - census.taken_at, 1) if census and census.taken_at else None
-    )
-    for key, value in trainer_stats.items():
-        snap[f"trainer_{key}"] = value
-    finite: dict[str, Any] = _finite(snap)
-    return finite
+    out.update(capacity_maps(core, nodes))
+    return out
 
 
 #: Per-node capacity figures on /status (docs/capacity.md, "Measured inputs").

@@ -52,6 +52,7 @@ CREATE TABLE IF NOT EXISTS leases (
     max_new_tokens INTEGER NOT NULL, issued_at REAL NOT NULL, deadline REAL NOT NULL,
     state TEXT NOT NULL CHECK (state IN ('active', 'completed', 'expired', 'released')),
     closed_at REAL, tokens INTEGER NOT NULL DEFAULT 0, samples INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS nodes_by_fingerprint ON nodes (fingerprint);
 CREATE INDEX IF NOT EXISTS leases_by_state ON leases (state, deadline);
 CREATE INDEX IF NOT EXISTS leases_by_node ON leases (node_key, state);
 CREATE TABLE IF NOT EXISTS prompts (
@@ -284,6 +285,29 @@ class Store:
 
     def node_count(self) -> int:
         return int(self._all("SELECT COUNT(*) FROM nodes")[0][0])
+
+    def live_node_count(self, seen_after: float, now: float) -> int:
+        """How many nodes :meth:`live_nodes` would return (a count, no rows: the status reads it
+        every tick)."""
+        sql = (
+            "SELECT COUNT(*) FROM nodes WHERE last_seen >= ?"
+            " AND node_key NOT IN (SELECT node_key FROM bans WHERE banned_until > ?)"
+        )
+        return int(self._all(sql, (seen_after, now))[0][0])
+
+    def banned_registered(self, now: float) -> list[bytes]:
+        """Keys of registered nodes with a ban in force at ``now``, by key."""
+        sql = (
+            "SELECT node_key FROM nodes WHERE node_key IN"
+            " (SELECT node_key FROM bans WHERE banned_until > ?) ORDER BY node_key"
+        )
+        return [bytes(r[0]) for r in self._all(sql, (now,))]
+
+    def node_page(self, offset: int, limit: int) -> list[NodeRecord]:
+        """Registered nodes ``offset`` .. ``offset + limit`` in fingerprint order (the dashboard's
+        paged node table), adverts included."""
+        sql = f"SELECT {NODE_COLS} FROM nodes ORDER BY fingerprint LIMIT ? OFFSET ?"
+        return [node_from_row(r) for r in self._all(sql, (max(0, limit), max(0, offset)))]
 
     def evictable_node(self, seen_before: float, now: float) -> bytes | None:
         """The longest-silent node last seen before ``seen_before`` that holds no active lease

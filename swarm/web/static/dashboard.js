@@ -4,6 +4,9 @@
 // a column of the node table, every trainer_* figure a line of the learner panel, every plan_*
 // figure a line of the capacity panel, and anything else a line of "everything else". A field
 // that is missing shows as "–". Values are text only (see common.js).
+//
+// A large swarm's /status carries node counts only (node_maps_omitted): the table is then read a
+// page at a time from /api/nodes?offset=&limit= (the coordinator builds only that page).
 "use strict";
 
 (() => {
@@ -11,6 +14,7 @@
   const PERIOD_MS = 2000;
   const MAX_STEPS = 4000;
   const MAX_TICKS = 3600;
+  const NODE_PAGE = 100; // nodes per page of /api/nodes
 
   const state = {
     status: null,
@@ -20,6 +24,7 @@
     ticks: [],
     staleness: {},
     renders: 0,
+    nodeOffset: 0, // first node of the page shown (paged table only)
     lastOk: null,
     charts: {},
   };
@@ -43,7 +48,7 @@
     ["node_last_seen_s", "last seen", "num", (v) => (RS.isNum(v) ? duration(v) + " ago" : RS.DASH)],
   ];
   // shown inside other cells (state, last error, node id) rather than as columns
-  const NODE_FOLDED = new Set(["node_states", "node_suspect", "node_strikes", "node_ban_reason",
+  const NODE_FOLDED = new Set(["node_states", "node_counts", "node_suspect", "node_strikes", "node_ban_reason",
     "node_banned_for_s", "node_last_error", "node_last_error_age_s", "node_peer_id", "node_software"]);
 
   function nodeMaps(status) {
@@ -114,10 +119,34 @@
     });
     fill(table.tBodies[0], rows);
     document.getElementById("nodes-empty").hidden = fps.length > 0;
-    const count = (s) => Object.values(states).filter((x) => x === s).length;
+    const counts = nodeCounts(status);
+    const total = RS.isNum(status.node_maps_omitted) ? status.node_maps_omitted : fps.length;
     fill(document.getElementById("nodes-hint"),
-      `${fps.length} registered · ${count("active")} active · ${count("standby")} standby · ${count("banned")} banned · ${count("gone")} gone`);
+      `${total} registered · ${counts.active || 0} active · ${counts.standby || 0} standby · ${counts.banned || 0} banned · ${counts.gone || 0} gone`);
+    const paged = RS.isNum(status.node_maps_omitted);
+    document.getElementById("nodes-pager").hidden = !paged;
+    if (paged) {
+      const last = Math.min(total, state.nodeOffset + fps.length);
+      fill(document.getElementById("nodes-page"), `nodes ${state.nodeOffset + 1}–${last} of ${total} (by fingerprint)`);
+      document.getElementById("nodes-prev").disabled = state.nodeOffset <= 0;
+      document.getElementById("nodes-next").disabled = last >= total;
+    }
   }
+
+  // nodes by state: the coordinator's counts (always there), else counted from node_states
+  function nodeCounts(status) {
+    if (status.node_counts && typeof status.node_counts === "object") return status.node_counts;
+    const out = {};
+    for (const st of Object.values(status.node_states || {})) out[st] = (out[st] || 0) + 1;
+    return out;
+  }
+
+  function pageNodes(delta) {
+    state.nodeOffset = Math.max(0, state.nodeOffset + delta * NODE_PAGE);
+    if (state.status) step().catch(() => {});
+  }
+  document.getElementById("nodes-prev").addEventListener("click", () => pageNodes(-1));
+  document.getElementById("nodes-next").addEventListener("click", () => pageNodes(1));
 
   // --- headline figures ------------------------------------------------------------------------
   function lastTick() {
@@ -127,7 +156,7 @@
   function renderKpis(s) {
     const rejected = Object.values(s.rejected_by_reason || {}).reduce((a, b) => a + (RS.isNum(b) ? b : 0), 0);
     const topReason = Object.entries(s.rejected_by_reason || {}).sort((a, b) => b[1] - a[1])[0];
-    const states = Object.values(s.node_states || {});
+    const counts = nodeCounts(s);
     const holders = (s.version_holders || {})[String(s.policy_version)];
     const cards = [
       ["learner step", "trainer_step", num(s.trainer_step), s.trainer_step_time_s !== undefined ? num(s.trainer_step_time_s) + " s a step" : ""],
@@ -137,7 +166,7 @@
       ["learner idle", "trainer_idle_frac", pct(s.trainer_idle_frac), "of wall time, waiting for rollouts"],
       ["intake", "intake_per_s", rate(lastTick().intake_per_s, "/s"), "accepted rollouts, last 10 s"],
       ["rollouts accepted", "rollouts_accepted", num(s.rollouts_accepted), "queue " + num(s.queue_depth)],
-      ["nodes active", "nodes_active", num(states.filter((x) => x === "active").length),
+      ["nodes active", "nodes_active", num(counts.active || 0),
         num(s.nodes_alive) + " alive · " + num(s.nodes_registered) + " registered"],
       ["submissions rejected", "rejected_total", num(rejected), topReason ? "mostly " + topReason[0] : "none"],
     ];
@@ -290,7 +319,13 @@
     state.status = status;
     mergeHistory(hist);
     renderKpis(status);
-    renderNodes(status);
+    if (RS.isNum(status.node_maps_omitted)) {
+      const page = await getJSON(`/api/nodes?offset=${state.nodeOffset}&limit=${NODE_PAGE}`);
+      const { total, offset, limit, ...maps } = page;
+      renderNodes({ ...status, ...maps });
+    } else {
+      renderNodes(status);
+    }
     renderPanels(status);
     renderCharts();
     state.renders += 1;
