@@ -56,6 +56,12 @@ class Tolerance(_Section):
         ge=0,
         description="Probability mass by which a replayed draw's CDF interval is widened",
     )
+    replay_rel_slack: float = Field(
+        default=0.0,
+        ge=0,
+        description="Calibrated widening of a replayed CDF bound at CDF value c, times c(1−c) "
+        "(added to replay_slack; coordinator/calibration.py)",
+    )
     replay_miss_share: float = Field(
         default=0.0,
         ge=0,
@@ -186,6 +192,29 @@ class IntakeSection(_Section):
         default_factory=_default_tolerances,
         description='Per "backend/dtype" tolerance ("*" matches any backend); backend and dtype '
         "are the node's registration's, never a submission's",
+    )
+    calibrate: bool = Field(
+        default=True,
+        description="Derive each version's tolerance from the coordinator's own measurement of "
+        "honest error across accepted_dtypes (coordinator/calibration.py), for every node alike; "
+        "false: the fixed per-dtype tolerances table, chosen by the node's registration",
+    )
+    accepted_dtypes: list[Literal["float32", "bfloat16", "float16"]] = Field(
+        default_factory=lambda: ["float32", "bfloat16", "float16"],  # type: ignore[arg-type]
+        description="Precisions an honest node may compute in: the calibration measures every "
+        "one of them against the verifier's fp32 forward",
+    )
+    calibration_samples: int = Field(
+        default=256,
+        ge=8,
+        description="Honest samples the coordinator draws per precision and path to calibrate a "
+        "version (once per version, on its first check)",
+    )
+    calibration_margin: float = Field(
+        default=2.0,
+        ge=1.0,
+        description="The calibrated tolerance is this multiple of the largest honest error "
+        "measured (log-prob, logit and CDF)",
     )
     sampling_z_max: float = Field(
         default=6.0,

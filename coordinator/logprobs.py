@@ -32,9 +32,29 @@ from coordinator.config import Tolerance
 from protocol.errors import ReasonCode
 
 if TYPE_CHECKING:
+    from coordinator.calibration import HonestError
     from policy.scoring import SampleAudit
 
 ModelLoader = Callable[[int], Any]
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """How the verifier calibrates each version's tolerance (:mod:`coordinator.calibration`)."""
+
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    samples: int = 256
+    margin: float = 2.0
+    #: prompts of the version's first check used for the calibration, at most
+    prompts: int = 16
+
+    @classmethod
+    def from_intake(cls, intake: Any) -> CalibrationSettings | None:
+        """From :class:`coordinator.config.IntakeSection` (None when ``calibrate`` is off)."""
+        if not intake.calibrate:
+            return None
+        return cls(tuple(intake.accepted_dtypes), intake.calibration_samples,
+                   intake.calibration_margin)  # fmt: skip
 
 
 class VerifierUnavailable(Exception):
@@ -168,8 +188,14 @@ class InProcessLogprobVerifier:
         top_k: int = 0,
         pad_id: int = 0,
         z_max: float = 6.0,
+        calibration: CalibrationSettings | None = None,
     ) -> None:
         self.model_loader = model_loader
+        #: with settings: every version's tolerance is calibrated here, the same for every node,
+        #: and every node is re-scored in fp32 (its registered dtype chooses nothing)
+        self.calibration = calibration
+        #: version -> its calibrated tolerance and the honest error it came from
+        self.calibrated: dict[int, tuple[Tolerance, HonestError]] = {}
         self.tolerances = dict(tolerances)
         self.cache_size = max(1, cache_size)
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
@@ -181,6 +207,8 @@ class InProcessLogprobVerifier:
         self.compute_s = 0.0
         self.checks = 0
         self.tokens = 0
+        #: seconds spent calibrating versions (once per version; not in ``compute_s``)
+        self.calibration_s = 0.0
 
     def _model(self, version: int, dtype: str) -> Any:
         """The model of ``version`` in ``dtype`` (loaded/cast if not cached); call with
@@ -221,6 +249,33 @@ class InProcessLogprobVerifier:
     def cached_versions(self) -> list[int]:
         return list(dict.fromkeys(v for v, _ in self._models))
 
+    def tolerance_of(self, version: int, prompt_ids: list[list[int]], steps: int) -> Tolerance:
+        """The calibrated tolerance of ``version``, measured on the first call (blocking; call
+        with ``_lock`` held): honest samples of the check's prompts in every accepted precision
+        (:func:`coordinator.calibration.measure_honest_error`)."""
+        from coordinator.calibration import calibrated_tolerance, measure_honest_error
+
+        assert self.calibration is not None
+        if version not in self.calibrated:
+            cal = self.calibration
+            t0 = time.perf_counter()
+            err = measure_honest_error(
+                self._model(version, "float32"),
+                prompt_ids[: cal.prompts],
+                dtypes=cal.dtypes,
+                samples=cal.samples,
+                steps=max(1, steps),
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                seed=version,
+            )
+            self.calibration_s += time.perf_counter() - t0
+            self.calibrated[version] = (calibrated_tolerance(err, cal.margin), err)
+            while len(self.calibrated) > self.cache_size:
+                del self.calibrated[min(self.calibrated)]
+        return self.calibrated[version][0]
+
     def _audit(
         self,
         version: int,
@@ -229,8 +284,8 @@ class InProcessLogprobVerifier:
         completions: list[list[int]],
         seeds: list[int] | None,
         steps: int | None,
-        tol: Tolerance,
-    ) -> list[SampleAudit]:
+        tol: Tolerance | None,
+    ) -> tuple[list[SampleAudit], Tolerance]:
         from policy.draw import sample_uniforms
         from policy.scoring import audit_samples
 
@@ -239,6 +294,8 @@ class InProcessLogprobVerifier:
             width = max([steps or 0, *map(len, completions)])
             uniforms = [sample_uniforms(seed, width) for seed in seeds]
         with self._lock:
+            if tol is None:
+                tol = self.tolerance_of(version, prompt_ids, steps or max(map(len, completions)))
             model = self._model(version, dtype)  # loading weights is I/O, not re-scoring
             t0 = time.perf_counter()
             out = audit_samples(
@@ -250,6 +307,7 @@ class InProcessLogprobVerifier:
                 top_k=self.top_k,
                 uniforms=uniforms,
                 slack=tol.replay_slack,
+                rel_slack=tol.replay_rel_slack,
                 margin=tol.logit_margin,
                 pad_id=self.pad_id,
             )
@@ -258,7 +316,7 @@ class InProcessLogprobVerifier:
             self.tokens += sum(
                 len(p) + len(c) for p, c in zip(prompt_ids, completions, strict=True)
             )
-            return out
+            return out, tol
 
     async def check(
         self,
@@ -274,15 +332,19 @@ class InProcessLogprobVerifier:
     ) -> LogprobVerdict:
         if seeds is not None and len(seeds) != len(completions):
             raise ValueError(f"{len(seeds)} seeds for {len(completions)} completions")
-        tol = tolerance_for(self.tolerances, backend, dtype)
-        audits = await asyncio.to_thread(
-            self._audit, version, dtype, prompt_ids, completions, seeds, steps, tol
+        if self.calibration is not None:  # the coordinator's measurement, whatever the label
+            fixed, dtype, label = None, "float32", f"calibrated v{version}"
+        else:
+            fixed = tolerance_for(self.tolerances, backend, dtype)
+            label = f"{backend}/{dtype}"
+        audits, tol = await asyncio.to_thread(
+            self._audit, version, dtype, prompt_ids, completions, seeds, steps, fixed
         )
         return judge(
             audits,
             claimed_logprobs,
             tol,
-            label=f"{backend}/{dtype}",
+            label=label,
             version=version,
             z_max=self.z_max,
             temperature=self.temperature,

@@ -42,7 +42,7 @@ from coordinator.history import StatusHistory
 from coordinator.holding import VersionHolding, model_spec
 from coordinator.http import PAGE_TIMEOUT_S, StatusHttpServer
 from coordinator.learner_link import LearnerLink
-from coordinator.logprobs import InProcessLogprobVerifier
+from coordinator.logprobs import CalibrationSettings, InProcessLogprobVerifier
 from coordinator.status import TrainerGauges, build_status, node_page, wire_status
 from coordinator.store import Store
 from coordinator.tasks import make_task
@@ -190,6 +190,7 @@ class CoordinatorService(VersionHolding, LearnerLink):
             top_k=cfg.sampling.top_k,
             pad_id=tokenizer.pad_token_id,
             z_max=cfg.intake.sampling_z_max,
+            calibration=CalibrationSettings.from_intake(cfg.intake),
         )
         self.verifier = verifier
         self.core = Coordinator(

@@ -144,7 +144,11 @@ def logprob_interval(
 
 
 def replay_admissible(
-    bounds: KeptBounds, targets: torch.Tensor, u: torch.Tensor, slack: float
+    bounds: KeptBounds,
+    targets: torch.Tensor,
+    u: torch.Tensor,
+    slack: float,
+    rel_slack: float = 0.0,
 ) -> torch.Tensor:
     """Whether each of ``targets [...]`` is the inverse-CDF draw at ``u [...]`` for some kept
     set ``S`` between ``inner`` and ``outer`` (each bound widened by ``slack`` probability mass).
@@ -152,8 +156,11 @@ def replay_admissible(
     With ``S`` fixed the draw is ``t`` iff ``0 ≤ f(S) < e_t`` where ``f(S) = u·Σ_S e −
     Σ_{j ∈ S, j < t} e_j`` (``cdf(t−1) ≤ u < cdf(t)``). ``f`` grows with the optional tokens above
     ``t`` in id order and shrinks with those below, so over all ``S`` it ranges over
-    ``[f_min, f_max]``; the draw is admissible iff ``f_max ≥ −slack·Z`` and ``f_min < e_t +
-    slack·Z`` (``Z = Σ_outer e``)."""
+    ``[f_min, f_max]``; the draw is admissible iff ``f_max ≥ −s_lo·Z`` and ``f_min < e_t +
+    s_hi·Z`` (``Z = Σ_outer e``), ``s = slack + rel_slack · c (1 − c)`` at the bound's CDF value
+    ``c``: a raw-logit error moves ``cdf[k]`` by ``c (1 − c)`` times the difference of the mean
+    errors below and above ``k`` (to first order), so the calibrated ``rel_slack`` widens the
+    bounds where rounding can move them and not at the ends of the CDF."""
     t = targets.unsqueeze(-1)
     zero = torch.zeros_like(bounds.e)
     e_in = torch.where(bounds.inner, bounds.e, zero)
@@ -172,4 +179,8 @@ def replay_admissible(
     f_max = uf * e_t + uf * above_out - (1.0 - uf) * below_in
     f_min = uf * e_t + uf * above_in - (1.0 - uf) * below_out
     z = tot_out
-    return out_t & (f_max >= -slack * z) & (f_min < e_t + slack * z)
+    c_lo = (below_out / z).clamp(0.0, 1.0)
+    c_hi = ((below_in + e_t) / z).clamp(0.0, 1.0)
+    s_lo = slack + rel_slack * c_lo * (1.0 - c_lo)
+    s_hi = slack + rel_slack * c_hi * (1.0 - c_hi)
+    return out_t & (f_max >= -s_lo * z) & (f_min < e_t + s_hi * z)

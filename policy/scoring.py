@@ -151,6 +151,7 @@ def audit_samples(
     top_k: int = 0,
     uniforms: list[torch.Tensor] | None = None,
     slack: float = 1e-3,
+    rel_slack: float = 0.0,
     margin: float = 0.0,
     batch_size: int = 32,
     pad_id: int = 0,
@@ -164,7 +165,8 @@ def audit_samples(
       from the same distribution; a greedy or low-temperature sampler lands far above the mean.
     * with ``uniforms`` (one tensor per completion, at least as long as it): token ``t`` must be
       the inverse-CDF draw at ``u[t]`` for some admissible kept set, i.e.
-      ``cdf[k-1] <= u·total < cdf[k]``, each bound widened by ``slack`` probability mass for
+      ``cdf[k-1] <= u·total < cdf[k]``, each bound widened by ``slack + rel_slack·c(1−c)``
+      probability mass (``c`` the bound's CDF value) for
       float rounding between the node's and this forward pass
       (:func:`policy.boundary.replay_admissible`).
     """
@@ -197,7 +199,7 @@ def audit_samples(
             for k, i in enumerate(rows):
                 n = len(completion_ids[i])
                 u[k, longest - n :] = uniforms[i][:n]
-            ok_all = replay_admissible(bounds, targets, u.to(device), slack)
+            ok_all = replay_admissible(bounds, targets, u.to(device), slack, rel_slack)
         for k, i in enumerate(rows):
             n = len(completion_ids[i])
             sl = slice(longest - n, longest)
