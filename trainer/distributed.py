@@ -105,6 +105,14 @@ class DistContext:
         dist.all_reduce(buf, op=dist.ReduceOp.MAX)
         return [int(v) for v in buf.cpu().tolist()]
 
+    def all_gather_objects(self, obj: T) -> list[T]:
+        """Every rank's ``obj`` (picklable, small: in-job traffic only), in rank order."""
+        if not self.enabled:
+            return [obj]
+        out: list[object] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out  # type: ignore[return-value]
+
     def all_gather_1d(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's 1-D ``tensor`` (lengths may differ, one dtype), in rank order, on every
         rank; on this rank's collective device (a single process: ``[tensor]`` as it is)."""

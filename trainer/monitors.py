@@ -99,6 +99,16 @@ class GradSpikeGuard:
         self.warmup = warmup
         self._norms: deque[float] = deque(maxlen=window)
 
+    @property
+    def history(self) -> list[float]:
+        """The recent norms the median is taken over, oldest first (saved in checkpoints)."""
+        return list(self._norms)
+
+    def restore(self, norms: list[float]) -> None:
+        """Continue from a saved :attr:`history` (a restarted trainer keeps its warm-up done)."""
+        self._norms.clear()
+        self._norms.extend(float(n) for n in norms)
+
     def skip(self, norm: float) -> bool:
         """Record ``norm``; True when the update that produced it should be skipped."""
         spike = (

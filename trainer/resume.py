@@ -1,16 +1,24 @@
-"""Checkpoints of the learner: save, find the newest, load (a mixin of the trainer).
+"""Checkpoints of the learner: save, find the newest intact one, load (a mixin of the trainer).
 
 :class:`CheckpointState` is a mixin of :class:`trainer.recipe.Trainer`, which sets the state
-declared below in its ``__init__``. The directories, ``published.json`` and pruning are
-:mod:`trainer.checkpoints`; sharded (several ranks) checkpoints are :mod:`trainer.dcp_checkpoint`.
+declared below in its ``__init__``. The directories, ``published.json``, checksums and pruning
+are :mod:`trainer.checkpoints`; sharded (several ranks) checkpoints are
+:mod:`trainer.dcp_checkpoint`.
+
+Resuming falls back: :meth:`CheckpointState.latest_checkpoint` takes the newest complete
+checkpoint whose files match the sizes and CRC-32s its ``state.json`` recorded; one that does not
+(a damaged or missing shard, a lost ``.metadata``) is skipped with a WARNING naming it and why,
+and the previous one is taken. Only when none is left does the trainer refuse to start (rather
+than start fresh beside checkpoints it could not read).
 """
 
 from __future__ import annotations
 
 import json
-import os
+import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,19 +26,26 @@ from trainer.batch import Rollout
 from trainer.checkpoints import (
     CHECKPOINT_DIR,
     atomic_write_json,
+    checkpoint_problem,
     complete_checkpoints,
+    file_manifest,
+    install_checkpoint,
     prune_checkpoints,
     read_published,
 )
 from trainer.config import TrainerConfig
 from trainer.dcp_checkpoint import (
     SHARDED_DIR,
+    CheckpointFormatError,
     load_full_checkpoint,
     load_sharded,
     save_sharded,
 )
 from trainer.distributed import DistContext
 from trainer.engine import Engine
+from trainer.monitors import GradSpikeGuard
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointState:
@@ -47,6 +62,8 @@ class CheckpointState:
     version: int
     published_version: int | None
     lr_factor: float
+    rollbacks: int
+    spike_guard: GradSpikeGuard
     #: highest rollout ``seq`` fetched; see :attr:`cursor` for the resumable one.
     _fetched: int
     #: fetched rollouts waiting for their group to complete, by group id
@@ -59,16 +76,59 @@ class CheckpointState:
         return min(pending) - 1 if pending else self._fetched
 
     def latest_checkpoint(self) -> Path | None:
-        """The newest complete checkpoint (a ``.tmp`` one left by a crash mid-save is not)."""
-        done = complete_checkpoints(self.out_dir / CHECKPOINT_DIR)
-        return done[-1] if done else None
+        """The newest complete checkpoint whose files are intact (a ``.tmp`` one left by a crash
+        mid-save is not complete). One that is not (a shard cut short, damaged or missing, a
+        lost ``.metadata``, an unreadable ``state.json``: see
+        :func:`~trainer.checkpoints.checkpoint_problem`) is skipped with a WARNING naming it
+        and why, and the previous one is taken. None: there is no checkpoint. A collective:
+        rank 0 checks (the same files on a shared filesystem) and every rank gets its answer.
+
+        Raises:
+            CheckpointFormatError: there are complete checkpoints, but none is intact."""
+        found: tuple[Path | None, str | None] = (None, None)
+        if self.dist.is_leader:
+            found = self._newest_intact()
+        path, error = self.dist.share(found)
+        if error is not None:
+            raise CheckpointFormatError(error)
+        return path
+
+    def _newest_intact(self) -> tuple[Path | None, str | None]:
+        """(the newest intact checkpoint, None) or (None, why none is)."""
+        root = self.out_dir / CHECKPOINT_DIR
+        skipped: list[str] = []
+        for path in reversed(complete_checkpoints(root)):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                if skipped:
+                    log.warning(
+                        "resuming from %s, the newest intact checkpoint (skipped: %s)",
+                        path, "; ".join(skipped),
+                    )  # fmt: skip
+                return path, None
+            log.warning(
+                "checkpoint %s is damaged: %s; falling back to the previous complete one",
+                path, problem,
+            )  # fmt: skip
+            skipped.append(f"{path.name}: {problem}")
+        if skipped:
+            return None, (
+                f"no intact checkpoint under {root} ({'; '.join(skipped)}); move the directory "
+                "away to start fresh"
+            )
+        return None, None
 
     def save_checkpoint(self, path: Path | None = None) -> Path:
-        """Write weights, optimizer, step, version, published version and rollout cursor to a new
-        directory (atomically renamed into place); keep the last ``keep_checkpoints``.
+        """Write weights, optimizer, step, version, published version, rollout cursor, the
+        KL-adaptive factor, the gradient-spike guard's history and the rollback counter to a new
+        directory; every file fsynced and listed with its size and CRC-32 in ``state.json``
+        (fsynced too), then renamed into place (:func:`~trainer.checkpoints.install_checkpoint`:
+        a checkpoint of the same step is replaced, never removed first); keep the last
+        ``keep_checkpoints``.
 
         Sharded (several ranks), a collective: every rank writes its shards with
-        ``torch.distributed.checkpoint`` (:mod:`trainer.dcp_checkpoint`), rank 0 the rest."""
+        ``torch.distributed.checkpoint`` (:mod:`trainer.dcp_checkpoint`) and checksums them,
+        rank 0 the rest."""
         from safetensors.torch import save_model
 
         root = self.out_dir / CHECKPOINT_DIR
@@ -81,9 +141,17 @@ class CheckpointState:
         if self.engine.sharded:
             self.dist.barrier()  # the directory is fresh before any rank writes into it
             save_sharded(tmp / SHARDED_DIR, self.model, self.optimizer)
+            # each rank checksums the files it wrote (DCP names them __<rank>_<n>.distcp)
+            mine = sorted((tmp / SHARDED_DIR).glob(f"__{self.dist.rank}_*.distcp"))
+            files: dict[str, list[int]] = {}
+            for part in self.dist.all_gather_objects(file_manifest(mine, tmp)):
+                files.update(part)
+            if leader:
+                files.update(file_manifest([tmp / SHARDED_DIR / ".metadata"], tmp))
         else:
             save_model(self.model, str(tmp / "model.safetensors"))
             torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            files = file_manifest([tmp / "model.safetensors", tmp / "optimizer.pt"], tmp)
         if leader:
             state = {
                 "step": self.step,
@@ -91,13 +159,14 @@ class CheckpointState:
                 "published_version": self.published_version,
                 "cursor": self.cursor,
                 "lr_factor": self.lr_factor,
+                "rollbacks": self.rollbacks,
+                "grad_norms": self.spike_guard.history,
                 "world_size": self.dist.world_size,
+                "files": files,
                 "config": self.config.model_dump(),
             }
-            atomic_write_json(tmp / "state.json", state)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            atomic_write_json(tmp / "state.json", state)  # fsynced, and tmp/ with it
+            install_checkpoint(tmp, final)
             if path is None:
                 prune_checkpoints(root, self.config.keep_checkpoints)
         self.dist.barrier()  # no rank goes on (to read it, or to the next save) before it is done
@@ -112,7 +181,7 @@ class CheckpointState:
         ``torch.distributed.checkpoint``; a single-process one is split over the ranks."""
         from safetensors.torch import load_file, load_model
 
-        state = json.loads((path / "state.json").read_text())
+        saved = _saved_state(path)
         if (path / SHARDED_DIR).is_dir():
             load_sharded(path / SHARDED_DIR, self.model, self.optimizer)
         elif self.engine.sharded:
@@ -127,14 +196,33 @@ class CheckpointState:
             group["lr"] = self.config.lr
             group["weight_decay"] = self.config.weight_decay
             group["betas"] = (self.config.adam_beta1, self.config.adam_beta2)
-        self.step = int(state["step"])
-        published = state.get("published_version")
+        self.step = saved["step"]
+        published = saved["published_version"]
         logged = read_published(self.out_dir)
         if logged is not None:
-            published = logged if published is None else max(int(published), logged)
-        self.published_version = None if published is None else int(published)
-        self.version = max(int(state["version"]), self.published_version or 0, self.version)
-        self._fetched = int(state["cursor"])
-        # the KL-adaptive schedule goes on where it was (checkpoints from before it: factor 1)
-        self.lr_factor = float(state.get("lr_factor", 1.0))
+            published = logged if published is None else max(published, logged)
+        self.published_version = published
+        self.version = max(saved["version"], self.published_version or 0, self.version)
+        self._fetched = saved["cursor"]
+        # the KL-adaptive schedule, the spike guard and the rollback count go on where they were
+        # (checkpoints from before them: factor 1, no history, 0)
+        self.lr_factor = saved["lr_factor"]
+        self.rollbacks = saved["rollbacks"]
+        self.spike_guard.restore(saved["grad_norms"])
         self._pending.clear()
+
+
+def _saved_state(path: Path) -> dict[str, Any]:
+    """``state.json`` of the checkpoint ``path``, every field read and typed before anything is
+    loaded (a bad file fails here, having changed nothing)."""
+    state = json.loads((path / "state.json").read_text())
+    published = state.get("published_version")
+    return {
+        "step": int(state["step"]),
+        "version": int(state["version"]),
+        "published_version": None if published is None else int(published),
+        "cursor": int(state["cursor"]),
+        "lr_factor": float(state.get("lr_factor", 1.0)),
+        "rollbacks": int(state.get("rollbacks", 0)),
+        "grad_norms": [float(n) for n in state.get("grad_norms", [])],
+    }

@@ -11,13 +11,15 @@ One ``torch.multiprocessing`` job of 2 ranks (the torchrun code path: env:// ren
 * C — 2 ranks resume from a single-process checkpoint (split over the ranks);
 
 and then, in this process, D — a single process resumes from A's sharded step-1 checkpoint
-(resharded 2 → 1), and E — the version A published loads in a node's ``hf`` backend and equals
-the ranks' shards of the same weights bit for bit.
+(resharded 2 → 1), F — A's step-2 checkpoint without its ``.metadata`` or with a shard cut short
+is passed over for step 1, and E — the version A published loads in a node's ``hf`` backend and
+equals the ranks' shards of the same weights bit for bit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import shutil
@@ -274,6 +276,21 @@ def _check(tmp_path: Path, setup: Setup) -> None:
     assert single_d.step == 1 and single_d.optimizer.state  # weights and moments came back
     _run(single_d, 0)
     _compare(single_d.state_dict_for_publish(), got, setup.adam_tol, skip_k_bias=True)
+
+    # F: a sharded checkpoint that lost its .metadata, or whose rank-1 shard was cut short, is
+    # skipped on resume for the previous one (every rank's shard is in state.json's checksums)
+    step2 = tmp_path / "a" / CHECKPOINT_DIR / "step-00000002"
+    files = json.loads((step2 / "state.json").read_text())["files"]
+    assert sorted(files) == ["sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp"]
+    for name, damage in ((".metadata", "unlink"), ("__1_0.distcp", "truncate")):
+        run = tmp_path / f"f-{damage}"
+        shutil.copytree(tmp_path / "a" / CHECKPOINT_DIR, run / CHECKPOINT_DIR)
+        target = run / CHECKPOINT_DIR / "step-00000002" / "sharded" / name
+        if damage == "unlink":
+            target.unlink()
+        else:
+            target.write_bytes(target.read_bytes()[:-100])
+        assert _single(run, setup).step == 1, name
 
     # E: the published v2 loads in a node and is, bit for bit, the ranks' shards put together.
     from node.backends import make_backend

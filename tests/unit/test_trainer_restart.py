@@ -9,15 +9,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
+import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from test_trainer_recipe import make_rollouts
 
 from trainer.config import TrainerConfig
+from trainer.dcp_checkpoint import CheckpointFormatError
 from trainer.recipe import Trainer
 from trainer.sources import InProcessSource, MemoryPublisher, VersionNotNewer
 
@@ -156,3 +160,139 @@ def test_a_stop_lets_the_publication_in_progress_finish_and_record_itself(
     assert json.loads((tmp_path / "run" / "published.json").read_text()) == {"version": 1}
     tr2 = _trainer(tmp_path, max_staleness=2)
     assert (tr2.step, tr2.version, tr2.published_version) == (1, 1, 1)
+
+
+# ---------------------------------------------------------------- damaged checkpoints (issue 36)
+def _two_checkpoints(tmp_path: Path) -> tuple[Path, Path]:
+    tr = _trainer(tmp_path)
+    tr.train_step(make_rollouts(1, 4, 4, version=0))
+    first = tr.save_checkpoint()
+    tr.train_step(make_rollouts(2, 4, 4, version=1))
+    return first, tr.save_checkpoint()
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "why"),
+    [
+        (lambda p: _flip_a_byte(p / "model.safetensors"), "model.safetensors does not match"),
+        (lambda p: (p / "optimizer.pt").write_bytes(b"cut"), "optimizer.pt has 3 bytes where"),
+        (lambda p: (p / "optimizer.pt").unlink(), "optimizer.pt is missing"),
+        (lambda p: (p / "state.json").write_text("{"), "state.json is unreadable"),
+    ],
+)
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: Any, why: str
+) -> None:
+    first, second = _two_checkpoints(tmp_path)
+    damage(second)
+    with caplog.at_level(logging.WARNING, logger="trainer.resume"):
+        tr = _trainer(tmp_path)
+    assert (tr.step, tr.version) == (1, 1)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(str(second) in m and why in m and "falling back" in m for m in said), said
+    assert any(m.startswith(f"resuming from {first}") for m in said), said
+    # the next checkpoint of step 2 replaces the damaged one
+    tr.train_step(make_rollouts(3, 4, 4, version=1))
+    assert tr.save_checkpoint() == second and _trainer(tmp_path).step == 2
+
+
+def test_a_sharded_checkpoint_without_its_metadata_is_not_resumed_from(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # (real 2-rank checkpoints losing .metadata or a shard: tests/integration/test_trainer_fsdp.py)
+    _, second = _two_checkpoints(tmp_path)
+    (second / "model.safetensors").unlink()
+    (second / "sharded").mkdir()
+    (second / "sharded" / "__0_0.distcp").write_bytes(b"shard")
+    with caplog.at_level(logging.WARNING, logger="trainer.resume"):
+        assert _trainer(tmp_path).step == 1
+    assert any("sharded/.metadata is missing" in r.getMessage() for r in caplog.records)
+
+
+def test_no_intact_checkpoint_refuses_to_start_in_one_line(tmp_path: Path) -> None:
+    first, second = _two_checkpoints(tmp_path)
+    _flip_a_byte(first / "optimizer.pt")
+    (second / "optimizer.pt").unlink()
+    with pytest.raises(CheckpointFormatError, match="no intact checkpoint under") as err:
+        _trainer(tmp_path)
+    assert "\n" not in str(err.value) and "step-00000001: optimizer.pt does not match" in str(
+        err.value
+    )
+
+
+def test_saving_a_step_again_replaces_it_only_once_the_new_one_is_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tr = _trainer(tmp_path)
+    tr.train_step(make_rollouts(1, 4, 4, version=0))
+    saved = tr.save_checkpoint()
+    tr.lr_factor = 0.5  # what the second save of step 1 records
+    assert tr.save_checkpoint() == saved
+    assert sorted(p.name for p in saved.parent.iterdir()) == [saved.name]  # no .old, no .tmp
+    assert json.loads((saved / "state.json").read_text())["lr_factor"] == 0.5
+    # killed while saving step 1 a third time, just before the new directory is renamed into
+    # place: the previous save of step 1 is still there to resume from
+    real_replace = os.replace
+
+    def crash_on_install(src: Any, dst: Any) -> None:
+        if str(src).endswith(".tmp") and Path(src).is_dir():
+            raise KeyboardInterrupt("killed")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_on_install)
+    tr.lr_factor = 0.25
+    with pytest.raises(KeyboardInterrupt):
+        tr.save_checkpoint()
+    monkeypatch.setattr(os, "replace", real_replace)
+    again = _trainer(tmp_path)
+    assert (again.step, again.lr_factor) == (1, 0.5)
+
+
+def test_state_json_and_the_rename_are_fsynced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tr = _trainer(tmp_path)
+    tr.train_step(make_rollouts(1, 4, 4, version=0))
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any) -> None:
+        real_replace(src, dst)
+        events.append(("rename", str(dst)))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    final = tr.save_checkpoint()
+    tmp = f"{final}.tmp"
+    synced = [p for op, p in events if op == "fsync"]
+    assert any(p.startswith(f"{tmp}/.state.json.") for p in synced)  # the file, before its rename
+    state_renamed = events.index(("rename", f"{tmp}/state.json"))
+    assert ("fsync", tmp) in events[state_renamed:]  # ...and its directory after it
+    installed = events.index(("rename", str(final)))
+    assert ("fsync", str(final.parent)) in events[installed:]  # the rename into place
+    for name in ("model.safetensors", "optimizer.pt"):
+        assert f"{tmp}/{name}" in synced
+
+
+def test_a_restart_keeps_the_spike_guards_history_and_the_rollback_count(tmp_path: Path) -> None:
+    kw: dict[str, Any] = dict(lr=0.05, max_step_kl=1e-6, grad_spike_factor=50.0)
+    tr = _trainer(tmp_path, **kw)
+    for i in range(2):
+        tr.train_step(make_rollouts(10 + i, 4, 4, version=i))
+    norms = tr.spike_guard.history
+    assert tr.rollbacks == 2 and len(norms) == 2  # one update per step (minibatches = 1)
+    tr.save_checkpoint()
+    again = _trainer(tmp_path, **kw)
+    assert again.rollbacks == 2 and again.spike_guard.history == pytest.approx(norms, rel=1e-12)
+    rec = again.train_step(make_rollouts(12, 4, 4, version=2))
+    assert rec["rollbacks"] == 3 and len(again.spike_guard.history) == 3
