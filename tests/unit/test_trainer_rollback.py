@@ -87,6 +87,6 @@ def test_step_kl_is_the_policy_move_and_a_large_one_is_undone(tmp_path: Path) ->
 
 
 def test_step_kl_is_not_measured_when_off(tmp_path: Path) -> None:
-    # neither the rollback nor the KL-adaptive learning rate (on by default) asks for it
+    # neither the rollback nor the KL-adaptive learning rate (both off by default) asks for it
     rec = _trainer(tmp_path, target_step_kl=None).train_step(make_rollouts(4, 4, 4, version=0))
     assert rec["step_kl"] is None and rec["rolled_back"] is False
