@@ -29,7 +29,7 @@ from trainer.distributed import DistContext, init_distributed, shutdown_distribu
 from trainer.recipe import Trainer
 from trainer.rollback import optimizer_params
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # ~15 s of CPU; minutes when loaded
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # ~30 s of CPU; minutes when loaded
 
 #: max_step_kl that undoes any step that moved the policy at all / that undoes none.
 UNDO, KEEP = 1e-12, 1e9
