@@ -12,6 +12,7 @@ Modules:
 * :mod:`swarm.transport`     -- request/response RPC over libp2p streams (:class:`P2PTransport`)
 * :mod:`swarm.memtransport`  -- in-memory transport for unit tests
 * :mod:`swarm.ratelimit`     -- :class:`TokenBucket` upload cap
+* :mod:`swarm.bulkwindow`    -- :class:`BulkWindow`: bulk answers paced so control goes first
 * :mod:`swarm.chunks`        -- :class:`ChunkStore`: verified chunks per version on disk
 * :mod:`swarm.holders`       -- who holds which chunks (DHT bitmaps) and their announcer
 * :mod:`swarm.scoring`       -- per-peer speed/reliability scores

@@ -55,6 +55,8 @@ MANIFEST_RPC = "/rollout-swarm/manifest/1"
 CHUNK_RPC = "/rollout-swarm/chunk/1"
 CHUNK_ANY_RPC = "/rollout-swarm/chunk-any/1"
 EXCHANGE_RPC = "/rollout-swarm/exchange/1"
+#: the same exchange, its answer paced by the asker's acknowledgements (swarm.bulkwindow)
+EXCHANGE_WINDOWED_RPC = "/rollout-swarm/exchange/2"
 
 
 class ChunkServer:
@@ -86,13 +88,15 @@ class ChunkServer:
             (CHUNK_RPC, self._on_chunk),
             (CHUNK_ANY_RPC, self._on_chunk_any),
             (EXCHANGE_RPC, self._on_exchange),
+            (EXCHANGE_WINDOWED_RPC, self._on_exchange),
         ):
             await self.transport.register(
-                name, handler, max_streams_per_peer=self.max_streams_per_peer
-            )
+                name, handler, max_streams_per_peer=self.max_streams_per_peer,
+                windowed=name == EXCHANGE_WINDOWED_RPC,
+            )  # fmt: skip
 
     async def stop(self) -> None:
-        for name in (MANIFEST_RPC, CHUNK_RPC, CHUNK_ANY_RPC, EXCHANGE_RPC):
+        for name in (MANIFEST_RPC, CHUNK_RPC, CHUNK_ANY_RPC, EXCHANGE_RPC, EXCHANGE_WINDOWED_RPC):
             await self.transport.unregister(name)
 
     async def _on_manifest(self, peer_id: str, request: bytes) -> bytes:
@@ -188,6 +192,8 @@ class Downloader:
         self.book = book if book is not None else HolderBook()
         self.dialable = dialable
         self.exchange: str | None = EXCHANGE_RPC  # None: the per-chunk RPCs only
+        #: the exchange paced by the server's bulk window, asked first (None: unpaced only)
+        self.windowed_exchange: str | None = EXCHANGE_WINDOWED_RPC
         self.announcer = announcer
         self.scores = scores or PeerScores()
         self.config = config or DownloadConfig()
@@ -316,6 +322,7 @@ class Downloader:
             chunk_rpc=CHUNK_RPC,
             chunk_any_rpc=CHUNK_ANY_RPC,
             exchange_rpc=self.exchange,
+            windowed_rpc=self.windowed_exchange,
             book=self.book,
             dialable=self.dialable,
             wanted=part_indices(manifest, part),

@@ -102,6 +102,9 @@ class Transfer:
 
     ``exchange_rpc`` (default: the old per-chunk RPCs only) is the combined chunk + holder-table
     RPC; peers that do not serve it are asked with ``chunk_rpc`` / ``chunk_any_rpc``.
+    ``windowed_rpc``, when given, is the same exchange answered through the server's bulk window
+    (acknowledged as it arrives, :mod:`swarm.bulkwindow`), asked first; peers that do not serve
+    it are asked with ``exchange_rpc``.
     ``dialable()`` says whether this peer accepts connections (reported to the peers it asks).
     """
 
@@ -120,6 +123,7 @@ class Transfer:
         announcer: HolderAnnouncer | None = None,
         on_progress: ProgressFn | None = None,
         exchange_rpc: str | None = None,
+        windowed_rpc: str | None = None,
         book: HolderBook | None = None,
         dialable: Callable[[], bool] = lambda: True,
         wanted: Iterable[int] | None = None,
@@ -130,6 +134,7 @@ class Transfer:
         self.scores, self.cfg = scores, config
         self.chunk_rpc, self.chunk_any_rpc = chunk_rpc, chunk_any_rpc
         self.exchange_rpc = exchange_rpc
+        self.windowed_rpc = windowed_rpc if exchange_rpc is not None else None
         self.book = book if book is not None else HolderBook()
         self.dialable = dialable
         self.announcer, self.on_progress = announcer, on_progress
@@ -148,6 +153,7 @@ class Transfer:
         self.dropped: set[str] = set()
         self.backoff: dict[str, float] = {}
         self.legacy: set[str] = set()  # peers that do not serve exchange_rpc
+        self.unwindowed: set[str] = set()  # peers that do not serve windowed_rpc
         self.load: Counter[str] = Counter()
         self.inflight: dict[asyncio.Task[int], Flight] = {}
         self.hedged: set[int] = set()  # chunk indices already asked of a second peer
@@ -344,14 +350,24 @@ class Transfer:
                 have=keys.bitmap_from_indices(have, self.n),
                 dialable=self.dialable(),
             )
-            try:
-                limit = self.reply_limits.control_frame
-                raw = await self._call(peer, self.exchange_rpc, encode(request), flight, limit)
-            except RemoteError as exc:
-                if exc.code != "unknown_method":
-                    raise
-                self.legacy.add(peer)  # an older peer: ask it the old way
-                return await self._legacy(peer, wanted, flight)
+            limit = self.reply_limits.control_frame
+            raw = None
+            if self.windowed_rpc is not None and peer not in self.unwindowed:
+                try:
+                    raw = await self._call(peer, self.windowed_rpc, encode(request), flight, limit,
+                                           windowed=True)  # fmt: skip
+                except RemoteError as exc:
+                    if exc.code != "unknown_method":
+                        raise
+                    self.unwindowed.add(peer)  # an older peer: unpaced answers
+            if raw is None:
+                try:
+                    raw = await self._call(peer, self.exchange_rpc, encode(request), flight, limit)
+                except RemoteError as exc:
+                    if exc.code != "unknown_method":
+                        raise
+                    self.legacy.add(peer)  # an older peer: ask it the old way
+                    return await self._legacy(peer, wanted, flight)
             msg = decode(raw, ExchangeReply, self.reply_limits)
             self.book.learn_table(self.m.version, self.n, msg.holders)
             return self._keep(peer, msg.version, msg.index, msg.data, wanted, flight)
@@ -373,7 +389,14 @@ class Transfer:
         return self._keep(peer, msg.version, msg.index, msg.data, wanted, flight)
 
     async def _call(
-        self, peer: str, name: str, request: bytes, flight: Flight, max_bytes: int
+        self,
+        peer: str,
+        name: str,
+        request: bytes,
+        flight: Flight,
+        max_bytes: int,
+        *,
+        windowed: bool = False,
     ) -> bytes:
         def progress(got: int, total: int) -> None:
             flight.received = got
@@ -387,6 +410,7 @@ class Transfer:
             connect_timeout=self.cfg.connect_timeout,
             max_response_bytes=max_bytes,
             on_progress=progress,
+            windowed=windowed,
         )
 
     def _keep(

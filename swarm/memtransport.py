@@ -85,7 +85,9 @@ class InMemoryTransport:
         *,
         max_request_bytes: int = DEFAULT_MAX_REQUEST,
         max_streams_per_peer: int | None = None,
+        windowed: bool = False,
     ) -> None:
+        # windowed (bulk pacing by acknowledgements) changes nothing in memory: no queues
         self._handlers[name] = (handler, max_request_bytes, max_streams_per_peer)
 
     async def unregister(self, name: str) -> None:
@@ -102,6 +104,7 @@ class InMemoryTransport:
         on_progress: ProgressFn | None = None,
         stall_timeout: float | None = None,
         connect_timeout: float | None = None,
+        windowed: bool = False,
     ) -> bytes:
         remote = self._network.lookup(peer_id)
         if remote is None:

@@ -15,7 +15,15 @@ whose length prefix is over its limit without buffering the body, and after answ
 errors (libp2p daemon, OS, asyncio) are mapped to :mod:`swarm.errors` in exactly one place,
 :func:`_translate`.
 Responses are written in slices through an optional :class:`~swarm.ratelimit.TokenBucket`, which
-caps this peer's upload rate smoothly.
+caps this peer's upload rate smoothly; control answers (methods not registered ``windowed``) go
+ahead of bulk ones waiting for it.
+
+Bulk answers (``register(..., windowed=True)``, e.g. chunks) are paced by the caller: the caller
+acknowledges the body bytes it has received (8-byte cumulative counts, :mod:`swarm.bulkwindow`)
+and the server keeps at most :attr:`P2PTransport.bulk_window` bytes unacknowledged over all its
+windowed streams, so DHT messages and RPC answers sharing the libp2p connection (one yamux
+session over one TCP connection per peer pair) do not queue behind MiBs of chunk data. The caller
+must pass ``windowed=True`` for such a method (its name says so, e.g. ``.../exchange/2``).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from swarm.bulkwindow import BulkWindow, read_acked, write_windowed
 from swarm.errors import DialFailed, PeerUnreachable, RemoteError, RpcTimeout, TransportError
 from swarm.ratelimit import TokenBucket
 
@@ -71,6 +80,7 @@ class Transport(Protocol):
         *,
         max_request_bytes: int = DEFAULT_MAX_REQUEST,
         max_streams_per_peer: int | None = None,
+        windowed: bool = False,
     ) -> None: ...
 
     async def unregister(self, name: str) -> None: ...
@@ -86,6 +96,7 @@ class Transport(Protocol):
         on_progress: ProgressFn | None = None,
         stall_timeout: float | None = None,
         connect_timeout: float | None = None,
+        windowed: bool = False,
     ) -> bytes: ...
 
 
@@ -188,20 +199,26 @@ async def _discard(reader: asyncio.StreamReader, n: int, deadline: float) -> Non
 
 
 async def write_sliced(
-    writer: asyncio.StreamWriter, data: bytes, *, timeout: float, limiter: TokenBucket | None
+    writer: asyncio.StreamWriter,
+    data: bytes,
+    *,
+    timeout: float,
+    limiter: TokenBucket | None,
+    urgent: bool = False,
 ) -> None:
     """Write ``data`` in 64 KiB slices, each through ``limiter``, each drain bounded by timeout.
 
     The reader must also take the whole of ``data`` at :data:`MIN_READ_BPS` on average (time spent
     waiting for the upload limiter is not counted): a peer reading a byte now and then cannot
-    hold a stream (and the answer's memory) for ``timeout`` per slice."""
+    hold a stream (and the answer's memory) for ``timeout`` per slice. ``urgent`` (control
+    answers) passes the limiter's queue of bulk writers (its bytes still count)."""
     loop = asyncio.get_running_loop()
     budget = timeout + len(data) / MIN_READ_BPS
     view = memoryview(data)
     for start in range(0, len(view), _SLICE):
         piece = view[start : start + _SLICE]
         if limiter is not None:
-            await limiter.acquire(len(piece))
+            await limiter.acquire(len(piece), urgent=urgent)
         writer.write(piece)
         t0 = loop.time()
         await asyncio.wait_for(writer.drain(), min(timeout, budget))
@@ -220,9 +237,14 @@ class P2PTransport:
         upload_limiter: TokenBucket | None = None,
         max_streams_per_peer: int = 16,
         io_timeout: float = 30.0,
+        bulk_window: BulkWindow | None = None,
+        ack_timeout: float = 10.0,
     ) -> None:
         self._p2p = p2p
         self.upload_limiter = upload_limiter
+        #: bytes of windowed answers in flight, over all streams (swarm.bulkwindow)
+        self.bulk_window = bulk_window if bulk_window is not None else BulkWindow()
+        self.ack_timeout = ack_timeout
         self.max_streams_per_peer = max_streams_per_peer
         self.io_timeout = io_timeout
         self._active: defaultdict[tuple[str, str], int] = defaultdict(int)
@@ -239,14 +261,18 @@ class P2PTransport:
         *,
         max_request_bytes: int = DEFAULT_MAX_REQUEST,
         max_streams_per_peer: int | None = None,
+        windowed: bool = False,
     ) -> None:
         """Serve ``name``; a caller with more than ``max_streams_per_peer`` (default: the
-        transport's) concurrent streams of this method is answered ``busy`` at once."""
+        transport's) concurrent streams of this method is answered ``busy`` at once.
+        ``windowed``: a bulk method, answered through :attr:`bulk_window` (callers acknowledge:
+        ``call(..., windowed=True)``); other answers are control and go first."""
         limit = self.max_streams_per_peer if max_streams_per_peer is None else max_streams_per_peer
 
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: Any) -> None:
             caller = str(info.peer_id.to_base58())
-            await self._serve(caller, name, handler, max_request_bytes, limit, reader, writer)
+            args = (caller, name, handler, max_request_bytes, limit, reader, writer)
+            await self._serve(*args, windowed=windowed)
 
         await self._p2p.add_binary_stream_handler(name, on_stream)
 
@@ -262,12 +288,14 @@ class P2PTransport:
         limit: int,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
+        *,
+        windowed: bool = False,
     ) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.io_timeout
         try:
             args = (caller, name, handler, max_request_bytes, limit, reader, writer, deadline)
-            if await self._answer(*args) and self._lingering < _MAX_LINGERING:
+            if await self._answer(*args, windowed=windowed) and self._lingering < _MAX_LINGERING:
                 # Let the caller close first: closing our end while the answer is still in flight
                 # can reset the stream (p2pd tears both directions down) and lose the answer.
                 # The caller's slot is free already; the global cap bounds idle open streams.
@@ -289,6 +317,8 @@ class P2PTransport:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         deadline: float,
+        *,
+        windowed: bool = False,
     ) -> bool:
         """Read one request and write its answer, holding one of the caller's ``limit`` slots
         of this method meanwhile; False when the stream failed or timed out first."""
@@ -303,11 +333,19 @@ class P2PTransport:
                     caller, handler, max_request_bytes, reader, deadline
                 )
             writer.write(_HEADER.pack(len(body) + 1) + bytes([status]))
-            await write_sliced(writer, body, timeout=self.io_timeout, limiter=self.upload_limiter)
+            if windowed and status == _OK:  # the caller acknowledges the body as it arrives
+                await write_windowed(
+                    writer, reader, body, window=self.bulk_window, timeout=self.io_timeout,
+                    ack_timeout=self.ack_timeout, limiter=self.upload_limiter,
+                )  # fmt: skip
+            else:
+                limiter = self.upload_limiter
+                await write_sliced(writer, body, timeout=self.io_timeout, limiter=limiter,
+                                   urgent=not windowed)  # fmt: skip
             if unread:  # the rest of a refused request: let the caller finish writing it
                 await _discard(reader, unread, deadline)
             return True
-        except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+        except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
             logger.debug("stream %s from %s ended: %r", name, caller, exc)
             return False
         finally:
@@ -348,11 +386,14 @@ class P2PTransport:
         on_progress: ProgressFn | None = None,
         stall_timeout: float | None = None,
         connect_timeout: float | None = None,
+        windowed: bool = False,
     ) -> bytes:
         """Call ``name`` on ``peer_id``; whole call bounded by ``timeout``, opening the stream
         (dialling the peer if there is no connection yet) by ``connect_timeout``, each read by
         ``stall_timeout`` (both default: ``timeout``). A stream that cannot be opened raises
-        ``DialFailed``. Raises ``TransportError`` subclasses only."""
+        ``DialFailed``. ``windowed``: ``name`` is a bulk method (registered ``windowed``) whose
+        answer this caller acknowledges as it arrives. Raises ``TransportError`` subclasses
+        only."""
         from hivemind.p2p import PeerID
 
         loop = asyncio.get_running_loop()
@@ -374,8 +415,11 @@ class P2PTransport:
             if size == 0 or size > max_response_bytes + 1:
                 raise PeerUnreachable(f"{name}: bad response size {size} from {peer_id[:16]}...")
             status = (await _read_exactly(reader, 1, **kw))[0]
-            prog = on_progress if status == _OK else None
-            body = await _read_exactly(reader, size - 1, on_progress=prog, **kw)
+            if status == _OK and windowed:
+                body = await read_acked(reader, writer, size - 1, on_progress=on_progress, **kw)
+            else:
+                prog = on_progress if status == _OK else None
+                body = await _read_exactly(reader, size - 1, on_progress=prog, **kw)
         except Exception as exc:
             raise _translate(exc, peer_id, name, stage) from exc
         finally:

@@ -13,7 +13,7 @@ import pytest
 from protocol.identity import Identity
 from protocol.manifest import build_manifest, sign_manifest
 from protocol.messages import Manifest, SignedEnvelope
-from swarm.broadcast import CHUNK_RPC, EXCHANGE_RPC, BroadcastNode
+from swarm.broadcast import CHUNK_RPC, EXCHANGE_RPC, EXCHANGE_WINDOWED_RPC, BroadcastNode
 from swarm.chunks import ChunkStore
 from swarm.errors import ChunkUnavailable, ManifestUnavailable
 from swarm.fetcher import DownloadConfig
@@ -176,7 +176,7 @@ async def test_endgame_hedges_a_stuck_peer(tmp_path: Path) -> None:
         await n.start()
     await seed.seed_version(env, chunks)
     await stuck.seed_version(env, chunks)
-    for rpc in (CHUNK_RPC, EXCHANGE_RPC):  # accepts, never answers
+    for rpc in (CHUNK_RPC, EXCHANGE_RPC, EXCHANGE_WINDOWED_RPC):  # accepts, never answers
         await stuck.server.transport.register(rpc, _never_answer)
     cfg = DownloadConfig(holders_refresh=0.01, stall_timeout=30.0, hedge_after=0.2)
     receiver = BroadcastNode(

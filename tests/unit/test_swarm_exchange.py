@@ -14,7 +14,7 @@ from protocol.identity import Identity
 from protocol.manifest import build_manifest, sign_manifest
 from protocol.messages import Manifest, SignedEnvelope
 from swarm import delayline, keys
-from swarm.broadcast import EXCHANGE_RPC, BroadcastNode
+from swarm.broadcast import EXCHANGE_RPC, EXCHANGE_WINDOWED_RPC, BroadcastNode
 from swarm.chunks import ChunkStore
 from swarm.errors import DialFailed
 from swarm.fetcher import DownloadConfig
@@ -148,7 +148,7 @@ class TrickleTransport(InMemoryTransport):
 
     async def call(self, peer_id: str, name: str, request: bytes, *, timeout: float = 10.0,
                    on_progress: ProgressFn | None = None, **kw: object) -> bytes:  # fmt: skip
-        if peer_id != self.slow or name != EXCHANGE_RPC:
+        if peer_id != self.slow or name not in (EXCHANGE_RPC, EXCHANGE_WINDOWED_RPC):
             return await super().call(peer_id, name, request, timeout=timeout,
                                       on_progress=on_progress, **kw)  # type: ignore[arg-type]  # fmt: skip
         got = 0

@@ -1,0 +1,269 @@
+"""Control ahead of bulk: a delay-based window on this peer's bulk bytes in flight (uplink-wide).
+
+Why. Every stream to a peer (our RPCs, the DHT's messages, chunk answers) shares one libp2p
+connection: p2pd multiplexes them with yamux over one TCP connection. A chunk answer written into
+its stream goes through yamux's send queue (frames of at most 64 KiB, a queue of 64 frames per
+connection, a per-stream window of 256 KiB growing to 16 MiB) and the kernel's TCP send buffer
+(autotuned, up to MiBs) before it reaches the uplink; a DHT message or an RPC answer opened after
+it waits behind all of that, seconds on a slow uplink shared by several connections. Nothing in
+p2pd can be told to prefer the small message. So the bulk sender itself must keep those queues
+short: it writes a windowed answer only while fewer than :attr:`BulkWindow.window` bytes it wrote
+(over all its windowed streams together) are not yet acknowledged by their readers, and the
+readers acknowledge as bytes arrive (``transport.call(windowed=True)``).
+
+How large. The window must cover the path's bandwidth-delay product (else the uplink idles) and
+little more (else the excess queues). Neither is known, so the window is steered by the measured
+round-trip time of the acknowledgements, like LEDBAT (RFC 6817, what BitTorrent's uTP uses so that
+its bulk traffic does not delay interactive traffic on the same uplink): the lowest RTT seen
+recently is the path's base delay; the excess over it is queueing. Each acknowledgement moves the
+window by ``gain * off_target * acked`` bytes, ``off_target = (target - queueing) / target``
+clamped to [-1, 1]: with no queue the window grows by up to ``gain`` times itself per round trip,
+with a queue of twice the target it shrinks by up to ``gain`` times itself per round trip. A
+control message then waits behind about ``target`` seconds of bulk data, not the whole buffers.
+
+A stream whose reader stops acknowledging for ``ack_timeout`` is ended (its bytes are released),
+so a peer that never acknowledges cannot hold the window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from swarm.ratelimit import TokenBucket
+
+ACK = struct.Struct(">Q")
+"""An acknowledgement: the number of body bytes received so far (cumulative), 8 bytes."""
+BULK_SLICE = 32 * 1024
+"""Bytes per write of a windowed answer; the reader acknowledges after every this many bytes."""
+
+
+@dataclass
+class WindowStats:
+    """A snapshot of :class:`BulkWindow` (``statistics()``)."""
+
+    window: int  # bytes allowed in flight now
+    inflight: int  # bytes written, not yet acknowledged
+    base_rtt: float | None  # lowest recent acknowledgement RTT, seconds
+    last_rtt: float | None  # latest sample, seconds
+    waiting: int  # writers waiting for room
+    acked: int  # bytes acknowledged in all
+
+
+class BulkWindow:
+    """Bytes of windowed answers in flight over all streams of one transport (see module doc).
+
+    ``target`` is the queueing delay to aim at (seconds); the window stays within
+    [``min_window``, ``max_window``] bytes. ``clock`` is injectable for tests.
+    """
+
+    def __init__(
+        self,
+        *,
+        target: float = 0.025,
+        initial: int = 128 * 1024,
+        min_window: int = 2 * BULK_SLICE,
+        max_window: int = 16 << 20,
+        gain: float = 0.5,
+        base_history: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if target <= 0 or not 0 < min_window <= initial <= max_window or gain <= 0:
+            raise ValueError(
+                "BulkWindow needs target > 0, gain > 0 and 0 < min_window <= initial <= max_window"
+            )
+        self.target = target
+        self.min_window, self.max_window = min_window, max_window
+        self.gain = gain
+        self.clock = clock
+        self._window = float(initial)
+        self.inflight = 0
+        self.acked = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        # base delay: minimum per bucket of base_history/4 seconds, the last 4 buckets kept
+        self._bucket_s = base_history / 4
+        self._minima: deque[tuple[float, float]] = deque()  # (bucket start, min rtt)
+        self.last_rtt: float | None = None
+
+    @property
+    def window(self) -> int:
+        return int(self._window)
+
+    @property
+    def base_rtt(self) -> float | None:
+        return min((m for _, m in self._minima), default=None)
+
+    def statistics(self) -> WindowStats:
+        return WindowStats(self.window, self.inflight, self.base_rtt, self.last_rtt,
+                           len(self._waiters), self.acked)  # fmt: skip
+
+    def _fits(self, n: int) -> bool:
+        return self.inflight == 0 or self.inflight + n <= self._window
+
+    def reserve(self, n: int) -> asyncio.Future[None]:
+        """A future done once ``n`` bytes may be written (first come, first served); cancel it
+        to give up waiting (bytes of a reservation already granted are then released)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        if not self._waiters and self._fits(n):
+            self.inflight += n
+            fut.set_result(None)
+        else:
+            self._waiters.append((n, fut))
+        return fut
+
+    def withdraw(self, n: int, fut: asyncio.Future[None]) -> None:
+        """Give up a reservation from :meth:`reserve` (granted or not)."""
+        if fut.done() and not fut.cancelled():
+            self.release(n)
+            return
+        fut.cancel()
+        with contextlib.suppress(ValueError):
+            self._waiters.remove((n, fut))
+        self._grant()
+
+    def release(self, n: int) -> None:
+        """``n`` bytes no longer in flight without a measurement (a stream ended)."""
+        self.inflight = max(0, self.inflight - n)
+        self._grant()
+
+    def ack(self, n: int, rtt: float) -> None:
+        """``n`` bytes acknowledged ``rtt`` seconds after they were written: steer the window."""
+        now = self.clock()
+        self.acked += n
+        self.last_rtt = rtt
+        start = now - now % self._bucket_s
+        if self._minima and self._minima[-1][0] == start:
+            self._minima[-1] = (start, min(self._minima[-1][1], rtt))
+        else:
+            self._minima.append((start, rtt))
+            while len(self._minima) > 4:
+                self._minima.popleft()
+        queueing = rtt - (self.base_rtt or rtt)
+        off_target = max(-1.0, min(1.0, (self.target - queueing) / self.target))
+        grown = self._window + self.gain * off_target * n
+        self._window = max(float(self.min_window), min(float(self.max_window), grown))
+        self.release(n)
+
+    def _grant(self) -> None:
+        while self._waiters:
+            n, fut = self._waiters[0]
+            if fut.cancelled():
+                self._waiters.popleft()
+                continue
+            if not self._fits(n):
+                return
+            self._waiters.popleft()
+            self.inflight += n
+            fut.set_result(None)
+
+
+async def write_windowed(
+    writer: asyncio.StreamWriter,
+    reader: asyncio.StreamReader,
+    data: bytes,
+    *,
+    window: BulkWindow,
+    timeout: float,
+    ack_timeout: float,
+    limiter: TokenBucket | None = None,
+) -> None:
+    """Write ``data`` in :data:`BULK_SLICE` slices, each once ``window`` has room, reading the
+    reader's cumulative :data:`ACK` acknowledgements meanwhile; returns when all are acknowledged.
+
+    Raises ``TimeoutError`` when a write or the wait for room takes over ``timeout``, or when
+    bytes stay unacknowledged for ``ack_timeout``; ``OSError``/``IncompleteReadError`` when the
+    stream breaks, ``ValueError`` for an acknowledgement that is not a count of bytes sent."""
+    loop = asyncio.get_running_loop()
+    pending: deque[tuple[int, float, int]] = deque()  # (end offset, written at, bytes)
+    state = {"sent": 0, "acked": 0}
+
+    async def read_acks() -> None:
+        while state["acked"] < len(data):
+            try:
+                raw = await asyncio.wait_for(reader.readexactly(ACK.size), ack_timeout)
+            except TimeoutError:
+                if pending:
+                    raise
+                continue
+            (count,) = ACK.unpack(raw)
+            if not state["acked"] <= count <= state["sent"]:
+                raise ValueError(f"acknowledged {count} B, sent {state['sent']} B")
+            now = loop.time()
+            while pending and pending[0][0] <= count:
+                _end, at, n = pending.popleft()
+                window.ack(n, now - at)
+            state["acked"] = count
+
+    acks = asyncio.create_task(read_acks(), name="bulk-acks")
+    view = memoryview(data)
+    try:
+        for start in range(0, len(view), BULK_SLICE):
+            piece = view[start : start + BULK_SLICE]
+            room = window.reserve(len(piece))
+            try:
+                done, _ = await asyncio.wait({room, acks}, timeout=timeout,
+                                             return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            except BaseException:
+                window.withdraw(len(piece), room)
+                raise
+            if room not in done:
+                window.withdraw(len(piece), room)
+                if acks in done:
+                    acks.result()  # raises what ended the reader
+                raise TimeoutError(f"no room in the bulk window for {timeout:.0f} s")
+            written_at = loop.time()
+            try:  # time spent waiting for the upload cap is not queueing on the path
+                if acks.done():
+                    acks.result()  # the reader ended (raises what ended it)
+                if limiter is not None:
+                    await limiter.acquire(len(piece))
+                    written_at = loop.time()
+                writer.write(piece)
+            finally:  # granted bytes are in flight from here on (released in the end if unacked)
+                state["sent"] = start + len(piece)
+                pending.append((state["sent"], written_at, len(piece)))
+            await asyncio.wait_for(writer.drain(), timeout)
+        await asyncio.wait_for(asyncio.shield(acks), timeout)
+    finally:
+        if not acks.done():
+            acks.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await acks
+        window.release(sum(n for _end, _at, n in pending))
+
+
+async def read_acked(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    n: int,
+    *,
+    stall_timeout: float,
+    deadline: float,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> bytes:
+    """Read exactly ``n`` body bytes of a windowed answer, acknowledging every
+    :data:`BULK_SLICE` bytes received and the last byte (the writer waits for those)."""
+    loop = asyncio.get_running_loop()
+    buf = bytearray(n)
+    got = last_ack = 0
+    while got < n:
+        left = deadline - loop.time()
+        if left <= 0:
+            raise TimeoutError
+        piece = await asyncio.wait_for(reader.read(min(n - got, 1 << 20)), min(stall_timeout, left))
+        if not piece:
+            raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
+        buf[got : got + len(piece)] = piece
+        got += len(piece)
+        if got - last_ack >= BULK_SLICE or got == n:
+            writer.write(ACK.pack(got))
+            last_ack = got
+        if on_progress is not None:
+            on_progress(got, n)
+    return bytes(buf)

@@ -1,0 +1,116 @@
+"""Windowed answers on real streams (``swarm.bulkwindow``): over TCP on 127.0.0.1 and through
+p2pd. The bytes arrive intact, the window is empty afterwards, a reader that never acknowledges
+or lies about what it received cannot hold the window, and an error answer is not windowed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from swarm.bulkwindow import ACK, BULK_SLICE, BulkWindow, read_acked, write_windowed
+from swarm.dht import SwarmPeer
+from swarm.errors import RemoteError
+from swarm.testing import start_loopback_peer, wait_until
+from swarm.transport import HandlerError, P2PTransport
+
+Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def tcp_pair(
+    serve: Serve,
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, asyncio.Server]:
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    return reader, writer, server
+
+
+async def test_windowed_bytes_arrive_whole_and_the_window_empties() -> None:
+    data = os.urandom(5 * BULK_SLICE + 123)
+    window = BulkWindow(initial=2 * BULK_SLICE, min_window=BULK_SLICE)
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            await write_windowed(w, r, data, window=window, timeout=10.0, ack_timeout=5.0)
+            done.set_result(None)
+        except Exception as exc:  # reported to the test
+            done.set_exception(exc)
+        finally:
+            w.close()
+
+    reader, writer, server = await tcp_pair(serve)
+    loop = asyncio.get_running_loop()
+    got = await read_acked(reader, writer, len(data), stall_timeout=10.0,
+                           deadline=loop.time() + 10.0)  # fmt: skip
+    await asyncio.wait_for(done, 10.0)
+    assert got == data
+    stats = window.statistics()
+    assert stats.inflight == 0 and stats.acked == len(data) and stats.base_rtt is not None
+    writer.close()
+    server.close()
+
+
+@pytest.mark.parametrize("lie", [False, True])
+async def test_a_reader_that_does_not_acknowledge_cannot_hold_the_window(lie: bool) -> None:
+    """Never acknowledging ends the stream after ``ack_timeout``; acknowledging bytes that were
+    never sent ends it at once. Either way the window is released for the other streams."""
+    data = os.urandom(8 * BULK_SLICE)
+    window = BulkWindow(initial=2 * BULK_SLICE, min_window=BULK_SLICE)
+    outcome: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            await write_windowed(w, r, data, window=window, timeout=10.0, ack_timeout=0.5)
+            outcome.set_result(None)
+        except Exception as exc:
+            outcome.set_result(exc)
+        finally:
+            w.close()
+
+    reader, writer, server = await tcp_pair(serve)
+    await reader.readexactly(BULK_SLICE)  # reads (so TCP is not what blocks) ...
+    if lie:
+        writer.write(ACK.pack(len(data)))  # ... and claims everything, or says nothing
+    exc = await asyncio.wait_for(outcome, 10.0)
+    assert isinstance(exc, ValueError if lie else TimeoutError), exc
+    assert window.inflight == 0
+    writer.close()
+    server.close()
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[SwarmPeer, SwarmPeer]]:
+    a = await start_loopback_peer()
+    b = await start_loopback_peer(await a.visible_maddrs())
+    yield a, b
+    await asyncio.gather(a.stop(), b.stop())
+
+
+async def test_windowed_rpc_through_p2pd(pair: tuple[SwarmPeer, SwarmPeer]) -> None:
+    a, b = pair
+    server, client = P2PTransport(a.p2p), P2PTransport(b.p2p)
+    payload = os.urandom(3 << 20)
+
+    async def bulk(peer: str, req: bytes) -> bytes:
+        if req == b"no":
+            raise HandlerError("not_held", "nothing here")
+        return payload
+
+    await server.register("/t/bulk/2", bulk, windowed=True)
+    got = await asyncio.gather(*(client.call(a.peer_id, "/t/bulk/2", b"", timeout=60.0,
+                                             windowed=True) for _ in range(3)))  # fmt: skip
+    assert all(g == payload for g in got)
+
+    async def settled() -> bool:  # the last acknowledgements reach the server just after
+        return server.bulk_window.inflight == 0
+
+    await wait_until(settled, timeout=5.0, what="the last acknowledgements")
+    stats = server.bulk_window.statistics()
+    assert stats.inflight == 0 and stats.acked == 3 * len(payload)
+    with pytest.raises(RemoteError, match="not_held"):  # an error answer is not windowed
+        await client.call(a.peer_id, "/t/bulk/2", b"no", timeout=10.0, windowed=True)
+    assert server.bulk_window.inflight == 0

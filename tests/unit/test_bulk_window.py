@@ -1,0 +1,131 @@
+"""The bulk window's controller (``swarm.bulkwindow.BulkWindow``) on a fake clock, and the urgent
+path of the token bucket: deterministic, no sockets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from swarm.bulkwindow import BULK_SLICE, BulkWindow
+from swarm.ratelimit import TokenBucket
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def test_window_grows_without_queueing_and_shrinks_with_it() -> None:
+    clock = Clock()
+    w = BulkWindow(target=0.025, initial=128 * 1024, gain=0.5, clock=clock)
+    start = w.window
+    # RTT at the base (no queueing): each acked byte adds gain * 1 bytes -> x1.5 per window
+    for _ in range(4):
+        fut = w.reserve(BULK_SLICE)
+        assert fut.done()
+        w.ack(BULK_SLICE, 0.040)
+    assert w.window == start + int(0.5 * 4 * BULK_SLICE)
+    grown = w.window
+    # 50 ms of queueing = twice the target: off_target = -1, each acked byte takes gain bytes
+    for _ in range(4):
+        w.reserve(BULK_SLICE)
+        w.ack(BULK_SLICE, 0.090)
+    assert w.window == grown - int(0.5 * 4 * BULK_SLICE)
+    # half the target: off_target = 0.5, grows at half speed
+    before = w.window
+    w.reserve(BULK_SLICE)
+    w.ack(BULK_SLICE, 0.040 + 0.0125)
+    assert w.window == pytest.approx(before + 0.5 * 0.5 * BULK_SLICE, abs=1)
+    assert w.inflight == 0 and w.acked == 9 * BULK_SLICE
+    assert w.base_rtt == pytest.approx(0.040)
+
+
+async def test_window_stays_within_its_bounds() -> None:
+    clock = Clock()
+    w = BulkWindow(initial=BULK_SLICE * 2, min_window=BULK_SLICE * 2, max_window=BULK_SLICE * 3,
+                   clock=clock)  # fmt: skip
+    w.reserve(BULK_SLICE)
+    w.ack(BULK_SLICE, 0.01)  # base
+    for _ in range(20):
+        w.reserve(BULK_SLICE)
+        w.ack(BULK_SLICE, 5.0)  # huge queueing
+    assert w.window == BULK_SLICE * 2
+    for _ in range(20):
+        w.reserve(BULK_SLICE)
+        w.ack(BULK_SLICE, 0.01)
+    assert w.window == BULK_SLICE * 3
+
+
+async def test_base_delay_forgets_old_minima() -> None:
+    """A route change to a longer path must not read as queueing forever: minima older than
+    ``base_history`` are dropped."""
+    clock = Clock()
+    w = BulkWindow(base_history=60.0, clock=clock)
+    w.reserve(1)
+    w.ack(1, 0.010)
+    for _ in range(5):
+        clock.t += 15.0
+        w.reserve(1)
+        w.ack(1, 0.100)
+    assert w.base_rtt == pytest.approx(0.100)
+
+
+async def test_room_is_granted_first_come_first_served_and_withdrawn_on_give_up() -> None:
+    w = BulkWindow(initial=2 * BULK_SLICE, min_window=BULK_SLICE)
+    a = w.reserve(BULK_SLICE)
+    b = w.reserve(BULK_SLICE)
+    assert a.done() and b.done() and w.inflight == 2 * BULK_SLICE
+    c = w.reserve(BULK_SLICE)  # no room: waits
+    d = w.reserve(1)  # would fit after c only: FIFO, waits too
+    assert not c.done() and not d.done()
+    w.withdraw(BULK_SLICE, c)  # c gives up; d now first in line but still no room
+    assert c.cancelled() and not d.done()
+    w.release(BULK_SLICE)  # a stream ended: its bytes leave the window
+    await asyncio.sleep(0)
+    assert d.done() and w.inflight == BULK_SLICE + 1
+    w.withdraw(1, d)  # a granted reservation given back releases its bytes
+    assert w.inflight == BULK_SLICE
+    # one slice always fits into an empty window, however small it is
+    e = BulkWindow(initial=BULK_SLICE, min_window=BULK_SLICE)
+    assert e.reserve(4 * BULK_SLICE).done()
+
+
+def test_bad_window_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="min_window"):
+        BulkWindow(initial=1024, min_window=4096)
+    with pytest.raises(ValueError, match="target"):
+        BulkWindow(target=0.0)
+
+
+async def test_urgent_bytes_pass_the_queue_of_bulk_writers() -> None:
+    clock = Clock()
+    slept: list[float] = []
+    gate = asyncio.Event()
+
+    async def sleep(s: float) -> None:  # holds the sleeper until the test opens the gate
+        slept.append(s)
+        await gate.wait()
+        clock.t += s
+
+    bucket = TokenBucket(1000.0, burst=1000.0, clock=clock, sleep=sleep)
+    await bucket.acquire(1000)  # the burst is spent
+    bulk = asyncio.create_task(bucket.acquire(1000))  # one slice: sleeps 1 s holding the lock
+    queued = asyncio.create_task(bucket.acquire(1000))  # the next bulk writer waits for the lock
+    await asyncio.sleep(0)
+    assert slept == [1.0] and not bulk.done()
+    # a control answer does not queue behind them: it is through while they still wait
+    await asyncio.wait_for(bucket.acquire(100, urgent=True), 1.0)
+    assert slept == [1.0] and not bulk.done() and not queued.done()
+    gate.set()
+    await bulk
+    await queued
+    # ... but its bytes count: the queued writer waited them off as well
+    assert slept[-1] == pytest.approx((1000 + 100 + 1000 - 1000) / 1000.0)
+    # and urgent traffic alone cannot run above the rate for more than one burst
+    clock.t += 100.0
+    await bucket.acquire(4000, urgent=True)
+    assert slept[-1] == pytest.approx((4000 - 1000 - 2 * 1000) / 1000.0)
