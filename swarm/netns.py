@@ -19,7 +19,10 @@ Shape of a topology::
   outbound connection (hole punching cannot predict it). Both drop unsolicited inbound traffic;
 * :meth:`Topology.shape`: kernel egress shaping, ``tc tbf`` on the host's uplink;
 * :meth:`Topology.add_delay`: a fixed one-way delay (and optional loss) on every packet a host
-  receives, by :mod:`swarm.delayline` (NFQUEUE), for kernels without ``netem``.
+  receives, by :mod:`swarm.delayline` (NFQUEUE), for kernels without ``netem``;
+* :meth:`Topology.limit_cpu`: a CPU budget for everything a host runs (a cgroup v1 ``cpu``
+  controller group with ``cpu.cfs_quota_us``), so that a peer's CPU stands in for its own
+  machine's; :func:`cpu_limit_unavailable` says why it cannot be used here.
 
 A process runs inside a host with ``host.argv([...])`` (``ip netns exec <ns> ...``).
 :func:`unavailable_reason` says why namespaces cannot be used here (tests skip with it).
@@ -37,6 +40,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -44,6 +48,9 @@ from typing import Literal
 logger = logging.getLogger(__name__)
 
 PREFIX = "rsn"  # every namespace created here starts with this, then <pid hex>x<tag>
+CPU_CGROUP = "/sys/fs/cgroup/cpu"  # the cgroup v1 cpu controller hierarchy
+ACCT_CGROUP = "/sys/fs/cgroup/cpuacct"  # ... and cpuacct (CPU time used), when mounted apart
+CFS_PERIOD_US = 100_000
 NatKind = Literal["cone", "symmetric"]
 CORE = "10.200.255.254"  # the bridge's own address: default gateway that drops what it gets
 _LIVE: set[Topology] = set()
@@ -101,6 +108,19 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def cpu_limit_unavailable() -> str | None:
+    """Why per-host CPU budgets (:meth:`Topology.limit_cpu`) cannot be used; None if they can."""
+    quota = os.path.join(CPU_CGROUP, "cpu.cfs_quota_us")
+    if not os.path.exists(quota):
+        return (
+            f"no cgroup v1 cpu controller at {CPU_CGROUP} (cpu.cfs_quota_us missing); "
+            "run without CPU budgets"
+        )
+    if not os.access(CPU_CGROUP, os.W_OK):
+        return f"cannot create cgroups under {CPU_CGROUP} (needs root)"
+    return None
+
+
 def _owner_alive(name: str) -> bool:
     head = name[len(PREFIX) :].split("x", 1)[0]
     try:
@@ -121,7 +141,29 @@ def sweep_stale() -> list[str]:
     for name in stale:
         _kill_inside(name)
         _run(["ip", "netns", "del", name], check=False)
+    for root in (CPU_CGROUP, ACCT_CGROUP):
+        if os.path.isdir(root):
+            for name in os.listdir(root):
+                if name.startswith(PREFIX) and not _owner_alive(name):
+                    _remove_cgroup(os.path.join(root, name))
     return stale
+
+
+def _remove_cgroup(path: str) -> None:
+    """Kill what is left in a cgroup of ours and remove it (rmdir works on an empty group)."""
+    with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.procs")) as fh:
+        for pid in fh.read().split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+    for _ in range(50):
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # processes still exiting
+            time.sleep(0.02)
+    logger.warning("could not remove cgroup %s", path)
 
 
 def _kill_inside(netns: str) -> None:
@@ -153,6 +195,8 @@ class Host:
     ip: str
     router: Router | None = None
     dev: str = "eth0"
+    cgroup: str | None = None  # cpu cgroup directory every process of this host joins
+    acct: str | None = None  # its cpuacct cgroup (CPU time used), where cpuacct is mounted
 
     @property
     def public_ip(self) -> str:
@@ -164,8 +208,15 @@ class Host:
         return self.router is not None
 
     def argv(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` prefixed to run inside this host's namespace."""
-        return ["ip", "netns", "exec", self.netns, *argv]
+        """``argv`` prefixed to run inside this host's namespace, and in its CPU budget if it
+        has one: a shell joins the cgroups, then execs ``ip netns exec`` (which mounts its own
+        /sys, hiding the cgroup tree), which execs the command, so the PID is the command's."""
+        inside = ["ip", "netns", "exec", self.netns, *argv]
+        if self.cgroup is None:
+            return inside
+        groups = [g for g in (self.cgroup, self.acct) if g is not None]
+        join = " && ".join(f"echo $$ > {os.path.join(g, 'cgroup.procs')}" for g in groups)
+        return ["sh", "-c", join + ' && exec "$@"', "sh", *inside]
 
     def run(self, *argv: str, check: bool = True, timeout: float = 20.0) -> str:
         """Run a command inside this host and return its stdout."""
@@ -184,6 +235,7 @@ class Topology:
     _ports: int = 0
     _delay: subprocess.Popen[bytes] | None = None
     _wan: str = ""
+    cgroups: list[str] = field(default_factory=list)
 
     def __enter__(self) -> Topology:
         return self
@@ -324,6 +376,48 @@ class Topology:
             err = self._delay.stderr.read().decode() if self._delay.stderr else ""
             raise NetnsError(f"delay line did not start: {line!r} {err.strip()[-500:]}")
 
+    def limit_cpu(self, host: Host, cpus: float) -> None:
+        """Give ``host`` a CPU budget of ``cpus`` cores (e.g. 0.25): every process started with
+        ``host.argv`` from now on, and its children, share ``cpus`` x the CFS period per period.
+        Raises :class:`NetnsError` when cgroups cannot be used (:func:`cpu_limit_unavailable`)."""
+        reason = cpu_limit_unavailable()
+        if reason is not None:
+            raise NetnsError(reason)
+        if not cpus > 0:
+            raise NetnsError(f"a CPU budget must be > 0 cores, got {cpus}")
+        path = os.path.join(CPU_CGROUP, f"{self.id}-{host.name}")
+        os.makedirs(path, exist_ok=True)
+        self.cgroups.append(path)
+        with open(os.path.join(path, "cpu.cfs_period_us"), "w") as fh:
+            fh.write(str(CFS_PERIOD_US))
+        with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as fh:
+            fh.write(str(max(1000, int(cpus * CFS_PERIOD_US))))
+        host.cgroup = path
+        if os.path.realpath(ACCT_CGROUP) != os.path.realpath(CPU_CGROUP) and os.access(
+            ACCT_CGROUP, os.W_OK
+        ):
+            acct = os.path.join(ACCT_CGROUP, f"{self.id}-{host.name}")
+            os.makedirs(acct, exist_ok=True)
+            self.cgroups.append(acct)
+            host.acct = acct
+        _LIVE.add(self)
+
+    def cpu_usage(self, host: Host) -> dict[str, float]:
+        """What ``host``'s budget has seen so far: ``cpu_s`` (CPU seconds its processes used,
+        from cpuacct; NaN where cpuacct is not mounted), ``throttled_s`` and ``periods_throttled``
+        (time and CFS periods its processes were held back by the quota). Empty without a budget."""
+        if host.cgroup is None:
+            return {}
+        out = {"cpu_s": float("nan")}
+        with open(os.path.join(host.cgroup, "cpu.stat")) as fh:
+            stat = dict(line.split()[:2] for line in fh if line.strip())
+        out["throttled_s"] = int(stat.get("throttled_time", 0)) / 1e9
+        out["periods_throttled"] = float(stat.get("nr_throttled", 0))
+        if host.acct is not None:
+            with open(os.path.join(host.acct, "cpuacct.usage")) as fh:
+                out["cpu_s"] = int(fh.read()) / 1e9
+        return out
+
     # -- teardown ------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the delay line, end what still runs inside, delete every namespace (idempotent)."""
@@ -341,6 +435,9 @@ class Topology:
             _kill_inside(ns)
         for ns in reversed(self.namespaces):
             _run(["ip", "netns", "del", ns], check=False)
+        for path in reversed(self.cgroups):
+            _remove_cgroup(path)
+        self.cgroups.clear()
         self.namespaces.clear()
         self._wan = ""
         _LIVE.discard(self)

@@ -5,6 +5,7 @@ Timing checks are lower bounds only (a loaded machine makes things slower, never
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -137,3 +138,37 @@ def test_teardown_removes_everything_even_when_the_test_fails() -> None:
     while sleeper.poll() is None and time.monotonic() - t0 < 5:
         time.sleep(0.05)
     assert sleeper.poll() is not None, "a process inside the topology outlived it"
+
+
+# Spins for the given wall-clock seconds; prints the CPU seconds it got meanwhile.
+SPIN = """
+import sys, time
+c0, end = time.process_time(), time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    pass
+print(time.process_time() - c0)
+"""
+
+
+def test_cpu_budget_holds_a_host_to_its_share(topology: Topology) -> None:
+    from swarm.netns import cpu_limit_unavailable
+
+    reason = cpu_limit_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    host = topology.add_public("cpu")
+    budget, wall = 0.05, 2.0  # 5 ms per 100 ms period: a spinning process wants far more
+    topology.limit_cpu(host, budget)
+    groups = list(topology.cgroups)
+    assert groups and all(os.path.isdir(g) for g in groups)
+    out = host.run(sys.executable, "-c", SPIN, str(wall), timeout=60)
+    used = float(out.strip())
+    # the quota allows budget x wall (+ one period of slack at the edges); a loaded machine can
+    # only give less, never more
+    assert used <= budget * wall + 0.02, f"spun {used:.3f} CPU-s in {wall} s, budget {budget}"
+    usage = topology.cpu_usage(host)
+    assert usage["periods_throttled"] > 0 and usage["throttled_s"] > 0, usage
+    if usage["cpu_s"] == usage["cpu_s"]:  # cpuacct mounted: it saw the same process
+        assert usage["cpu_s"] >= used * 0.9, usage
+    topology.close()
+    assert not any(os.path.exists(g) for g in groups), "cgroups left behind"
