@@ -105,7 +105,13 @@ def fluid_period(
         return float(np.sum(q * np.clip(t - start - lag, 0.0, span)))
 
     def available(t: float, first: int) -> float:
-        return sum(arrived(i, t) - consumed[i] for i in range(first, len(published)))
+        """Σ over the admissible versions of (arrived − consumed): one array operation over
+        versions × flows (the bisections call this thousands of times per prediction)."""
+        starts = np.asarray(leasable[first:])
+        ends = np.append(starts[1:], math.inf)
+        span = np.maximum(0.0, (ends - starts)[:, None] - d[None, :])
+        got = np.clip(t - starts[:, None] - lag[None, :], 0.0, span)
+        return float(np.sum(q[None, :] * got)) - sum(consumed[first:])
 
     spread = math.sqrt(3.0) * min(max(0.0, t_train_cv), 0.5)  # at most ±87 %: steps stay > 0
     draws = random.Random(0)

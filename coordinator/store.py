@@ -286,6 +286,22 @@ class Store:
     def node_count(self) -> int:
         return int(self._all("SELECT COUNT(*) FROM nodes")[0][0])
 
+    def planner_rows(
+        self, seen_after: float, now: float
+    ) -> list[tuple[bytes, float | None, float | None, float | None, int, int]]:
+        """What the capacity planner reads of each live node (:meth:`live_nodes`' rule), as bare
+        rows: ``(node_key, price_per_hour, tokens_per_s, rollouts_per_s, leases_completed,
+        leases_expired)`` — no record objects, no adverts (a re-plan reads all 10,000)."""
+        sql = (
+            "SELECT node_key, price_per_hour, tokens_per_s, rollouts_per_s, leases_completed,"
+            " leases_expired FROM nodes WHERE last_seen >= ?"
+            " AND node_key NOT IN (SELECT node_key FROM bans WHERE banned_until > ?)"
+        )
+        return [
+            (bytes(k), p, t, r, int(c), int(e))
+            for k, p, t, r, c, e in self._all(sql, (seen_after, now))
+        ]
+
     def live_node_count(self, seen_after: float, now: float) -> int:
         """How many nodes :meth:`live_nodes` would return (a count, no rows: the status reads it
         every tick)."""

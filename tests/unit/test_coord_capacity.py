@@ -236,3 +236,29 @@ def test_array_rates_equal_the_per_node_rule_exactly() -> None:
             assert pool.supply(period) == supply(nodes, pipe, period)
             want = [admissible_fraction(n, pipe, period or 2.0) for n in nodes]
             assert pool.admissible(period).tolist() == want
+
+
+def test_array_greedy_picks_the_same_nodes_as_the_per_node_greedy() -> None:
+    # Above EXACT_LIMIT paid nodes plan_activation sorts with numpy (_greedy_arrays); the choice
+    # must be _greedy's, ties in price/rate and in rate included (few distinct prices and rates).
+    import random
+
+    import numpy as np
+
+    from coordinator.capacity import _greedy, _greedy_arrays
+
+    rng = random.Random(7)
+    for trial in range(30):
+        nodes = [
+            NodeCapacity(f"n{rng.randrange(10**6):06d}-{i}", rng.choice([0.0, 1.0, 2.0, 4.0]),
+                         rng.choice([0.1, 0.2, 0.4]))
+            for i in range(rng.randrange(13, 120))
+        ]  # fmt: skip
+        rates = {n.node_id: n.effective_rate for n in nodes}
+        target = rng.uniform(0.0, 1.2) * sum(rates.values())
+        at = np.arange(len(nodes))
+        price = np.array([n.price for n in nodes])
+        rate = np.array([rates[n.node_id] for n in nodes])
+        assert _greedy_arrays(nodes, at, price, rate, target) == _greedy(nodes, rates, target), (
+            trial
+        )
