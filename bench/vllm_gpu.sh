@@ -5,7 +5,8 @@
 #   bash bench/vllm_gpu.sh           # ~8-12 min on an H100/H200 (vLLM start-ups dominate)
 # Steps:
 #   1) GPU tests: tests/unit/test_backends_vllm.py (marker gpu): the seeded draws re-scored by an
-#      fp32 hf reference, reproducibility, streamed weight swaps + prefix-cache reset;
+#      fp32 hf reference, reproducibility, streamed weight swaps + prefix-cache reset; LoRA
+#      versions per request (tests/unit/test_backends_vllm_lora_gpu.py);
 #   2) bench/generate.py --gpu: node generation through the backend vs vLLM's offline engine alone
 #      (target >= 90%) -> docs/benchmarks.md (generate_gpu);
 #   3) a swarm (swarm demo) with one vLLM node and one hf node on the same model; the coordinator's
@@ -36,6 +37,7 @@ export ROLLOUT_SWARM_VLLM_SEEDED_DRAWS=1
 step 1 "GPU tests"
 if ! skipped 1; then
     "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/unit/test_backends_vllm.py \
+        tests/unit/test_backends_vllm_lora_gpu.py \
         2>&1 | tee "$OUT/gpu-tests.log"
 fi
 

@@ -22,6 +22,13 @@ backend on a machine without CUDA or vLLM raises :class:`BackendUnavailable` in 
   into every worker's ``model.load_weights`` one tensor at a time, between two checked
   prefix-cache resets (:mod:`node.backends.vllm_weights`). Generation and updates never overlap.
   Unquantized models only.
+- LoRA versions (docs/protocol.md §8.6), with ``max_lora_rank`` set (or
+  ``$ROLLOUT_SWARM_VLLM_MAX_LORA_RANK`` for a node started by ``swarm node run``): the engine
+  starts with ``enable_lora=True`` over the base model; each version's adapter is written once as a
+  peft-format directory (``adapter_config.json`` + ``adapter_model.safetensors``) that each
+  request names with a ``vllm.lora.request.LoRARequest`` (imported lazily); vLLM keeps the last
+  ``max_loras`` adapters (``max_cpu_loras``, S + 1) and switches per request, never reloading the
+  base. Tested under the ``gpu`` marker only.
 """
 
 from __future__ import annotations
@@ -68,6 +75,9 @@ INSTALL_HINT = "install 'rollout-swarm[vllm]' on a CUDA host"
 #: set to 1 to declare the seeded draws as the swarm's sampling rule (a node then runs this
 #: backend); off by default until a GPU run has shown the coordinator's replay accepts them
 SEEDED_TRIAL_ENV = "ROLLOUT_SWARM_VLLM_SEEDED_DRAWS"
+#: the highest LoRA rank the engine starts for when the constructor names none (a node started
+#: by ``swarm node run``); unset: no LoRA versions on this node (they are refused)
+LORA_RANK_ENV = "ROLLOUT_SWARM_VLLM_MAX_LORA_RANK"
 
 
 class VLLMBackend(InferenceBackend):
@@ -88,9 +98,18 @@ class VLLMBackend(InferenceBackend):
         staging_dir: str | None = None,
         update_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         reset_timeout_s: float = 10.0,
+        max_lora_rank: int | None = None,
+        max_loras: int = 5,
         **engine_kwargs: Any,
     ) -> None:
+        """``max_lora_rank``: start the engine for LoRA versions up to this rank (None: full
+        versions only; vLLM reserves adapter memory at start); ``max_loras``: adapters held
+        (S + 1)."""
         self._configure(spec, staging_dir, update_chunk_bytes, reset_timeout_s)
+        if max_lora_rank is None and os.environ.get(LORA_RANK_ENV):
+            max_lora_rank = int(os.environ[LORA_RANK_ENV])
+        self.max_lora_rank = max_lora_rank
+        self.max_loras = max(1, max_loras)
         if device not in ("auto", "cuda") and not device.startswith("cuda"):
             raise BackendUnavailable(f"the vllm backend runs on CUDA only (device={device!r})")
         try:
@@ -154,6 +173,13 @@ class VLLMBackend(InferenceBackend):
         )
         if self.seeded_draws:
             kwargs["logits_processors"] = [DRAW_PROCESSOR]
+        if max_lora_rank is not None:
+            kwargs.update(
+                enable_lora=True,
+                max_lora_rank=max_lora_rank,
+                max_loras=self.max_loras,
+                max_cpu_loras=self.max_loras,
+            )
         kwargs.update(engine_kwargs)
         try:
             self._llm = LLM(**kwargs)
@@ -186,6 +212,13 @@ class VLLMBackend(InferenceBackend):
         self._tags = itertools.count()
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._vllm_version = "unknown"
+        #: LoRA version -> its vLLM request (adapter directory on disk), oldest first
+        self._loras: dict[int, Any] = {}
+        self._lora_dirs: tempfile.TemporaryDirectory[str] | None = None
+        self._lora_base: str | None = None
+        #: highest adapter rank the engine was started for (None: no LoRA versions)
+        self.max_lora_rank = None
+        self.max_loras = 5
 
     def _adopt_engine(self, llm: Any, sampling_params_cls: Any) -> None:
         """Check and keep a started ``LLM`` (the tests hand in a fake with the same surface)."""
@@ -228,6 +261,8 @@ class VLLMBackend(InferenceBackend):
         leaves ``loaded_version`` None (the node reloads in full)."""
         with self._lock:
             self._reset_prefix_cache()  # refuse before touching weights: the old version stays
+            for lora_version in list(self._loras):  # full weights from here on: no adapters
+                self._drop_lora(lora_version)
             if changed is not None and not changed:
                 self.loaded_version = version
                 return
@@ -266,6 +301,68 @@ class VLLMBackend(InferenceBackend):
                 stats.staging_dir,
                 stats.seconds,
             )
+
+    # ------------------------------------------------------------------ LoRA
+    def base_fingerprint(self) -> str | None:
+        if self.max_lora_rank is None:
+            return None  # the engine was not started for adapters
+        if self._lora_base is None:
+            from policy.lora import base_fingerprint
+
+            self._lora_base = base_fingerprint(self.spec)
+        return self._lora_base
+
+    def holds_adapter(self, version: int) -> bool:
+        return version in self._loras
+
+    def load_adapter(
+        self, version: int, tensors: Mapping[str, Any], *, rank: int, alpha: float, keep: int
+    ) -> None:
+        """Write ``version``'s adapter as a peft directory vLLM loads on its first request."""
+        from policy.lora import adapter_modules
+
+        if self.max_lora_rank is None or rank > self.max_lora_rank:
+            raise BackendError(
+                f"LoRA v{version} has rank {rank}; start the vllm backend with max_lora_rank >= "
+                f"{rank} (now {self.max_lora_rank})"
+            )
+        if self.loaded_version is not None and not self._loras:
+            # full weights were streamed over the base: the adapter would not apply to it
+            raise BackendError(
+                f"LoRA v{version} after full versions: restart the node on the base model"
+            )
+        modules = adapter_modules(tensors, rank)  # LoraError when malformed
+        from vllm.lora.request import LoRARequest
+
+        if self._lora_dirs is None:
+            self._lora_dirs = tempfile.TemporaryDirectory(prefix="rollout-swarm-lora-")
+        path = Path(self._lora_dirs.name) / f"v{version}"
+        write_peft_adapter(path, tensors, modules, rank=rank, alpha=alpha)
+        with self._lock:
+            self._loras[version] = LoRARequest(f"v{version}", version + 1, str(path))
+            while len(self._loras) > max(1, min(keep, self.max_loras)):
+                old = next(iter(self._loras))
+                self._drop_lora(old)
+            self.loaded_version = version
+
+    def activate_adapter(self, version: int) -> None:
+        if version not in self._loras:
+            raise KeyError(f"LoRA v{version} is not held by this backend")
+        with self._lock:
+            self.loaded_version = version
+
+    def _drop_lora(self, version: int) -> None:
+        request = self._loras.pop(version)
+        remove = getattr(getattr(self._llm, "llm_engine", None), "remove_lora", None)
+        if remove is not None:  # free the engine's slot now (it would evict it anyway)
+            remove(request.lora_int_id)
+        import shutil
+
+        shutil.rmtree(request.lora_path, ignore_errors=True)
+
+    def _lora_request(self) -> Any:
+        """The request's adapter: the loaded version's, or None for full versions."""
+        return self._loras.get(self.loaded_version) if self.loaded_version is not None else None
 
     def _reset_prefix_cache(self) -> None:
         reset_prefix_cache_checked(self._llm.reset_prefix_cache, timeout_s=self.reset_timeout_s)
@@ -325,8 +422,10 @@ class VLLMBackend(InferenceBackend):
                         ),
                     )
                 )
+        lora = self._lora_request()
+        kw = {"lora_request": lora} if lora is not None else {}
         try:
-            outputs = self._llm.generate(prompts, params, use_tqdm=False)
+            outputs = self._llm.generate(prompts, params, use_tqdm=False, **kw)
         finally:  # drained even when generate failed: no draws left behind in the workers
             drawn = self._llm.collective_rpc("rollout_swarm_drain_draws", args=(tags,))[0]
         if len(outputs) != len(prompts):
@@ -361,7 +460,9 @@ class VLLMBackend(InferenceBackend):
                         detokenize=False,
                     )
                 )
-        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        lora = self._lora_request()
+        kw = {"lora_request": lora} if lora is not None else {}
+        outputs = self._llm.generate(prompts, params, use_tqdm=False, **kw)
         if len(outputs) != len(prompts):
             raise BackendError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
         stop_set = set(stops)
@@ -382,6 +483,44 @@ class VLLMBackend(InferenceBackend):
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+        if self._lora_dirs is not None:
+            self._lora_dirs.cleanup()
+            self._lora_dirs = None
+            self._loras.clear()
+
+
+def write_peft_adapter(
+    path: Path,
+    tensors: Mapping[str, Any],
+    modules: Mapping[str, Any],
+    *,
+    rank: int,
+    alpha: float,
+) -> None:
+    """An adapter in peft's on-disk format, which vLLM's ``LoRARequest`` loads:
+    ``adapter_config.json`` (rank, alpha, the adapted modules' short names, dropout 0) and
+    ``adapter_model.safetensors`` with the tensors under ``base_model.model.<name>``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    targets = sorted({name.rsplit(".", 1)[-1] for name in modules})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": targets,
+        "use_rslora": False,
+        "use_dora": False,
+        "base_model_name_or_path": None,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    weights = {f"base_model.model.{k}": v.contiguous() for k, v in tensors.items()}
+    save_file(weights, str(path / "adapter_model.safetensors"))
 
 
 def _group(requests: list[GenerationRequest], flat: list[SampleOut]) -> list[list[SampleOut]]:
