@@ -12,13 +12,20 @@ numbers in 1..``max_operand`` (never a negative result), followed by "Put the fi
 
 The reward is :class:`~coordinator.datasets.MathReward` (math-verify on the coordinator; optional
 format share). ``arith:N`` / ``arith-words:N`` set ``max_operand`` (default 20).
+
+**Held-out split** (the held-out evaluation, :mod:`policy.evaluation`): a problem is its sum,
+``(a, op, b)`` (``a + b`` and ``b + a`` are one sum); one sum in :data:`HELDOUT_EVERY` is held out
+by a hash of the sum (:func:`~coordinator.datasets.held_out`), the same for every seed.
+:meth:`ArithmeticTask.problem` never gives a held-out sum (a draw that lands on one is drawn
+again), so a held-out problem is a sum the learner never trains on, told in any story;
+:meth:`ArithmeticTask.heldout` lists them.
 """
 
 from __future__ import annotations
 
 import random
 
-from coordinator.datasets import EqualFn, MathReward, math_equal
+from coordinator.datasets import EqualFn, MathReward, held_out, math_equal
 from coordinator.problems import Problem
 
 __all__ = ["ArithmeticTask"]
@@ -36,6 +43,8 @@ _SUB = (
     "{n} had {a} {t} and lost {b} of them. How many {t} does {n} have now?",
 )
 INSTRUCTION = "Put the final answer in \\boxed{}."
+#: one sum in this many is held out of training (119 of the 420 sums with operands to 20)
+HELDOUT_EVERY = 4
 
 
 class ArithmeticTask:
@@ -63,21 +72,60 @@ class ArithmeticTask:
         )
 
     def problem(self, index: int) -> Problem:
+        """The ``index``-th training problem (never a held-out sum)."""
         rng = random.Random(f"{self.name}:{self.seed}:{index}")
-        a, b = rng.randint(1, self.max_operand), rng.randint(1, self.max_operand)
-        name, thing = rng.choice(_NAMES), rng.choice(_THINGS)
-        if rng.random() < 0.5:
-            templates, answer, op = _ADD, a + b, "+"
-        else:
-            a, b = max(a, b), min(a, b)
-            templates, answer, op = _SUB, a - b, "-"
-        story = rng.choice(templates).format(n=name, t=thing, a=a, b=b)
+        while True:
+            a, b = rng.randint(1, self.max_operand), rng.randint(1, self.max_operand)
+            name, thing = rng.choice(_NAMES), rng.choice(_THINGS)
+            add = rng.random() < 0.5
+            template = rng.randrange(3)
+            if not add:
+                a, b = max(a, b), min(a, b)
+            if not self._held_out(a, "+" if add else "-", b):
+                break
+        return self._problem(f"{self.name}:{index:08d}", a, add, b, name, thing, template)
+
+    def heldout(self, n: int) -> list[Problem]:
+        """The first ``n`` held-out problems, one per held-out sum (the same for every seed);
+        ValueError when the split has fewer than ``n`` sums."""
+        sums = [
+            (a, op, b)
+            for a in range(1, self.max_operand + 1)
+            for b in range(1, self.max_operand + 1)
+            for op in "+-"
+            if (a <= b if op == "+" else a >= b) and self._held_out(a, op, b)
+        ]
+        if n > len(sums):
+            raise ValueError(
+                f"{self.name} holds out {len(sums)} problems, fewer than the {n} asked; lower "
+                "eval_prompts or raise the operand bound (arith-words:N)"
+            )
+        random.Random(f"{self.name}:heldout").shuffle(sums)
+        out = []
+        for k, (a, op, b) in enumerate(sums[:n]):
+            rng = random.Random(f"{self.name}:heldout:{a}{op}{b}")
+            name, thing, template = rng.choice(_NAMES), rng.choice(_THINGS), rng.randrange(3)
+            if op == "+" and rng.random() < 0.5:
+                a, b = b, a
+            out.append(
+                self._problem(
+                    f"{self.name}:heldout:{k:04d}", a, op == "+", b, name, thing, template
+                )
+            )
+        return out
+
+    def _held_out(self, a: int, op: str, b: int) -> bool:
+        if op == "+":  # a + b and b + a are one problem: on one side of the split
+            a, b = min(a, b), max(a, b)
+        return held_out(f"arith/{a}{op}{b}", HELDOUT_EVERY)
+
+    def _problem(
+        self, prompt_id: str, a: int, add: bool, b: int, name: str, thing: str, template: int
+    ) -> Problem:
+        templates, answer, op = (_ADD, a + b, "+") if add else (_SUB, a - b, "-")
+        story = templates[template].format(n=name, t=thing, a=a, b=b)
         text = story if self.words else f"What is {a} {op} {b}?"
-        return Problem(
-            prompt_id=f"{self.name}:{index:08d}",
-            prompt=f"{text}\n{INSTRUCTION}",
-            answer=str(answer),
-        )
+        return Problem(prompt_id=prompt_id, prompt=f"{text}\n{INSTRUCTION}", answer=str(answer))
 
     def reward(self, problem: Problem, completion: str, finished: bool) -> float:
         return self.scorer.reward(problem.answer, completion, finished)

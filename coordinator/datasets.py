@@ -12,11 +12,18 @@ share for a well-formed answer (``format_reward``: a finished completion with a 
 completion text). Its own timeout relies on ``signal.alarm`` and only works in a main thread, so the
 check runs in a dedicated worker *process*: the caller waits at most ``timeout_s``, and a worker
 that overruns is killed (by its PID) and restarted lazily. A timed-out check scores 0.
+
+**Held-out split** (the held-out evaluation, :mod:`policy.evaluation`): a row whose question's
+hash falls in one bucket of :data:`HELDOUT_EVERY` (:func:`held_out`) is held out: the training
+stream (:meth:`JsonlMathTask.problem`) never gives it, :meth:`JsonlMathTask.heldout` lists it.
+The split depends on the question text only (not on the seed or the row order), so the same file
+always splits the same way and a question repeated in the file is on one side only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import multiprocessing as mp
@@ -33,6 +40,15 @@ from coordinator.problems import Problem
 log = logging.getLogger(__name__)
 
 EqualFn = Callable[[str, str], bool]
+#: one JSONL question in this many (by hash) is held out of training
+HELDOUT_EVERY = 10
+
+
+def held_out(key: str, every: int) -> bool:
+    """Whether ``key`` falls in the held-out bucket: one key in ``every``, by a hash of the key
+    (stable across processes and Python versions)."""
+    digest = hashlib.blake2b(f"rollout-swarm/heldout/{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % every == 0
 
 
 def boxed_answer(text: str) -> str | None:
@@ -207,7 +223,8 @@ class MathReward:
 
 
 class JsonlMathTask:
-    """Math word problems from a JSONL file (a deterministic shuffle per pass over the file)."""
+    """Math word problems from a JSONL file (a deterministic shuffle per pass over the training
+    rows; the held-out rows apart, see the module docstring)."""
 
     def __init__(
         self,
@@ -225,7 +242,7 @@ class JsonlMathTask:
         self.seed = seed
         self.template = template
         self.name = f"jsonl:{self.path.name}"
-        self._rows: list[tuple[str, str]] = []
+        rows: list[tuple[str, str]] = []
         with self.path.open(encoding="utf-8") as fh:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
@@ -238,15 +255,23 @@ class JsonlMathTask:
                         f"{self.path}:{lineno}: need a JSON object with {prompt_field!r} and "
                         f"{answer_field!r} ({exc})"
                     ) from exc
-                self._rows.append((question, extract_answer(answer)))
-        if not self._rows:
+                rows.append((question, extract_answer(answer)))
+        if not rows:
             raise ValueError(f"{self.path}: no problems in the file")
+        self._heldout = [r for r in rows if held_out(f"jsonl/{r[0]}", HELDOUT_EVERY)]
+        self._rows = [r for r in rows if not held_out(f"jsonl/{r[0]}", HELDOUT_EVERY)]
+        if not self._rows:
+            raise ValueError(
+                f"{self.path}: all {len(rows)} problems fall in the held-out split (one question "
+                f"in {HELDOUT_EVERY} by hash); add problems to the file"
+            )
         self.scorer = MathReward(
             format_reward=format_reward, timeout_s=timeout_s, equal_fn=equal_fn
         )
         self.worker = self.scorer.worker
 
     def __len__(self) -> int:
+        """Training problems (the held-out ones apart)."""
         return len(self._rows)
 
     @lru_cache(maxsize=4)  # noqa: B019 - a handful of permutations per task object
@@ -260,6 +285,22 @@ class JsonlMathTask:
         question, answer = self._rows[self._order(epoch)[pos]]
         prompt = self.template.format(question=question)
         return Problem(prompt_id=f"{self.name}:{index:08d}", prompt=prompt, answer=answer)
+
+    def heldout(self, n: int) -> list[Problem]:
+        """The first ``n`` held-out problems in file order; ValueError when there are fewer."""
+        if n > len(self._heldout):
+            raise ValueError(
+                f"{self.path} holds out {len(self._heldout)} problems (one question in "
+                f"{HELDOUT_EVERY} by hash), fewer than the {n} asked; lower eval_prompts"
+            )
+        return [
+            Problem(
+                prompt_id=f"{self.name}:heldout:{k:04d}",
+                prompt=self.template.format(question=question),
+                answer=answer,
+            )
+            for k, (question, answer) in enumerate(self._heldout[:n])
+        ]
 
     def reward(self, problem: Problem, completion: str, finished: bool) -> float:
         return self.scorer.reward(problem.answer, completion, finished)

@@ -12,6 +12,11 @@ supplies a reward that counts (DESIGN.md §7, check 6).
 
 A task is deterministic from ``(seed, index)``, so the prompt a lease carries is the coordinator's
 choice and can be re-derived on restart.
+
+The math tasks keep a **held-out split** out of their training stream, the same for every seed
+(:func:`heldout_problems`; ``arith``: one sum in five, ``jsonl:PATH``: one question in ten, both by
+hash): the prompts of the held-out evaluation (:mod:`policy.evaluation`). The reversal tasks have
+none (their whole space is a few hundred strings, all of which training visits).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import random
 
 from coordinator.problems import Problem, Task
+
+__all__ = ["ReverseTask", "heldout_problems", "make_task"]
 
 
 class ReverseTask:
@@ -76,3 +83,18 @@ def make_task(name: str, seed: int = 0, *, format_reward: float = 0.0) -> Task:
 
         return JsonlMathTask(name.removeprefix("jsonl:"), seed=seed, format_reward=format_reward)
     raise ValueError(f"unknown task {name!r}: {known}")
+
+
+def heldout_problems(task: Task, n: int) -> list[Problem]:
+    """The first ``n`` problems of ``task``'s held-out split (disjoint from every problem
+    ``task.problem(i)`` gives); ValueError naming the task when it has no split or too few."""
+    if n < 1:
+        raise ValueError(f"eval_prompts must be >= 1, got {n}")
+    heldout = getattr(task, "heldout", None)
+    if not callable(heldout):
+        raise ValueError(
+            f"task {task.name} has no held-out split; the held-out evaluation needs arith, "
+            "arith-words (:N) or jsonl:PATH"
+        )
+    problems: list[Problem] = heldout(n)
+    return problems

@@ -293,6 +293,38 @@ class TrainerConfig(BaseModel):
         "delta not smaller than half the checkpoint).",
     )
 
+    # --- held-out evaluation (trainer/evaluation.py; the protocol: policy/evaluation.py) -------
+    eval_every: int | None = Field(
+        None,
+        ge=1,
+        description="Score the held-out set of eval_task at the version the run starts from "
+        "(0: the base model) and every this many versions after, in a worker thread on a copy "
+        "of the weights (metrics.jsonl lines with record = eval, /status eval_*); None: off.",
+    )
+    eval_task: str | None = Field(
+        None,
+        description="Task whose held-out split is scored (the coordinator's task name: arith, "
+        "arith-words:N, jsonl:PATH); needed with eval_every.",
+    )
+    eval_prompts: int = Field(100, ge=1, description="Held-out prompts scored (N).")
+    eval_samples: int = Field(
+        4,
+        ge=0,
+        description="pass@1 samples per held-out prompt at the leases' temperature/top-p/top-k "
+        "(0: greedy accuracy only).",
+    )
+    eval_max_new_tokens: int | None = Field(
+        None, ge=1, description="Token budget of a held-out completion; None: the leases'."
+    )
+    eval_system_prompt: str | None = Field(
+        None,
+        description="System message the held-out prompts are rendered with (the coordinator's "
+        "prompt.system_prompt: set the same one).",
+    )
+    eval_threads: int = Field(
+        1, ge=1, description="Torch threads of the held-out evaluation's worker thread."
+    )
+
     # --- run -------------------------------------------------------------------------------
     out_dir: str = Field("runs/trainer", description="Checkpoints and metrics.jsonl go here.")
     checkpoint_every: int = Field(
@@ -341,6 +373,11 @@ class TrainerConfig(BaseModel):
             raise ValueError(
                 "target_step_kl and target_mismatch_kl both set: the learning rate follows one "
                 "signal; set the other to none"
+            )
+        if self.eval_every is not None and not self.eval_task:
+            raise ValueError(
+                "eval_every is set but eval_task is not: name the task whose held-out split is "
+                "scored (the coordinator's task, e.g. arith)"
             )
         if self.minibatches > self.batch_prompts:
             raise ValueError(

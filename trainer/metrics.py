@@ -3,12 +3,17 @@
 The JSONL file (``<out_dir>/metrics.jsonl``) is the record a run leaves; the gauges are for scraping
 while it runs (a private :class:`~prometheus_client.CollectorRegistry`, so several trainers in one
 process — tests — do not collide). Only rank 0 writes either.
+
+Two kinds of line: one per learner step (no ``record`` key), and one per held-out evaluation
+(``"record": "eval"``, :mod:`trainer.evaluation`), written from the evaluation's thread;
+:func:`read_steps` and :func:`read_evals` read one kind each.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -44,6 +49,15 @@ GAUGE_KEYS: tuple[str, ...] = (
     "step_time_s",
     "t_train_s",
     "t_train_cv",
+)
+
+#: Held-out evaluation keys exported as gauges ``trainer_<key>`` (the latest evaluation).
+EVAL_GAUGE_KEYS: tuple[str, ...] = (
+    "eval_greedy_acc",
+    "eval_greedy_lo",
+    "eval_greedy_hi",
+    "eval_pass1",
+    "eval_s",
 )
 
 
@@ -148,14 +162,20 @@ class MetricsWriter:
     ) -> None:
         self.path = path
         self.registry = registry if registry is not None else CollectorRegistry()
+        #: the step thread and the evaluation thread both write lines
+        self._lock = threading.Lock()
         self._fh: IO[str] | None = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = path.open("a", encoding="utf-8")
         self._gauges = {
             k: Gauge(f"trainer_{k}", f"trainer step metric {k}", registry=self.registry)
-            for k in GAUGE_KEYS
+            for k in GAUGE_KEYS + EVAL_GAUGE_KEYS
         }
+        self._eval_version = Gauge(
+            "trainer_eval_version", "version of the latest held-out evaluation",
+            registry=self.registry,
+        )  # fmt: skip
         self._staleness = Histogram(
             "trainer_rollout_staleness",
             "Δ = trainer version − rollout version of rollouts received",
@@ -197,17 +217,43 @@ class MetricsWriter:
         trained = record.get("admitted")
         if isinstance(trained, int | float) and trained > 0:
             self._trained.inc(float(trained))
-        if self._fh is not None:
-            self._fh.write(json.dumps(dict(record), sort_keys=True) + "\n")
-            self._fh.flush()
+        self._append(record)
+
+    def write_eval(self, record: Mapping[str, object]) -> None:
+        """Record one held-out evaluation (``"record": "eval"``) and its gauges."""
+        for key in EVAL_GAUGE_KEYS:
+            value = record.get(key)
+            if isinstance(value, int | float) and math.isfinite(float(value)):
+                self._gauges[key].set(float(value))
+        version = record.get("version")
+        if isinstance(version, int):
+            self._eval_version.set(version)
+        self._append({**record, "record": "eval"})
+
+    def _append(self, record: Mapping[str, object]) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.write(json.dumps(dict(record), sort_keys=True) + "\n")
+                self._fh.flush()
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
 
 
 def read_jsonl(path: Path) -> list[dict[str, object]]:
     """All records of a metrics file (for reports and tests)."""
     with path.open(encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+def read_steps(path: Path) -> list[dict[str, object]]:
+    """The learner-step records of a metrics file (the held-out evaluations left out)."""
+    return [r for r in read_jsonl(path) if "record" not in r]
+
+
+def read_evals(path: Path) -> list[dict[str, object]]:
+    """The held-out evaluation records of a metrics file, in the order they finished."""
+    return [r for r in read_jsonl(path) if r.get("record") == "eval"]

@@ -38,6 +38,7 @@ from trainer.checkpoints import read_published, write_published
 from trainer.config import TrainerConfig
 from trainer.distributed import KEEPALIVE_S, DistContext
 from trainer.engine import Engine, make_engine
+from trainer.evaluation import EvalRunner, make_replica
 from trainer.filtering import GroupFilter
 from trainer.metrics import IdleClock, MetricsWriter
 from trainer.monitors import GradSpikeGuard, monitor_from_config
@@ -130,6 +131,8 @@ class Trainer(LearnerStep, CheckpointState):
         self.lr_factor = 1.0
         #: called with each step's metrics record (after it is written), e.g. to report upstream.
         self.on_step: list[Callable[[dict[str, Any]], None]] = []
+        #: the held-out evaluation (``eval_every``; trainer/evaluation.py), built by :meth:`setup`
+        self.evaluation: EvalRunner | None = None
 
     # ------------------------------------------------------------------ setup
     @classmethod
@@ -152,7 +155,10 @@ class Trainer(LearnerStep, CheckpointState):
             model = build_model(spec, seed=config.seed)
         if config.lora_rank:  # before sharding: FSDP2 wraps the adapted layers
             _inject_lora(model, config)
-        model = engine.prepare(model, _resolve_device(config.device, dist))
+        device = _resolve_device(config.device, dist)
+        # the held-out evaluation's copy of the model as built (rank 0; trainer/evaluation.py)
+        replica = make_replica(model) if config.eval_every and dist.is_leader else None
+        model = engine.prepare(model, device)
         tok = load_tokenizer(spec)
         writer = None
         if dist.is_leader:
@@ -169,6 +175,9 @@ class Trainer(LearnerStep, CheckpointState):
             stop_token_ids=model_stop_ids(spec, tok),
             engine=engine,
         )
+        if config.eval_every:
+            replica = replica.to(device) if replica is not None else None
+            trainer.evaluation = EvalRunner(config, dist, replica, threads=config.eval_threads)
         # Every rank resumes from what rank 0 finds (the same files on a shared filesystem).
         latest, logged = (
             dist.share((trainer.latest_checkpoint(), read_published(trainer.out_dir)))
@@ -260,6 +269,7 @@ class Trainer(LearnerStep, CheckpointState):
         try:
             if has_publisher and first:
                 await self._blocking_publish(publisher)
+            self._evaluate_due(start=True)
             if feed is not None:
                 feed.start()
             while True:
@@ -279,6 +289,7 @@ class Trainer(LearnerStep, CheckpointState):
                         self._training = False
                 else:
                     self.train_step(batch or [])
+                self._evaluate_due()
                 if has_publisher:
                     await self._publish_due(publisher, slot)
                 if self.step % cfg.checkpoint_every == 0 and self._writes_checkpoints:
@@ -294,6 +305,14 @@ class Trainer(LearnerStep, CheckpointState):
             executor.shutdown(wait=True)
         if self._writes_checkpoints and (self._stop_requested or self.step % cfg.checkpoint_every):
             self.save_checkpoint()
+
+    def _evaluate_due(self, *, start: bool = False) -> None:
+        """Hand the weights to the held-out evaluation if this version is due (every rank: a
+        sharded copy is a collective); it runs in its own thread (trainer/evaluation.py)."""
+        if self.evaluation is not None:
+            self.evaluation.after_step(
+                self.model, self.engine, self.version, self.step, start=start
+            )
 
     def _follow_leader(self, batch: list[Rollout] | None) -> bool:
         """Every rank takes rank 0's decisions: is there a batch to train on, the version numbers
