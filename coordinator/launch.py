@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -95,23 +96,50 @@ def launch_from_cli(
         return 2
     import torch
 
+    from swarm.signals import STOP_BOUND_S, become_subreaper, end_descendants, exit_now
+
     torch.set_num_threads(1)
     install_fork_signal_reset()  # the DHT process forks after the signal handlers are set
+    become_subreaper()  # a p2pd orphaned on the way out is still ours to end
+    # the service's shutdown gets the stop bound less a margin for ending leftovers and exiting
+    shutdown_s = STOP_BOUND_S["coordinator"] - 3.0
+    stuck: list[bool] = []
+
+    async def stop_service() -> None:
+        """``service.stop()`` within ``shutdown_s``; past it, note that it is stuck."""
+        task = asyncio.ensure_future(service.stop())
+        await asyncio.wait([task], timeout=shutdown_s)
+        if not task.done():
+            log.warning("the service did not stop within %.0f s; exiting anyway", shutdown_s)
+            stuck.append(True)
 
     async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        starting = asyncio.ensure_future(service.start())
+        waiter = asyncio.ensure_future(stop.wait())
+        try:  # a stop during start-up ends it (building the model, joining the DHT)
+            await asyncio.wait([starting, waiter], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not starting.done():
+            log.info("stopped during start-up")
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await starting
+            await stop_service()
+            return 0
         try:
-            await service.start()
+            starting.result()
         except Exception as exc:  # whatever failed, stop what did start so the process can exit
             if isinstance(exc, SwarmError | OSError):
                 message = str(exc)
             else:
                 log.exception("coordinator failed to start")
                 message = f"{type(exc).__name__}: {exc}"
-            await service.stop()
+            await stop_service()
             _cli_error(f"coordinator failed to start: {message}")
             return 1
         for maddr in service.multiaddrs:
@@ -121,10 +149,21 @@ def launch_from_cli(
         print(f"status: {service.http_url}/status  metrics: {service.http_url}/metrics", flush=True)
         await stop.wait()
         log.info("shutting down")
-        await service.stop()
+        await stop_service()
         return 0
 
-    return asyncio.run(main())
+    runner = asyncio.Runner()
+    try:
+        code = runner.run(main())
+    except BaseException:
+        runner.close()
+        end_descendants()
+        raise
+    if stuck:
+        log.warning("exiting with the service's shutdown unfinished")
+    # No asyncio teardown (a task that swallows its cancellation would hold it) nor interpreter
+    # teardown (seconds, with torch loaded): the service has stopped, the database is closed.
+    exit_now(code)
 
 
 def _cli_error(message: str) -> None:

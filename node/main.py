@@ -12,7 +12,9 @@ Order (config first, heavy imports after, so errors in flags answer instantly):
 4. ``--dry-run``: print the advert the node would publish as JSON and exit 0, contacting nobody;
 5. run: the libp2p daemon and DHT start, the coordinator answers ``register`` within
    ``register_timeout_s``, then the work loop runs until SIGINT/SIGTERM. The first signal drains
-   (submit or release the lease in hand, leave the DHT, exit 0); a second one exits at once.
+   (submit or release the lease in hand, leave the DHT, exit 0; during start-up it ends the
+   start-up at once); a second one exits at once. Either way the node is gone within
+   ``swarm.signals.STOP_BOUND_S["node"]`` and no process of its tree (DHT process, p2pd) is left.
 
 Exit codes: 0 clean, 2 bad input (flags, config, key, model path, unavailable backend/GPU),
 1 runtime failure (start-up, unreachable coordinator, disk space, a fatal error while running).
@@ -21,6 +23,7 @@ Exit codes: 0 clean, 2 bad input (flags, config, key, model path, unavailable ba
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -128,7 +131,10 @@ def run_from_cli(
         if dry_run:
             print(json.dumps(_advert_json(cfg, identity, backend_obj, capability), indent=2))
             return EXIT_OK
-        rc, abandon = asyncio.run(_serve(cfg, identity, backend_obj, capability, tokenizer))
+        from swarm.signals import become_subreaper
+
+        become_subreaper()  # a p2pd orphaned on the way out is still ours to end
+        rc, _ = asyncio.run(_serve(cfg, identity, backend_obj, capability, tokenizer))
     except _Fail as exc:
         _error(str(exc))
         return exc.code
@@ -139,14 +145,15 @@ def run_from_cli(
     finally:
         if backend_obj is not None:
             backend_obj.close()
-    if abandon:
-        # The generation thread cannot be interrupted and its lease is already released:
-        # exit now instead of waiting for it (interpreter shutdown would join the thread).
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
-    return rc
+        from swarm.signals import end_descendants
+
+        end_descendants()
+    # Exit now: a generation thread still running (its lease is already released) cannot be
+    # interrupted and the interpreter's teardown would join it; the teardown also spends seconds
+    # collecting torch's modules (swarm.signals.exit_now). Everything the node keeps is on disk.
+    from swarm.signals import exit_now
+
+    exit_now(rc)
 
 
 def _flag_message(exc: ConfigError, overrides: dict[str, Any]) -> str:
@@ -331,21 +338,26 @@ async def _serve(
     worker = NodeWorker(cfg, backend, identity, capability=capability, tokenizer=tokenizer)
     loop = asyncio.get_running_loop()
     signals = 0
+    stop = asyncio.Event()
 
     def on_signal(name: str) -> None:
         nonlocal signals
         signals += 1
         if signals > 1:
+            from swarm.signals import end_descendants
+
             print(f"{name} again: exiting at once", file=sys.stderr, flush=True)
+            end_descendants(grace_s=0.5)
             os._exit(EXIT_RUNTIME)
         log.warning("%s: finishing the lease in hand, then exiting (again: exit at once)", name)
+        stop.set()
         worker.request_stop()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig.name)
     page = await _start_status_page(cfg, worker)
     try:
-        return await _run_worker(cfg, worker, identity)
+        return await _run_worker(cfg, worker, identity, stop)
     finally:
         if page is not None:
             await page.stop()
@@ -375,14 +387,28 @@ async def _start_status_page(cfg: NodeConfig, worker: NodeWorker) -> NodeStatusP
 
 
 async def _run_worker(
-    cfg: NodeConfig, worker: NodeWorker, identity: Identity
+    cfg: NodeConfig, worker: NodeWorker, identity: Identity, stop: asyncio.Event
 ) -> tuple[int, bool]:
-    """Start the worker (one-line errors for each way start-up fails), run it until it ends."""
+    """Start the worker (one-line errors for each way start-up fails), run it until it ends.
+    A stop during start-up (joining the DHT, registering with retries) ends it at once: exit 0."""
     from node.client import CoordinatorError, CoordinatorUnavailable, Rejected
     from swarm.errors import BootstrapUnreachable, StartupError
 
+    starting = asyncio.ensure_future(worker.start())
+    waiter = asyncio.ensure_future(stop.wait())
     try:
-        await worker.start()
+        await asyncio.wait([starting, waiter], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if not starting.done():
+        log.info("stopped during start-up")
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await starting
+        await worker.stop()
+        return EXIT_OK, False
+    try:
+        starting.result()
     except BootstrapUnreachable as exc:
         await worker.stop()
         raise _Fail(

@@ -38,7 +38,8 @@ MONITOR_FIGURES = (
     "ess_frac", "mismatch_kl", "clip_frac", "mask_frac", "grad_norm", "entropy", "step_kl",
     "stability_warning", "dropped_uniform", "lr_factor",
 )  # fmt: skip
-STOP_TIMEOUT_S = 20.0
+#: seconds past a process's own stop bound (``swarm.signals.STOP_BOUND_S``) before it is killed
+STOP_MARGIN_S = 2.0
 
 
 class Process:
@@ -314,19 +315,26 @@ class Demo:
 
     # --- shutdown --------------------------------------------------------------------------------
     def stop(self) -> None:
-        """SIGTERM nodes, then trainer, then coordinator; SIGKILL what is left; by PID only."""
-        order = sorted(self.procs, key=lambda p: ("node" in p.name or "byz" in p.name, p.name))
+        """SIGTERM the nodes and the trainer (they still reach the coordinator to hand back
+        leases and finish a publication), then the coordinator; each gets its own stop bound
+        (``swarm.signals.STOP_BOUND_S``) plus ``STOP_MARGIN_S``, then SIGKILL to what is left
+        of its session. By PID only. At most ``STOP_BOUND_S["demo"]`` in all."""
+        from swarm.signals import STOP_BOUND_S
+
+        def role(p: Process) -> str:
+            return p.name if p.name in ("trainer", "coordinator") else "node"
+
         for group in (
-            [p for p in order if p.name.startswith(("node", "byzantine"))],
-            [p for p in order if p.name == "trainer"],
-            [p for p in order if p.name == "coordinator"],
+            [p for p in self.procs if p.name != "coordinator"],
+            [p for p in self.procs if p.name == "coordinator"],
         ):
             for p in group:
                 p.signal(signal.SIGTERM)
-            deadline = time.monotonic() + STOP_TIMEOUT_S
+            started = time.monotonic()
             for p in group:
-                if not p.wait(deadline - time.monotonic()):
-                    log.warning("%s did not stop in %.0fs; killing it", p.name, STOP_TIMEOUT_S)
+                bound = STOP_BOUND_S[role(p)] + STOP_MARGIN_S
+                if not p.wait(started + bound - time.monotonic()):
+                    log.warning("%s did not stop in %.0fs; killing it", p.name, bound)
             for p in group:
                 p.kill_group()  # the daemons a child started live in its session
                 p.close()
@@ -387,8 +395,14 @@ def run_demo(opts: DemoOptions) -> int:
     except (DemoError, OSError) as exc:
         reason = f"failed: {exc}"
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        demo.stop()
+        # a second Ctrl-C or SIGTERM must not cut the shutdown short (children would be left)
+        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            demo.stop()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, previous_int)
     text = demo.summary(reason)
     print("\n" + text, flush=True)
     if interrupted:

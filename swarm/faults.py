@@ -11,6 +11,13 @@ killer, at an exact place, so a test can show what survives it. Points in the co
 ==============================  ============================================================
 
 Unset (always, outside tests), :func:`fault_point` is one dictionary lookup.
+
+``RSWARM_STALLS="name=SECONDS,..."`` makes :func:`stall_point` block the calling thread that long
+each time it is reached (a learner step that outlasts the stop grace, for the stop tests):
+
+==============================  ============================================================
+``trainer.step``                trainer: the end of each learner step, on the step's thread
+==============================  ============================================================
 """
 
 from __future__ import annotations
@@ -51,3 +58,30 @@ def fault_point(name: str) -> None:
         for handler in logging.getLogger().handlers:
             handler.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+STALLS_ENV = "RSWARM_STALLS"
+
+
+def _parse_stalls(spec: str) -> dict[str, float]:
+    stalls: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, seconds = item.partition("=")
+        try:
+            stalls[name] = float(seconds)
+        except ValueError:
+            raise ValueError(f"{STALLS_ENV}: {item!r} is not name=SECONDS") from None
+    return stalls
+
+
+_stalls = _parse_stalls(os.environ.get(STALLS_ENV, ""))
+
+
+def stall_point(name: str) -> None:
+    """Block this thread for the seconds ``RSWARM_STALLS`` gives ``name`` (none: return)."""
+    seconds = _stalls.get(name)
+    if seconds:
+        import time
+
+        log.warning("fault injection: %s stalls for %.0f s", name, seconds)
+        time.sleep(seconds)

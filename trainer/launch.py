@@ -33,8 +33,14 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: after a failure or a stop request, seconds the other ranks get before SIGKILL.
+#: after a failure, seconds the other ranks get before SIGKILL.
 KILL_AFTER_S = 30.0
+#: after a stop request, seconds past rank 0's ``stop_grace_s`` for the final checkpoint and the
+#: swarm peer's shutdown, before the ranks still running are killed (the trainer's stop bound,
+#: ``swarm.signals.STOP_BOUND_S``, minus a margin for the launcher's own exit)
+STOP_TEARDOWN_S = 8.0
+#: once rank 0 exited 0 after a stop, seconds the other ranks get to follow it
+FOLLOW_EXIT_S = 5.0
 
 
 class _FollowerSource:
@@ -106,7 +112,13 @@ def launch_local(nproc: int, argv: Sequence[str], *, stop_grace_s: float) -> int
     (0 when every rank exited 0; else 2 when the first rank to fail rejected its input; else 1).
 
     ``stop_grace_s``: how long rank 0 may take to stop after SIGINT/SIGTERM (it finishes a step
-    or a publication, then all ranks checkpoint) before the ranks are killed."""
+    or a publication, then all ranks checkpoint); ranks still running ``STOP_TEARDOWN_S`` after
+    that are killed. After a stop, the job ended cleanly when rank 0 exited 0 (the other ranks
+    may have failed on losing it, when it abandoned a step: exit 0). The launcher is the
+    subreaper of its ranks' process trees and ends what is left of them before it exits."""
+    from swarm.signals import become_subreaper, end_descendants
+
+    become_subreaper()
     env = dict(os.environ)
     env.update(
         MASTER_ADDR="127.0.0.1",
@@ -144,6 +156,7 @@ def launch_local(nproc: int, argv: Sequence[str], *, stop_grace_s: float) -> int
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        end_descendants()  # a killed rank's DHT process and p2pd, adopted by the launcher
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -157,9 +170,12 @@ def _supervise(
     stop_grace_s: float,
 ) -> int:
     """Wait for every rank. The first failure stops the others (SIGTERM, SIGKILL after
-    ``KILL_AFTER_S``); a stop request gives them ``stop_grace_s + KILL_AFTER_S``."""
+    ``KILL_AFTER_S``); a stop request gives them ``stop_grace_s + STOP_TEARDOWN_S``, and once
+    rank 0 has exited 0 the others get ``FOLLOW_EXIT_S`` (their failures then are not the job's:
+    rank 0 ended it)."""
     codes: dict[int, int] = {}
     failed: int | None = None  # the first failure's exit code
+    stopping = False
     kill_at: float | None = None
     while len(codes) < len(procs):
         timeout = None if kill_at is None else max(0.0, kill_at - time.monotonic())
@@ -173,23 +189,46 @@ def _supervise(
             kill_at = None
             continue
         if rank == _STOP:
-            if kill_at is None:
-                kill_at = time.monotonic() + stop_grace_s + KILL_AFTER_S
+            if not stopping:
+                stopping = True
+                deadline = time.monotonic() + stop_grace_s + STOP_TEARDOWN_S
+                kill_at = deadline if kill_at is None else min(kill_at, deadline)
             continue
         codes[rank] = code
+        if stopping and rank == 0 and code == 0:
+            deadline = time.monotonic() + FOLLOW_EXIT_S
+            kill_at = deadline if kill_at is None else min(kill_at, deadline)
+            continue
+        if stopping and rank != 0 and 0 not in codes:
+            continue  # judged once rank 0 is done: losing a rank 0 that stopped is no failure
         if code != 0 and failed is None:
-            failed = code
-            print(
-                f"error: rank {rank} (pid {procs[rank].pid}) {_describe(code)}; stopping the "
-                "other ranks; run the same command again to resume from the last checkpoint",
-                file=sys.stderr,
-                flush=True,
-            )
-            for r, p in enumerate(procs):
-                if r not in codes and p.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        p.terminate()
+            failed = _report_failure(procs, codes, rank, code)
             kill_at = time.monotonic() + KILL_AFTER_S
-    if failed is None:
+    if stopping and codes.get(0) == 0:
+        others = {r: c for r, c in codes.items() if c != 0}
+        if others:
+            log.info("rank 0 stopped the job; the other ranks exited with %s", others)
         return 0
+    if failed is None:  # a follower's failure left for rank 0 to judge, and rank 0 failed too
+        bad = [(r, c) for r, c in sorted(codes.items()) if c != 0]
+        if not bad:
+            return 0
+        failed = _report_failure(procs, codes, *bad[0])
     return 2 if failed == 2 else 1
+
+
+def _report_failure(
+    procs: list[subprocess.Popen[bytes]], codes: dict[int, int], rank: int, code: int
+) -> int:
+    """Say which rank failed (one line), stop the ranks still running; returns ``code``."""
+    print(
+        f"error: rank {rank} (pid {procs[rank].pid}) {_describe(code)}; stopping the "
+        "other ranks; run the same command again to resume from the last checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
+    for r, p in enumerate(procs):
+        if r not in codes and p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+    return code

@@ -27,8 +27,37 @@ from trainer.swarm_client import CoordinatorError, CoordinatorSource, SwarmPubli
 
 log = logging.getLogger(__name__)
 
-#: On SIGTERM, seconds the step or publication in progress may take to finish before it is cut.
-STOP_GRACE_S = 30.0
+#: On SIGINT/SIGTERM, seconds the work in progress (the learner step in its thread, a
+#: publication, the model's set-up) may take to finish; then it is abandoned (docs/operations.md).
+STOP_GRACE_S = 10.0
+#: seconds the last report of the learner's figures may take on the way out
+REPORT_TIMEOUT_S = 3.0
+
+
+class StepAbandoned(Exception):
+    """Stopping: the learner's thread (a step, or the model's set-up) did not finish within
+    ``STOP_GRACE_S``; the process must exit without waiting for it (:func:`run_from_cli`)."""
+
+
+async def _race_stop(aw: Any, stop: asyncio.Event) -> Any:
+    """Await ``aw`` unless ``stop`` is set first: then ``aw`` is cancelled and
+    :class:`_Stopped` raised. For network waits (a wait for the coordinator that is gone)."""
+    task = asyncio.ensure_future(aw)
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise _Stopped
+
+
+class _Stopped(Exception):
+    """A stop arrived while the trainer was still joining the swarm: nothing to save."""
 
 
 async def run_trainer(
@@ -42,6 +71,11 @@ async def run_trainer(
     dist: Any = None,
 ) -> int:
     """Join the swarm, publish v0, then train on the coordinator's rollouts until stopped.
+
+    On ``stop``: waits for the coordinator end at once; the step, publication or set-up in
+    progress gets ``STOP_GRACE_S`` to finish, failed requests are not retried; then the final
+    checkpoint. A step still running after the grace raises :class:`StepAbandoned` (the last
+    checkpoint stands; the caller exits without joining the thread).
 
     ``dist``: the process group (:func:`trainer.distributed.init_distributed`) when this is
     rank 0 of a sharded trainer; the other ranks run :func:`trainer.launch.run_follower` (and
@@ -61,7 +95,9 @@ async def run_trainer(
     from swarm.holders import DhtHolderDirectory
     from swarm.transport import P2PTransport
     from trainer.recipe import Trainer
+    from trainer.swarm_client import PublicationStopped
 
+    stop = stop if stop is not None else asyncio.Event()
     state_dir.mkdir(parents=True, exist_ok=True)
     identity = Identity.load_or_create(state_dir / "trainer.key")
     pinned = parse_fingerprint(coordinator_key)
@@ -73,11 +109,12 @@ async def run_trainer(
     await peer.start()
     broadcast: BroadcastNode | None = None
     reach: asyncio.Task[None] | None = None
+    publisher: SwarmPublisher | None = None
     try:
         transport = P2PTransport(peer.p2p)
         # The pinned key is a fingerprint; the raw key comes from the coordinator's signed
         # address record, accepted only if it hashes to the pinned fingerprint.
-        pinned_key = await _coordinator_public_key(peer, pinned)
+        pinned_key = await _race_stop(_coordinator_public_key(peer, pinned), stop)
         broadcast = BroadcastNode(
             transport,
             # Seeds keep more than S + 1 versions: receivers may still be fetching older ones.
@@ -105,44 +142,66 @@ async def run_trainer(
         # The sampling contract is the coordinator's: adopt it, or refuse what cannot match.
         from trainer.contract import adopt_contract
 
-        status = await publisher.status()
+        status = await _race_stop(publisher.status(), stop)
         config, lease_stops = adopt_contract(config, status, max_positions(spec))
         log.info("sampling contract: %s, stop set %s", config.processing, list(lease_stops))
-        trainer = Trainer.setup(config, dist=dist)
+        # Building the model (and resuming a sharded checkpoint: a minute on a loaded machine)
+        # runs in a thread, so a stop is seen meanwhile; it may finish within the grace.
+        setup = asyncio.ensure_future(asyncio.to_thread(Trainer.setup, config, dist=dist))
+        await _within_grace(setup, stop, "setting up the model")
+        trainer = setup.result()
         trainer.stop_token_ids |= frozenset(lease_stops)
         source = CoordinatorSource(transport, coordinator_peer, identity)
         # The coordinator may hold a version this trainer has no record of (killed between the
         # coordinator's answer to PublishVersion and published.json): continue after it.
-        trainer.sync_published(await publisher.latest_version())
+        if stop.is_set():  # one short status request, not retried
+            publisher.stop()
+            try:
+                latest = await asyncio.wait_for(publisher.latest_version(), REPORT_TIMEOUT_S)
+            except TimeoutError:
+                raise _Stopped from None
+        else:
+            latest = await _race_stop(publisher.latest_version(), stop)
+        trainer.sync_published(latest)
         _attach_stats(trainer, source, publisher)
         if trainer.evaluation is not None:  # the held-out evaluation (swarm/heldout.py)
             from swarm.heldout import start_evaluation
 
             start_evaluation(trainer, status, lease_stops, source)
-        run = asyncio.create_task(trainer.run(source, publisher), name="trainer-loop")
-        waiters = [run] + ([asyncio.create_task(stop.wait(), name="stop")] if stop else [])
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        if not run.done():
-            # Cancelling a publication half-way would leave the coordinator with a version this
-            # trainer never recorded (and maybe never finished seeding): let it finish first.
+        if stop.is_set():  # stopped during the set-up: a final checkpoint, as on any stop
             trainer.request_stop()
-            await asyncio.wait([run], timeout=STOP_GRACE_S)
-        if not run.done():
+        run = asyncio.create_task(trainer.run(source, publisher), name="trainer-loop")
+        await _within_grace(
+            run,
+            stop,
+            "the learner step",
+            on_stop=[trainer.request_stop, publisher.stop],
+            busy=lambda: getattr(trainer, "_training", False),
+        )
+        if not run.done():  # a publication's network wait (no thread busy): cut it short
             log.warning("the learner did not stop within %.0f s; cutting it short", STOP_GRACE_S)
             run.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await run
-            if trainer.dist.enabled:  # a checkpoint is a collective the other ranks are not in
-                raise RuntimeError(
-                    f"the learner did not stop within {STOP_GRACE_S:.0f} s; the last "
-                    "checkpoint stands"
-                )
-            trainer.save_checkpoint()
+            _final_checkpoint(trainer)
         else:
-            run.result()
-        await source.report()  # the last step's figures reach /status before we leave
+            try:
+                run.result()
+            except PublicationStopped as exc:  # stopping while a publication failed
+                log.warning("%s", exc)
+                _final_checkpoint(trainer)
+        if source.failures == 0:  # the last step's figures reach /status before we leave
+            await source.report(timeout=REPORT_TIMEOUT_S)
         if trainer.evaluation is not None:
             trainer.evaluation.close()
+        return 0
+    except _Stopped:
+        log.info("stopped before training (the checkpoint it resumed from, if any, stands)")
+        return 0
+    except PublicationStopped as exc:  # the first publication, or the set-up's status request
+        if not stop.is_set():
+            raise
+        log.warning("%s", exc)
         return 0
     finally:
         if reach is not None:
@@ -150,6 +209,46 @@ async def run_trainer(
         if broadcast is not None:  # on failures too: its announcer must not outlive the peer
             await broadcast.stop()
         await peer.stop()
+
+
+async def _within_grace(
+    task: asyncio.Future[Any],
+    stop: asyncio.Event,
+    what: str,
+    *,
+    on_stop: Any = (),
+    busy: Any = lambda: True,
+) -> None:
+    """Wait for ``task``; once ``stop`` is set, call ``on_stop`` and give it ``STOP_GRACE_S``.
+    Still running then: :class:`StepAbandoned` if ``busy()`` (a thread that cannot be
+    interrupted is at work), else return with ``task`` pending (the caller cancels it)."""
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if task.done():
+        return
+    log.info("stopping: %s may take %.0f s more to finish", what, STOP_GRACE_S)
+    for call in on_stop:
+        call()
+    await asyncio.wait([task], timeout=STOP_GRACE_S)
+    if not task.done() and busy():
+        raise StepAbandoned(
+            f"{what} did not finish within {STOP_GRACE_S:.0f} s of the stop; abandoned: the last "
+            "checkpoint stands (a restart resumes from it)"
+        )
+
+
+def _final_checkpoint(trainer: Any) -> None:
+    """The checkpoint of a stop that cut the loop short (one process; sharded, a checkpoint is a
+    collective the other ranks are not in, so the last one stands)."""
+    if trainer.dist.enabled:
+        log.warning(
+            "the sharded learner stopped outside a step boundary: the last checkpoint stands"
+        )
+        return
+    trainer.save_checkpoint()
 
 
 async def _watch_reachability(
@@ -208,7 +307,10 @@ def _attach_stats(
 ) -> None:
     """Mirror each step's metrics into the stats the source reports to the coordinator."""
 
+    from swarm.faults import stall_point
+
     def on_step(record: dict[str, Any]) -> None:
+        stall_point("trainer.step")  # tests: a step that outlasts the stop grace
         # Runs on the step thread while the event loop may be encoding ``source.stats`` for a
         # fetch: build the new mapping aside and swap it in (one reference assignment).
         stats = dict(source.stats)
@@ -372,13 +474,21 @@ def run_from_cli(
             argv += ["--config", str(config.resolve())]
         if max_steps is not None:
             argv += ["--max-steps", str(max_steps)]
-        return launch_local(nproc, argv, stop_grace_s=STOP_GRACE_S)
+        from swarm.signals import exit_now as exit_launcher
 
-    from swarm.signals import install_fork_signal_reset
+        exit_launcher(launch_local(nproc, argv, stop_grace_s=STOP_GRACE_S))
+
+    from swarm.signals import (
+        become_subreaper,
+        end_descendants,
+        exit_now,
+        install_fork_signal_reset,
+    )
     from trainer.distributed import init_distributed, shutdown_distributed
 
     torch.set_num_threads(1)
     install_fork_signal_reset()  # the DHT process forks after the signal handlers are set
+    become_subreaper()  # a p2pd orphaned on the way out is still ours to end
 
     async def main(dist: Any) -> int:
         stop = asyncio.Event()
@@ -400,23 +510,37 @@ def run_from_cli(
     try:
         if rank != 0:
             code = _run_follower(cfg, dist)
-            return code
-        assert ident is not None
-        print(f"trainer key: {ident.fingerprint}", flush=True)
-        code = asyncio.run(main(dist))
-        return code
+        else:
+            assert ident is not None
+            print(f"trainer key: {ident.fingerprint}", flush=True)
+            runner = asyncio.Runner()
+            try:
+                code = runner.run(main(dist))
+            except StepAbandoned as exc:
+                # The step's thread cannot be interrupted and joining it (asyncio's teardown,
+                # the interpreter's exit) would wait for it: the network is already shut down,
+                # so end what is left of the process tree and exit now.
+                log.warning("%s", exc)
+                exit_now(0)
+            except BaseException:
+                runner.close()
+                raise
+            # run_trainer has stopped the swarm peer; asyncio's and the interpreter's teardown
+            # are skipped (exit_now below)
     except BootstrapUnreachable as exc:
-        return error(f"cannot reach the coordinator at {coordinator}: {exc}", 1)
+        code = error(f"cannot reach the coordinator at {coordinator}: {exc}", 1)
     except ContractError as exc:
-        return error(str(exc), 2)
+        code = error(str(exc), 2)
     except (SwarmError, CoordinatorError) as exc:
-        return error(str(exc), 1)
+        code = error(str(exc), 1)
     except Exception as exc:  # last resort: the traceback goes to the log, one line to the user
         log.exception("trainer failed")
-        return error(f"trainer failed: {_one_line(exc, distributed=world > 1)}", 1)
+        code = error(f"trainer failed: {_one_line(exc, distributed=world > 1)}", 1)
     finally:
         if dist is not None:
             shutdown_distributed(clean=code == 0)
+        end_descendants()
+    exit_now(code)  # done: skip the interpreter's slow teardown (swarm.signals.exit_now)
 
 
 def _run_follower(cfg: Any, dist: Any) -> int:

@@ -61,6 +61,11 @@ class CoordinatorError(RuntimeError):
     """The coordinator refused a trainer request (the message says why)."""
 
 
+class PublicationStopped(CoordinatorError):
+    """The trainer is stopping: a request that failed is not retried (the version stays
+    unrecorded here; a restart reconciles with the coordinator, :meth:`Trainer.sync_published`)."""
+
+
 class CoordinatorSource:
     """Accepted rollouts from the coordinator, in arrival order."""
 
@@ -126,8 +131,9 @@ class CoordinatorSource:
         self.received += len(out)
         return out
 
-    async def report(self) -> None:
-        """Send the current figures without taking rollouts (a fetch past any seq, no wait)."""
+    async def report(self, timeout: float = rpc.DEFAULT_TIMEOUTS[rpc.FETCH]) -> None:
+        """Send the current figures without taking rollouts (a fetch past any seq, no wait);
+        gives up silently after ``timeout`` seconds (a coordinator that is gone)."""
         req = FetchRollouts(
             after_seq=2**62, max_rollouts=1, min_policy_version=None, wait_s=0.0,
             trainer_stats=_wire_stats(self.stats),
@@ -135,7 +141,7 @@ class CoordinatorSource:
         with contextlib.suppress(TransportError):
             await self.transport.call(
                 self.coordinator_peer, rpc.FETCH, encode(seal(self.identity, req, now=time.time())),
-                timeout=rpc.DEFAULT_TIMEOUTS[rpc.FETCH],
+                timeout=timeout,
             )  # fmt: skip
 
 
@@ -175,6 +181,24 @@ class SwarmPublisher:
         #: seconds the last publication spent serialising and hashing before the coordinator saw it
         self.last_prepare_s: float | None = None
         self._keyframe_next = False
+        #: set by :meth:`stop`: failed requests are not retried, back-off waits end at once
+        self.stopping = asyncio.Event()
+
+    def stop(self) -> None:
+        """The trainer is stopping: a request in flight may still be answered, none is retried."""
+        self.stopping.set()
+
+    async def _retry_after(self, delay: float, what: str) -> None:
+        """Wait ``delay`` before retrying ``what``; raises :class:`PublicationStopped` at once if
+        the trainer is stopping (the wait races the stop, it does not poll)."""
+        if not self.stopping.is_set():
+            waiter = asyncio.ensure_future(self.stopping.wait())
+            try:
+                await asyncio.wait([waiter], timeout=delay)
+            finally:
+                waiter.cancel()
+        if self.stopping.is_set():
+            raise PublicationStopped(f"stopping: {what} abandoned (not retried)")
 
     def request_keyframe(self) -> None:
         """Publish the next version as a full keyframe (no delta), whatever the policy says."""
@@ -271,7 +295,7 @@ class SwarmPublisher:
                     ) from exc
                 delay = min(RETRY_MAX_S, 0.2 * 2**attempt) * (0.5 + random.random())
                 log.warning("publishing v%d failed (%s); retrying in %.1f s", version, exc, delay)
-                await asyncio.sleep(delay)
+                await self._retry_after(delay, f"publishing v{version}")
         return decode(raw)
 
     async def latest_version(self) -> int | None:
@@ -300,7 +324,7 @@ class SwarmPublisher:
                     ) from exc
                 delay = min(RETRY_MAX_S, 0.2 * 2**attempt) * (0.5 + random.random())
                 log.warning("status request failed (%s); retrying in %.1f s", exc, delay)
-                await asyncio.sleep(delay)
+                await self._retry_after(delay, "the status request")
         msg = decode(raw)
         if not isinstance(msg, StatusResponse):
             raise CoordinatorError(f"unexpected answer to status: {type(msg).__name__}")
