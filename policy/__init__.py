@@ -21,6 +21,8 @@ Modules:
 * :mod:`policy.preflight`-- impossible set-ups refused at start (positions, EOS, vocabulary)
 * :mod:`policy.importer` -- ``swarm model import``: GGUF / HF directory -> local safetensors
                             directory, named models (``smollm2``), fingerprints
+* :mod:`policy.lora`     -- LoRA versions: the adapter format, the base model's fingerprint,
+                            adapters applied over one loaded base (merged or unmerged)
 * :mod:`policy.testing`  -- test helpers: a tiny Llama with a real BPE tokenizer, chat template and
                             two EOS ids; a model and its twin with another CPU's rounding
 
