@@ -1,6 +1,7 @@
 """docs/protocol.md against the code, for the points a client written from the docs alone had to
-guess (issue 36, items 9-14): what the page states is derived from the code here and compared,
-and the behaviour it states is exercised in both directions."""
+guess (issue 36, items 9-14; item 13 in tests/integration/test_protocol_peer_ids.py): what the
+page states is derived from the code here and compared, and the behaviour it states is exercised
+in both directions."""
 
 from __future__ import annotations
 
