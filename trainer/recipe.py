@@ -178,6 +178,10 @@ class Trainer(LearnerStep, CheckpointState):
         if config.eval_every:
             replica = replica.to(device) if replica is not None else None
             trainer.evaluation = EvalRunner(config, dist, replica, threads=config.eval_threads)
+        if config.lora_rank and dist.is_leader:  # hashed once here, not in the first publication
+            from policy.lora import base_fingerprint
+
+            trainer._lora_base = base_fingerprint(spec, seed=config.seed)
         # Every rank resumes from what rank 0 finds (the same files on a shared filesystem).
         latest, logged = (
             dist.share((trainer.latest_checkpoint(), read_published(trainer.out_dir)))
