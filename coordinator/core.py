@@ -43,6 +43,7 @@ from coordinator.logprobs import LogprobVerifier
 from coordinator.problems import Task
 from coordinator.receipts import ReceiptLog
 from coordinator.reputation import Reputation
+from coordinator.retention import Retention
 from coordinator.store import LeaseRecord, NodeRecord, Store
 from coordinator.submissions import SubmissionDesk
 from coordinator.throughput import LeaseLag, ThroughputBook
@@ -176,6 +177,8 @@ class Coordinator(SubmissionDesk, ActiveSet):
         self._planned_at = -math.inf
         #: node_key -> last_seen not yet written to the store (see the module docstring)
         self._seen: dict[bytes, float] = {}
+        #: bounded storage: consumed rollouts past the audit window are pruned on the tick
+        self.retention = Retention(store, self.clock)
         self.leases.expire_due()
         outstanding = self.leases.outstanding()
         if outstanding:
@@ -457,6 +460,7 @@ class Coordinator(SubmissionDesk, ActiveSet):
         if self.clock() - self._planned_at >= self.config.capacity.replan_interval_s:
             self.replan()
         self.receipts.seal(self.clock())
+        self.retention.tick()  # consumed rollouts past the audit window leave the database
 
     def close(self) -> None:
         """Release the database and any task worker process."""

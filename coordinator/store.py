@@ -477,7 +477,27 @@ class Store:
         return int(self._all("SELECT COALESCE(MAX(seq), 0) FROM rollouts")[0][0])
 
     def rollout_count(self) -> int:
-        return int(self._all("SELECT COUNT(*) FROM rollouts")[0][0])
+        """Rollouts ever accepted and still counted: the stored ones plus those pruned after
+        the learner consumed them (:mod:`coordinator.retention`); a banned node's withdrawn
+        rollouts are gone from both."""
+        stored = int(self._all("SELECT COUNT(*) FROM rollouts")[0][0])
+        return stored + int(self.get_meta("rollouts_pruned") or 0)
+
+    def prune_rollouts(self, through_seq: int, accepted_before: float, limit: int) -> int:
+        """Delete up to ``limit`` rollouts with ``seq <= through_seq`` accepted before
+        ``accepted_before`` (oldest first), counting them in ``meta.rollouts_pruned``; one
+        transaction. Returns how many were deleted."""
+        with self.transaction():
+            cur = self._exec(
+                "DELETE FROM rollouts WHERE seq IN (SELECT seq FROM rollouts WHERE seq <= ?"
+                " AND accepted_at < ? ORDER BY seq LIMIT ?)",
+                (through_seq, accepted_before, max(0, limit)),
+            )
+            gone = int(cur.rowcount)
+            if gone:
+                total = int(self.get_meta("rollouts_pruned") or 0) + gone
+                self.set_meta("rollouts_pruned", str(total))
+        return gone
 
     def get_verdict(self, lease_id: str, digest: bytes) -> Verdict | None:
         sql = (
