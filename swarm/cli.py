@@ -78,7 +78,7 @@ def demo(
         Path | None, typer.Option(help="Local HF model directory instead of the embedded model.")
     ] = None,
     max_new_tokens: Annotated[
-        int | None, typer.Option(help="Completion length cap in tokens [task's; 64 with --model].")
+        int | None, typer.Option(help="Completion length cap in tokens [task's; 32 with --model].")
     ] = None,
     temperature: Annotated[
         float | None, typer.Option(help="Sampling temperature [1.0; 0.7 with --model].")
@@ -90,8 +90,15 @@ def demo(
     target: Annotated[
         float, typer.Option(help="Stop once the exact-match rate reaches this value.")
     ] = 0.9,
+    eval_target: Annotated[
+        float | None,
+        typer.Option(
+            help="Stop once the held-out greedy accuracy of a trained version reaches this "
+            "(with --model: scored every 5 versions)."
+        ),
+    ] = None,
     time_limit: Annotated[
-        float | None, typer.Option(help="Stop after this many seconds [300; 1200 with --model].")
+        float | None, typer.Option(help="Stop after this many seconds [300; 1800 with --model].")
     ] = None,
     max_steps: Annotated[
         int | None, typer.Option(help="Stop after this many learner steps.")
@@ -131,6 +138,7 @@ def demo(
             byzantine=byzantine,
             seed=seed,
             target=target,
+            eval_target=eval_target,
             time_limit=time_limit,
             max_steps=max_steps,
             run_dir=run_dir,

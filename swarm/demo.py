@@ -38,6 +38,11 @@ MONITOR_FIGURES = (
     "ess_frac", "mismatch_kl", "clip_frac", "mask_frac", "grad_norm", "entropy", "step_kl",
     "stability_warning", "dropped_uniform", "lr_factor",
 )  # fmt: skip
+#: the held-out evaluation's figures recorded in curve.jsonl (the latest at each learner step)
+EVAL_FIGURES = (
+    "eval_version", "eval_greedy_acc", "eval_greedy_lo", "eval_greedy_hi", "eval_pass1",
+    "eval_s",
+)  # fmt: skip
 #: seconds past a process's own stop bound (``swarm.signals.STOP_BOUND_S``) before it is killed
 STOP_MARGIN_S = 2.0
 
@@ -143,10 +148,17 @@ class Demo:
             key: value
             for key, value in (
                 ("lr", o.lr), ("entropy_coef", o.entropy_coef), ("minibatches", o.minibatches),
-                ("target_step_kl", o.target_step_kl),
+                ("target_step_kl", o.target_step_kl), ("lora_rank", o.lora_rank),
+                ("lora_alpha", o.lora_alpha),
             )
             if value is not None
         }  # fmt: skip
+        if o.eval_every is not None:  # the held-out evaluation (trainer/evaluation.py)
+            settings.update(eval_every=o.eval_every, eval_task=o.task)
+            settings.update({k: v for k, v in (
+                ("eval_prompts", o.eval_prompts), ("eval_samples", o.eval_samples),
+                ("eval_system_prompt", o.system_prompt),
+            ) if v is not None})  # fmt: skip
         settings.update(o.trainer_overrides)  # a benchmark's overrides win over the profile
         learner = "".join(f"{k} = {toml_value(v)}\n" for k, v in settings.items())
         (self.run_dir / "trainer.toml").write_text(
@@ -277,6 +289,8 @@ class Demo:
             "rejected": sum((self.status.get("rejected_by_reason") or {}).values()),
             # the trainer's stability monitors (trainer/monitors.py)
             **{k: self.status.get(f"trainer_{k}") for k in MONITOR_FIGURES},
+            # the latest held-out evaluation (trainer/evaluation.py) and the version it scored
+            **{k: self.status.get(f"trainer_{k}") for k in EVAL_FIGURES},
         }
         if not self.curve or self.curve[-1]["step"] != row["step"]:
             self.curve.append(row)
@@ -291,7 +305,25 @@ class Demo:
             self.reached_at = time.monotonic() - self.t0
         return hit
 
+    def reached_eval_target(self) -> bool:
+        """The latest held-out greedy accuracy of a trained version (not the base) is at least
+        ``--eval-target``."""
+        target = self.opts.eval_target
+        acc, version = (self.status.get(f"trainer_eval_{k}") for k in ("greedy_acc", "version"))
+        hit = (
+            target is not None
+            and isinstance(acc, int | float)
+            and isinstance(version, int)
+            and version > 0
+            and acc >= target
+        )
+        if hit and self.reached_at is None:
+            self.reached_at = time.monotonic() - self.t0
+        return hit
+
     def done_reason(self) -> str | None:
+        if self.reached_eval_target():
+            return f"held-out accuracy reached {self.opts.eval_target:.2f}"
         if self.reached_target():
             return f"exact match reached {self.opts.target:.2f}"
         if time.monotonic() - self.t0 > (self.opts.time_limit or 0.0):

@@ -17,8 +17,12 @@ from typing import Any
 BYZANTINE_MODES = ("forge_logprobs", "inflate_reward", "wrong_version", "oov_tokens", "greedy")
 
 #: Defaults of the embedded model (a 133k-parameter model learning to reverse strings) and of a
-#: real pretrained model (``--model``: a 135M instruct model on CPU: one node, small batches, a
-#: pretrained model's learning rate and no entropy bonus). A flag given on the command line wins.
+#: real pretrained model (``--model``: a 135M instruct model on a 2-core CPU: one node and the
+#: trainer on one torch thread each, 4 prompts x 8 samples = 32 per learner step, LoRA rank 8 at
+#: 10x the full fine-tuning learning rate ("LoRA Without Regret"), no entropy bonus, the held-out
+#: score every 5 versions; docs/models.md, "swarm demo --model smollm2"). A flag given on the
+#: command line wins; ``--trainer-set`` wins over the learner settings (e.g. ``lora_rank=0
+#: lr=2e-5`` for full fine-tuning).
 PROFILES: dict[str, dict[str, Any]] = {
     "embedded": {
         "nodes": 3, "staleness": 2, "group_size": 8, "batch_prompts": 32, "task": "reverse3",
@@ -27,12 +31,17 @@ PROFILES: dict[str, dict[str, Any]] = {
         # measured on this task (docs/trainer.md, "A KL-adaptive learning rate"): no fall in
         # swarm demo over 5 seeds nor in bench/staleness.py at S = 4/8; off in TrainerConfig
         "target_step_kl": 0.02,
+        # reverse3 has no held-out split (its whole space is 64 strings): no evaluation
+        "lora_rank": None, "lora_alpha": None, "eval_every": None, "eval_prompts": None,
+        "eval_samples": None,
     },
     "pretrained": {
-        "nodes": 1, "staleness": 2, "group_size": 8, "batch_prompts": 2, "task": "arith",
-        "time_limit": 1200.0, "temperature": 0.7, "max_new_tokens": 32, "lr": 2e-5,
+        "nodes": 1, "staleness": 2, "group_size": 8, "batch_prompts": 4, "task": "arith",
+        "time_limit": 1800.0, "temperature": 0.7, "max_new_tokens": 32, "lr": 2e-4,
         "entropy_coef": 0.0, "minibatches": 1,
         "system_prompt": "Answer with the final number only.", "target_step_kl": None,
+        "lora_rank": 8, "lora_alpha": 32.0,
+        "eval_every": 5, "eval_prompts": 100, "eval_samples": 2,
     },
 }  # fmt: skip
 
@@ -74,6 +83,15 @@ class DemoOptions:
     system_prompt: str | None = None
     #: the model's fingerprint when it is an imported one (policy/importer.py)
     model_fingerprint: str | None = None
+    #: LoRA rank and alpha of the learner (TrainerConfig.lora_rank/lora_alpha; None: theirs)
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    #: the held-out evaluation: every this many versions (None: off), prompts, pass@1 samples
+    eval_every: int | None = None
+    eval_prompts: int | None = None
+    eval_samples: int | None = None
+    #: stop once the held-out greedy accuracy reaches this (``--eval-target``; None: never)
+    eval_target: float | None = None
 
     def __post_init__(self) -> None:
         self._resolve_model()
@@ -123,6 +141,14 @@ class DemoOptions:
             raise ValueError(f"--byzantine must be between 0 and 16, got {self.byzantine}")
         if not 0 < self.target <= 1:
             raise ValueError(f"--target must be in (0, 1], got {self.target}")
+        if self.eval_target is not None:
+            if not 0 < self.eval_target <= 1:
+                raise ValueError(f"--eval-target must be in (0, 1], got {self.eval_target}")
+            if self.eval_every is None:
+                raise ValueError(
+                    f"--eval-target needs the held-out evaluation, which task {self.task} has "
+                    "not (use --model with arith, arith-words or jsonl:PATH)"
+                )
         if not self.time_limit > 0:  # NaN too: it would never stop
             raise ValueError(f"--time-limit must be positive, got {self.time_limit}")
         if not 1 <= self.max_new_tokens <= 4096:
@@ -196,6 +222,7 @@ DEMO_TRAINER_KEYS = {
     "seed": "--seed", "batch_prompts": "--batch-prompts", "group_size": "--group-size",
     "max_staleness": "--staleness", "model_path": "--model/--model-dir", "out_dir": "--run-dir",
     "resume": "(a demo starts afresh)", "checkpoint_every": "(set by the demo)",
+    "eval_task": "--task", "eval_system_prompt": "(the coordinator's system prompt)",
 }  # fmt: skip
 
 

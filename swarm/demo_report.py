@@ -52,6 +52,8 @@ class LiveView:
         self.enabled = enabled
         self._live: Any = None
         self._last_line = 0.0
+        #: the last held-out evaluation printed (its version)
+        self._eval_seen: int | None = None
 
     def __enter__(self) -> LiveView:
         if self.enabled:
@@ -72,6 +74,15 @@ class LiveView:
                 "node pages: " + ", ".join(f"{k} {v}" for k, v in sorted(new_pages.items())),
                 flush=True,
             )
+        s = self.demo.status
+        version = s.get("trainer_eval_version")
+        if isinstance(version, int) and version != self._eval_seen:
+            self._eval_seen = version  # each new held-out score gets its own line
+            line = f"held-out score: {heldout_line(s)}"
+            if self._live is not None:
+                self._live.console.print(line)
+            else:
+                print(line, flush=True)
         if self._live is not None:
             self._live.update(self._render())
         elif time.monotonic() - self._last_line > 5.0:
@@ -97,8 +108,8 @@ class LiveView:
 
         s = self.demo.status
         head = Table(title=f"swarm demo — {self.demo.run_dir.name}", show_header=True)
-        for col in ("time", "step", "version", "reward", "exact", "staleness", "idle",
-                    "accepted", "rejected", "verify"):  # fmt: skip
+        for col in ("time", "step", "version", "reward", "exact", "held-out", "staleness",
+                    "idle", "accepted", "rejected", "verify"):  # fmt: skip
             head.add_column(col, justify="right")
         head.add_row(
             f"{time.monotonic() - self.demo.t0:.0f}s",
@@ -106,6 +117,7 @@ class LiveView:
             _fmt(s.get("policy_version")),
             _fmt(s.get("trainer_reward_mean")),
             _fmt(s.get("trainer_exact_match")),
+            heldout_line(s, short=True),
             _fmt(s.get("trainer_staleness_mean"), ".2f"),
             _fmt(s.get("trainer_idle_frac"), ".2f"),
             _fmt(s.get("rollouts_accepted")),
@@ -162,6 +174,27 @@ class LiveView:
         return Group(*parts)
 
 
+def heldout_line(s: dict[str, Any], *, short: bool = False) -> str:
+    """The latest held-out evaluation from a /status document: greedy accuracy with its 95%
+    interval, pass@1, the base model's score; "-" before the first."""
+    acc = s.get("trainer_eval_greedy_acc")
+    if not isinstance(acc, int | float):
+        return "-"
+    v = s.get("trainer_eval_version")
+    lo, hi = s.get("trainer_eval_greedy_lo"), s.get("trainer_eval_greedy_hi")
+    ci = f"[{_fmt(lo, '.2f')}, {_fmt(hi, '.2f')}]"
+    if short:
+        return f"{acc:.2f} {ci} v{v}"
+    return (
+        f"v{v} greedy {acc:.3f} {ci} pass@1 {_fmt(s.get('trainer_eval_pass1'))} "
+        f"({_fmt(s.get('trainer_eval_prompts'))} prompts, "
+        f"{_fmt(s.get('trainer_eval_s'), '.0f')} s); "
+        f"base v{_fmt(s.get('trainer_eval_base_version'))} greedy "
+        f"{_fmt(s.get('trainer_eval_base_greedy_acc'))} pass@1 "
+        f"{_fmt(s.get('trainer_eval_base_pass1'))}"
+    )
+
+
 def monitor_line(s: dict[str, Any]) -> str:
     """The trainer's stability monitors from a /status document, on one line."""
     warning = s.get("trainer_stability_warning") or ""
@@ -188,6 +221,13 @@ def plot(demo: Demo) -> str | None:
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     ax1.plot(t, [r["exact"] for r in rows], label="exact match")
     ax1.plot(t, [r["reward"] for r in rows], label="mean reward")
+    held = _heldout_points(rows)
+    if held:  # the held-out greedy accuracy with its 95% interval, where each score arrived
+        ht = [r["t"] for r in held]
+        acc = [r["eval_greedy_acc"] for r in held]
+        lo, hi = [r["eval_greedy_lo"] for r in held], [r["eval_greedy_hi"] for r in held]
+        ax1.plot(ht, acc, "o-", color="tab:green", label="held-out greedy (95% CI)")
+        ax1.fill_between(ht, lo, hi, color="tab:green", alpha=0.15)
     ax1.axhline(demo.opts.target, color="grey", linestyle="--", linewidth=0.8, label="target")
     ax1.set_ylim(0, 1.02)
     ax1.set_ylabel("rate")
@@ -203,6 +243,38 @@ def plot(demo: Demo) -> str | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return str(path)
+
+
+def _heldout_points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The curve rows where a new held-out evaluation first appeared (one per version)."""
+    out, seen = [], set()
+    for r in rows:
+        v = r.get("eval_version")
+        if v is not None and v not in seen and r.get("eval_greedy_acc") is not None:
+            seen.add(v)
+            out.append(r)
+    return out
+
+
+def heldout_summary(s: dict[str, Any], curve: list[dict[str, Any]]) -> str:
+    """One sentence on the held-out evaluation ("" when the run had none)."""
+    acc = s.get("trainer_eval_greedy_acc")
+    if not isinstance(acc, int | float):
+        return ""
+    held = _heldout_points(curve)
+    best = max(held, key=lambda r: r["eval_greedy_acc"]) if held else None
+    base = s.get("trainer_eval_base_greedy_acc")
+    gain = f" ({acc - base:+.3f})" if isinstance(base, int | float) else ""
+    return (
+        f"Held-out greedy accuracy on {_fmt(s.get('trainer_eval_prompts'))} prompts: base "
+        f"(v{_fmt(s.get('trainer_eval_base_version'))}) {_fmt(base)}, latest "
+        f"(v{_fmt(s.get('trainer_eval_version'))}) {acc:.3f} [95% CI "
+        f"{_fmt(s.get('trainer_eval_greedy_lo'))}, {_fmt(s.get('trainer_eval_greedy_hi'))}]{gain}"
+        + (f", best {best['eval_greedy_acc']:.3f} at v{best['eval_version']}" if best else "")
+        + f"; pass@1 base {_fmt(s.get('trainer_eval_base_pass1'))}, latest "
+        f"{_fmt(s.get('trainer_eval_pass1'))}; one evaluation took "
+        f"{_fmt(s.get('trainer_eval_s'), '.0f')} s. "
+    )
 
 
 def summarise(demo: Demo, reason: str) -> str:
@@ -237,6 +309,7 @@ def summarise(demo: Demo, reason: str) -> str:
         f"{_fmt(s.get('verification_compute_s'), '.1f')} s, "
         f"{_fmt(s.get('verification_compute_frac'), '.1%')} of the learner's "
         f"{_fmt(s.get('trainer_compute_s'), '.1f')} s of compute. "
+        f"{heldout_summary(s, demo.curve)}"
         f"Stability warnings on {warned} of {len(demo.curve)} learner steps seen"
         f"{f' (last: {last_warning})' if last_warning else ''}. "
         f"Plot: {png or 'none'}; logs: {demo.logs}."
