@@ -163,6 +163,9 @@
       ["policy version", "policy_version", num(s.policy_version), holders !== undefined ? "held by " + num(holders) + " nodes" : ""],
       ["exact match", "trainer_exact_match", num(s.trainer_exact_match), "last step"],
       ["mean reward", "trainer_reward_mean", num(s.trainer_reward_mean), "last step"],
+      ["held-out accuracy", "trainer_eval_greedy_acc", num(s.trainer_eval_greedy_acc),
+        RS.isNum(s.trainer_eval_version) ? "greedy, v" + s.trainer_eval_version + " · base " + num(s.trainer_eval_base_greedy_acc)
+          : "not evaluated"],
       ["learner idle", "trainer_idle_frac", pct(s.trainer_idle_frac), "of wall time, waiting for rollouts"],
       ["intake", "intake_per_s", rate(lastTick().intake_per_s, "/s"), "accepted rollouts, last 10 s"],
       ["rollouts accepted", "rollouts_accepted", num(s.rollouts_accepted), "queue " + num(s.queue_depth)],
@@ -245,6 +248,12 @@
     c("step", { x: "number", xLabel: "learner step", yLabel: "× lr", y2Label: "nats/token",
       scales: { y: { range: (u, lo, hi) => [0, Math.max(1, hi) * 1.05] } },
       series: [{ label: "learning-rate factor" }, { label: "step KL", scale: "y2", color: "#d6336c" }] });
+    // the held-out evaluation (trainer/evaluation.py): its curve comes whole with /status
+    c("heldout", { x: "number", xLabel: "policy version", scales: { y: { range: [0, 1] } },
+      series: [{ label: "greedy accuracy", color: "#1a7f4b" },
+        { label: "95% interval", color: "#1a7f4b", dash: true },
+        { label: "95% interval (upper)", color: "#1a7f4b", dash: true },
+        { label: "pass@1", color: "#2f6fde" }] });
     c("holders", { x: "time", yLabel: "nodes", counts: true, series: [] });
     c("intake", { x: "time", yLabel: "rollouts/s", y2Label: "queue",
       series: [{ label: "accepted rollouts/s" }, { label: "queue depth", scale: "y2", color: "#868e96", dash: true }] });
@@ -256,7 +265,15 @@
     window.addEventListener("resize", () => Object.values(state.charts).forEach((ch) => ch.resize()));
   }
 
+  function renderHeldout(s) {
+    const list = (key) => (Array.isArray(s[key]) ? s[key].map((v) => (RS.isNum(v) ? v : null)) : []);
+    const vs = list("trainer_eval_curve_version");
+    state.charts.heldout.update([vs, list("trainer_eval_curve_greedy"), list("trainer_eval_curve_greedy_lo"),
+      list("trainer_eval_curve_greedy_hi"), list("trainer_eval_curve_pass1")]);
+  }
+
   function renderCharts() {
+    if (state.status) renderHeldout(state.status);
     const steps = state.steps;
     const xs = column(steps, "step");
     const ch = state.charts;
