@@ -12,7 +12,8 @@ with ``time.process_time`` (best of several rounds, pinned to one core where the
   ``publish``): the mean CPU per call over a calibration run of the simulation itself
   (``--nodes`` nodes, ``--minutes`` simulated minutes of ``nodes100``'s settings);
 * the tick without a re-plan, a re-plan (pool meeting the rule, and short of it) and the status
-  document at two pool sizes (``bench/coord_scale.py``), as lines a + b·n.
+  document at two pool sizes (``bench/coord_scale.py``), as lines a + b·n; the status also at 50
+  and ``NODE_MAPS_MAX`` nodes, where it still carries the per-node maps.
 
 Run it on a quiet machine; the figures are machine-specific, and the file says where they came
 from. ``--no-write`` prints the calibration instead of writing it.
@@ -45,6 +46,7 @@ from coordinator.sim.calibration import (  # noqa: E402
     write_calibration,
 )
 from coordinator.sim.costs import load_figures, token_check_cost  # noqa: E402
+from coordinator.status import NODE_MAPS_MAX  # noqa: E402
 from protocol.envelope import ReplayGuard, open_envelope, seal  # noqa: E402
 from protocol.examples import rollout_submission  # noqa: E402
 from protocol.identity import Identity  # noqa: E402
@@ -105,11 +107,13 @@ def main() -> int:
     load = os.getloadavg()[0]
     token_s = token_check_cost(tokens=2048, repeats=20)
     hb = Heartbeat(peer_id="p", seq=1, policy_version=None, active_leases=[], tokens_per_s=None)
-    small = open_cost(hb)
+    opened = open_cost(hb)
     sub: RolloutSubmission = rollout_submission(n_samples=8, n_tokens=256)
-    per_token = max(0.0, (open_cost(sub) - small) / SUB_TOKENS)
+    per_token = max(0.0, (open_cost(sub) - opened) / SUB_TOKENS)
     ops = op_costs(args.nodes, args.minutes)
     scale = [measure(n, args.repeat) for n in args.sizes]
+    small = [measure(n, args.repeat) for n in (50, NODE_MAPS_MAX)]  # status with per-node maps
+    status_small = line([(m["nodes"], m["status_cold_s"]) for m in small])
 
     def fit(key: str) -> tuple[float, float]:
         return line([(m["nodes"], m[key]) for m in scale])
@@ -122,15 +126,16 @@ def main() -> int:
     )
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     cal = Calibration(
-        token_check_s=token_s, open_s=small, open_token_s=per_token, op_s=ops,
+        token_check_s=token_s, open_s=opened, open_token_s=per_token, op_s=ops,
         tick_s=tick[0], tick_node_s=tick[1], plan_s=plan[0], plan_node_s=plan[1],
         plan_short_s=short[0], plan_short_node_s=short[1], status_s=status[0],
-        status_node_s=status[1],
+        status_node_s=status[1], status_maps_max=NODE_MAPS_MAX, status_small_s=status_small[0],
+        status_small_node_s=status_small[1],
         source=f"bench/sim_calibrate.py, {stamp}, {platform.machine()}, load {load:.1f}",
         meta={
             "sizes": args.sizes, "calibration_run_nodes": args.nodes,
             "calibration_run_minutes": args.minutes, "python": platform.python_version(),
-            "scale": scale,
+            "scale": scale, "scale_small": small,
         },
     )  # fmt: skip
     text = json.dumps(cal.as_dict(), indent=1, sort_keys=True)

@@ -16,7 +16,9 @@ charges as simulated time comes from ``coordinator/sim/calibration.json``, measu
 * ``tick_s + tick_node_s · n``, ``plan_s + plan_node_s · n`` (``plan_short_*`` when the pool is
   short of the rule), ``status_s + status_node_s · n``: the upkeep tick without a re-plan, a
   re-plan, and the ``/status`` document the service builds every tick, each a line through two
-  measured pool sizes (``bench/coord_scale.py``).
+  measured pool sizes (``bench/coord_scale.py``); the status has two lines, ``status_small_*``
+  up to ``status_maps_max`` nodes (:data:`coordinator.status.NODE_MAPS_MAX`: per-node maps
+  included) and ``status_*`` above (counts only).
 
 The simulation charges these to one coordinator core (:class:`CoreQueue`): a message waits while
 the core is busy, so a coordinator that cannot keep up shows as delayed answers, expired leases and
@@ -58,6 +60,10 @@ class Calibration:
     plan_short_node_s: float
     status_s: float
     status_node_s: float
+    #: up to this many nodes the status carries its per-node maps (``status_small_*`` line)
+    status_maps_max: int = 0
+    status_small_s: float = 0.0
+    status_small_node_s: float = 0.0
     #: where and when it was measured (free text, for the report)
     source: str = ""
     #: extra facts of the measurement (machine, load average, sizes)
@@ -75,7 +81,9 @@ class Calibration:
             cost += self.plan_short_s + self.plan_short_node_s * nodes
         elif replanned:
             cost += self.plan_s + self.plan_node_s * nodes
-        if status:
+        if status and nodes <= self.status_maps_max:
+            cost += self.status_small_s + self.status_small_node_s * nodes
+        elif status:
             cost += self.status_s + self.status_node_s * nodes
         return cost
 

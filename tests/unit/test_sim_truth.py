@@ -141,7 +141,7 @@ def test_a_saturated_coordinator_core_delays_answers_and_costs_rollouts() -> Non
         cal,
         open_s=cal.open_s * 30,
         op_s={k: v * 30 for k, v in cal.op_s.items()},
-        status_s=0.95,
+        status_small_s=0.95,
     )
     base = run_one(sc, "cost_aware", CATALOGUE, load_figures(), calibration=cal)
     jammed = run_one(sc, "cost_aware", CATALOGUE, load_figures(), calibration=slow)
