@@ -48,6 +48,7 @@ __all__ = [
     "adapter_modules",
     "adapter_state",
     "base_fingerprint",
+    "check_adapter",
     "inject_lora",
     "merged_copy",
 ]
@@ -187,6 +188,17 @@ def _check_shapes(linear: Any, name: str, a: Any, b: Any) -> None:
         )
 
 
+def check_adapter(
+    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], rank: int
+) -> dict[str, tuple[Any, Any]]:
+    """The adapter's ``{module: (A, B)}`` when it fits ``model`` (every module a linear layer of
+    it, shapes ``[rank, in]`` and ``[out, rank]``); LoraError naming the first misfit."""
+    pairs = adapter_modules(tensors, rank)
+    for name, linear in _linear_modules(model, pairs).items():
+        _check_shapes(linear, name, *pairs[name])
+    return pairs
+
+
 def merged_copy(
     base: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, rank: int, alpha: float
 ) -> torch.nn.Module:
@@ -252,12 +264,11 @@ class AdapterSet:
         the oldest held adapter other than the active one goes when more than ``keep`` are."""
         import torch
 
-        pairs = adapter_modules(tensors, rank)
+        pairs = check_adapter(self.model, tensors, rank)
         device = next(self.model.parameters()).device
         moved: dict[str, tuple[Any, Any]] = {}
         for name, linear in _linear_modules(self.model, pairs).items():
             a, b = pairs[name]
-            _check_shapes(linear, name, a, b)
             dtype = torch.float32 if self.mode == "merged" else linear.weight.dtype
             moved[name] = (a.to(device, dtype), b.to(device, dtype))
         self._adapters[version] = _Adapter(moved, alpha / rank)

@@ -40,7 +40,7 @@ from node.backends.base import (
     sample_seed,
 )
 from policy.draw import SAMPLING_RULE, draw_tokens, sample_uniforms
-from policy.lora import AdapterSet, ApplyMode
+from policy.lora import AdapterSet, ApplyMode, check_adapter
 from policy.model import ModelSpec, build_model, load_weights
 from policy.scoring import cache_kwarg
 
@@ -151,8 +151,10 @@ class HFBackend(InferenceBackend):
     def load_adapter(
         self, version: int, tensors: Mapping[str, Any], *, rank: int, alpha: float, keep: int
     ) -> None:
+        check_adapter(self.model, tensors, rank)  # a misfit changes nothing (LoraError)
         if not self._base_intact:  # full versions were loaded over the base: build it again
             log.warning("LoRA v%d after full versions: building the base model again", version)
+            self.loaded_version = None  # the weights are in flux until the adapter is active
             with torch.no_grad():
                 load_weights(self.model, build_model(self.spec).state_dict())
             self._base_intact = True

@@ -247,3 +247,54 @@ async def test_an_adapter_over_another_base_is_refused_with_one_line(
 
     with pytest.raises(VerifierUnavailable, match="LoRA adapter over base"):
         await asyncio.to_thread(_holding(tmp_path, swarm.node)._load_model, 1)
+
+
+async def test_a_signed_adapter_that_does_not_fit_the_base_is_refused_and_changes_nothing(
+    swarm: Swarm, tmp_path: Path
+) -> None:
+    _, (state,) = trained_versions(tmp_path, 1)
+    swarm.publish(1, state)
+    await swarm.manager.ensure(1)
+    before = swarm.backend.generate(REQUESTS, SAMPLING)
+    misfits = {
+        "no such module": {"model.layers.9.mlp.up_proj.lora_A.weight": torch.zeros(4, 64),
+                           "model.layers.9.mlp.up_proj.lora_B.weight": torch.zeros(256, 4)},
+        "not a linear layer": {"model.norm.lora_A.weight": torch.zeros(4, 64),
+                               "model.norm.lora_B.weight": torch.zeros(64, 4)},
+        "do not fit": {"model.layers.0.mlp.up_proj.lora_A.weight": torch.zeros(4, 32),
+                       "model.layers.0.mlp.up_proj.lora_B.weight": torch.zeros(256, 4)},
+        "lacks lora_B": {"model.layers.0.mlp.up_proj.lora_A.weight": torch.zeros(4, 64)},
+    }  # fmt: skip
+    for version, (why, tensors) in enumerate(misfits.items(), start=2):
+        bad = AdapterState(tensors, base_model=state.base_model, rank=4, alpha=8.0)
+        swarm.publish(version, bad)
+        with pytest.raises(CheckpointRefused, match=why) as info:
+            await swarm.manager.ensure(version)
+        assert info.value.code is ReasonCode.MANIFEST_INVALID
+        assert swarm.backend.loaded_version == 1 and not swarm.backend.holds_adapter(version)
+    assert swarm.backend.generate(REQUESTS, SAMPLING) == before
+
+
+async def test_a_lora_version_after_full_weights_builds_the_base_again(
+    swarm: Swarm, tmp_path: Path
+) -> None:
+    from policy.model import ModelSpec, build_model
+
+    _, (state,) = trained_versions(tmp_path, 1)
+    other = build_model(ModelSpec(), seed=5).state_dict()  # a full version: other weights
+    swarm.backend.load_state_dict(1, other)
+    # a misfit first: refused before the full weights are touched
+    misfit = {"model.norm.lora_A.weight": torch.zeros(4, 64),
+              "model.norm.lora_B.weight": torch.zeros(64, 4)}  # fmt: skip
+    swarm.publish(2, AdapterState(misfit, base_model=state.base_model, rank=4, alpha=8.0))
+    with pytest.raises(CheckpointRefused, match="not a linear layer"):
+        await swarm.manager.ensure(2)
+    assert swarm.backend.loaded_version == 1 and swarm.backend.base_reloads == 0
+    weights = dict(swarm.backend.model.state_dict())
+    assert all(torch.equal(weights[k], v) for k, v in other.items())
+    swarm.publish(3, state)
+    await swarm.manager.ensure(3)
+    assert swarm.backend.base_reloads == 1 and swarm.backend.loaded_version == 3
+    fresh = HFBackend(device="cpu")
+    fresh.load_adapter(3, state, rank=4, alpha=8.0, keep=2)
+    assert swarm.backend.generate(REQUESTS, SAMPLING) == fresh.generate(REQUESTS, SAMPLING)
