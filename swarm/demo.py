@@ -136,7 +136,10 @@ class Demo:
         )
         (self.run_dir / "coordinator.toml").write_text(
             f'task = "{o.task}"\ntask_seed = {o.seed}\n{model}group_size = {o.group_size}\n'
-            f"staleness_bound = {o.staleness}\nheartbeat_interval_s = 2.0\nheartbeat_misses = 3\n"
+            # S = 0 (on-policy): the learner trains only on its current version's rollouts; the
+            # coordinator's smallest bound is 1 (a lease of v-1 still lands, then is stale)
+            f"staleness_bound = {max(1, o.staleness)}\nheartbeat_interval_s = 2.0\n"
+            "heartbeat_misses = 3\n"
             f"\n[sampling]\nmax_new_tokens = {o.max_new_tokens}\ntemperature = {o.temperature}\n"
             f"\n[leases]\n{leases}{prompt}"
             f"\n[intake]\nspot_check_fraction = {spot}\n"

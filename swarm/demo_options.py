@@ -126,8 +126,8 @@ class DemoOptions:
         assert self.time_limit is not None and self.max_new_tokens is not None
         if not 1 <= self.nodes <= 64:
             raise ValueError(f"--nodes must be between 1 and 64, got {self.nodes}")
-        if not 1 <= self.staleness <= 16:
-            raise ValueError(f"--staleness must be between 1 and 16, got {self.staleness}")
+        if not 0 <= self.staleness <= 16:
+            raise ValueError(f"--staleness must be between 0 and 16, got {self.staleness}")
         if self.group_size < 2:
             raise ValueError(
                 f"--group-size must be at least 2 (GRPO needs a group), got {self.group_size}"

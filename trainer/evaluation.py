@@ -80,7 +80,8 @@ class EvalRunner:
         self.snapshot_s = 0.0
         self._last_version: int | None = None
         self._cond = threading.Condition()
-        self._pending: tuple[int, int, dict[str, torch.Tensor]] | None = None
+        #: (version, step, weights, Unix time they were taken) waiting for the worker
+        self._pending: tuple[int, int, dict[str, torch.Tensor], float] | None = None
         self._busy = False
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -128,6 +129,7 @@ class EvalRunner:
             }
         else:
             state = {}
+        taken_at = time.time()
         self.snapshot_s += time.monotonic() - t0
         if self.replica is None or self.evaluator is None:
             return
@@ -138,7 +140,7 @@ class EvalRunner:
                     "held-out evaluation of v%d dropped: the one before is still running and "
                     "v%d is newer (raise eval_every)", self._pending[0], version,
                 )  # fmt: skip
-            self._pending = (version, step, state)
+            self._pending = (version, step, state, taken_at)
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ the worker
@@ -151,11 +153,11 @@ class EvalRunner:
                 if self._closing:
                     return
                 assert self._pending is not None
-                version, step, state = self._pending
+                version, step, state, taken_at = self._pending
                 self._pending = None
                 self._busy = True
             try:
-                self._evaluate(version, step, state)
+                self._evaluate(version, step, state, taken_at)
             except Exception:  # an evaluation failure must not stop the learner
                 log.exception("held-out evaluation of v%d failed", version)
             finally:
@@ -163,7 +165,9 @@ class EvalRunner:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _evaluate(self, version: int, step: int, state: dict[str, torch.Tensor]) -> None:
+    def _evaluate(
+        self, version: int, step: int, state: dict[str, torch.Tensor], taken_at: float
+    ) -> None:
         from policy.evaluation import EvalInterrupted
 
         assert self.replica is not None and self.evaluator is not None
@@ -179,6 +183,9 @@ class EvalRunner:
         record = result.record()
         record["eval_skipped"] = self.skipped
         record["eval_snapshot_s"] = round(self.snapshot_s, 3)
+        # Unix times: when the weights were taken (the version's place in wall time) and scored
+        record["taken_at"] = round(taken_at, 3)
+        record["finished_at"] = round(time.time(), 3)
         log.info(
             "held-out v%d: greedy %.3f [%.3f, %.3f] pass@1 %s (%d prompts, %.1f s)",
             version, result.greedy_acc, result.greedy_lo, result.greedy_hi,

@@ -98,3 +98,14 @@ def test_live_view_and_summary_show_the_held_out_score(tmp_path: Path) -> None:
     assert "base (v0) 0.410" in text and "latest (v10) 0.620 [95% CI 0.520, 0.710] (+0.210)" in text
     assert "best 0.620 at v10" in text
     assert heldout_summary({}, []) == ""
+
+
+def test_staleness_0_is_on_policy_learning(tmp_path: Path, model_dir: Path) -> None:
+    """S = 0 for the benchmark: the learner trains on its current version only; the
+    coordinator keeps its smallest bound, 1."""
+    demo = Demo(DemoOptions(model_dir=model_dir, run_dir=tmp_path / "run", staleness=0))
+    assert _trainer_toml(demo)["max_staleness"] == 0
+    coordinator = tomllib.loads((demo.run_dir / "coordinator.toml").read_text())
+    assert coordinator["staleness_bound"] == 1
+    with pytest.raises(ValueError, match="--staleness must be between 0 and 16"):
+        DemoOptions(run_dir=tmp_path / "x", staleness=-1)

@@ -278,6 +278,9 @@ def test_trainer_scores_the_base_and_every_eval_every_versions(tmp_path: Path) -
         # v0 (the base) and every 2nd version; none dropped at this pace
         assert [e["version"] for e in evals] == [0, 2, 4]
         assert all(e["eval_prompts"] == 7 and e["eval_samples"] == 2 for e in evals)
+        # where each version sits in wall time: when its weights were taken, when it was scored
+        assert all(e["taken_at"] <= e["finished_at"] for e in evals)
+        assert [e["taken_at"] for e in evals] == sorted(e["taken_at"] for e in evals)
         # the last evaluation scored the trained weights: score the model itself, compare
         direct = _evaluator().evaluate(tr.model, 5)
         replica = tr.evaluation.replica
