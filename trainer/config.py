@@ -43,8 +43,9 @@ class TrainerConfig(BaseModel):
         ge=0,
         le=4096,
         description="LoRA rank r: train low-rank adapters with peft over the frozen base model "
-        "(model_path or the embedded default at `seed`) and publish each version as an adapter "
-        "(docs/protocol.md §8.6); 0: full-parameter training (full and delta versions).",
+        "(model_path, or the embedded default's weights at seed 0; `seed` draws the adapters) "
+        "and publish each version as an adapter (docs/protocol.md §8.6); 0: full-parameter "
+        "training (full and delta versions).",
     )
     lora_alpha: float = Field(
         32.0,

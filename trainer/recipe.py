@@ -152,7 +152,9 @@ class Trainer(LearnerStep, CheckpointState):
         spec = ModelSpec(path=config.model_path, dtype=config.dtype)
         engine = make_engine(config, dist)
         if model is None:
-            model = build_model(spec, seed=config.seed)
+            # LoRA over the embedded default: its weights at seed 0, the base every node and the
+            # coordinator build (`seed` still draws the adapters and the minibatch order)
+            model = build_model(spec, seed=0 if config.lora_rank else config.seed)
         if config.lora_rank:  # before sharding: FSDP2 wraps the adapted layers
             _inject_lora(model, config)
         device = _resolve_device(config.device, dist)
@@ -181,7 +183,7 @@ class Trainer(LearnerStep, CheckpointState):
         if config.lora_rank and dist.is_leader:  # hashed once here, not in the first publication
             from policy.lora import base_fingerprint
 
-            trainer._lora_base = base_fingerprint(spec, seed=config.seed)
+            trainer._lora_base = base_fingerprint(spec)
         # Every rank resumes from what rank 0 finds (the same files on a shared filesystem).
         latest, logged = (
             dist.share((trainer.latest_checkpoint(), read_published(trainer.out_dir)))
@@ -498,7 +500,7 @@ class Trainer(LearnerStep, CheckpointState):
             return {}
         if self._lora_base is None:
             spec = ModelSpec(path=cfg.model_path, dtype=cfg.dtype)
-            self._lora_base = base_fingerprint(spec, seed=cfg.seed)
+            self._lora_base = base_fingerprint(spec)
         return AdapterState(
             adapter_state(named.items()),
             base_model=self._lora_base,

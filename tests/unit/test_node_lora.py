@@ -22,7 +22,8 @@ from coordinator.logprobs import InProcessLogprobVerifier
 from node.backends.base import GenerationRequest, SamplingConfig
 from node.backends.hf import HFBackend
 from node.checkpoints import CheckpointManager, CheckpointRefused
-from policy.lora import AdapterState
+from policy.lora import AdapterState, base_fingerprint
+from policy.model import ModelSpec
 from policy.sampling import sample_seed
 from policy.scoring import score_logprobs
 from protocol.errors import ReasonCode
@@ -227,9 +228,9 @@ async def test_node_switches_adapters_per_lease_without_reloading_the_base(
 async def test_an_adapter_over_another_base_is_refused_with_one_line(
     swarm: Swarm, tmp_path: Path
 ) -> None:
-    other = lora_trainer(tmp_path, seed=1)  # the embedded base at seed 1: other base weights
-    state = other.state_dict_for_publish()
-    assert isinstance(state, AdapterState)
+    trained = lora_trainer(tmp_path).state_dict_for_publish()
+    other_base = base_fingerprint(ModelSpec(), seed=1)  # the embedded model at seed 1
+    state = AdapterState(trained, base_model=other_base, rank=4, alpha=8.0)
     swarm.publish(1, state)
     with pytest.raises(CheckpointRefused) as info:
         await swarm.manager.ensure(1)
@@ -278,7 +279,7 @@ async def test_a_signed_adapter_that_does_not_fit_the_base_is_refused_and_change
 async def test_a_lora_version_after_full_weights_builds_the_base_again(
     swarm: Swarm, tmp_path: Path
 ) -> None:
-    from policy.model import ModelSpec, build_model
+    from policy.model import build_model
 
     _, (state,) = trained_versions(tmp_path, 1)
     other = build_model(ModelSpec(), seed=5).state_dict()  # a full version: other weights
