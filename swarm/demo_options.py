@@ -251,8 +251,11 @@ def parse_trainer_settings(pairs: list[str]) -> dict[str, Any]:
         except tomllib.TOMLDecodeError:
             value = text
         out[key] = value
+    probe = nones(out)
+    if probe.get("eval_every") is not None:  # the demo names the task (eval_task = --task)
+        probe.setdefault("eval_task", "the demo's --task")
     try:
-        TrainerConfig(**nones(out))  # "none" is written as is; TrainerConfig.from_toml reads None
+        TrainerConfig(**probe)  # "none" is written as is; TrainerConfig.from_toml reads None
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(x) for x in err["loc"]) or "settings"

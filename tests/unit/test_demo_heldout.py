@@ -109,3 +109,13 @@ def test_staleness_0_is_on_policy_learning(tmp_path: Path, model_dir: Path) -> N
     assert coordinator["staleness_bound"] == 1
     with pytest.raises(ValueError, match="--staleness must be between 0 and 16"):
         DemoOptions(run_dir=tmp_path / "x", staleness=-1)
+
+
+def test_trainer_set_can_change_the_evaluation() -> None:
+    """``--trainer-set eval_every=1`` is checked with the task the demo names (a benchmark's
+    quick check scores every version)."""
+    assert parse_trainer_settings(["eval_every=1", "eval_prompts=20"]) == {
+        "eval_every": 1, "eval_prompts": 20,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="eval_prompts"):
+        parse_trainer_settings(["eval_prompts=0"])
