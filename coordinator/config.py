@@ -182,11 +182,22 @@ class IntakeSection(_Section):
         ge=0,
         le=1,
         description="Share of leases re-scored for a node without clean history (new, "
-        "re-registered, or released from suspicion); halves every clean_checks_halflife passed "
-        "checks down to spot_check_fraction",
+        "re-registered, struck, or released from suspicion); falls as rate / (1 + h / P) with its "
+        "clean leases h, P = 1 / target_forged_share, down to "
+        "spot_check_fraction (coordinator/trust.py)",
     )
-    clean_checks_halflife: float = Field(
-        default=2.0, gt=0, description="Passed spot checks that halve a node's check rate"
+    target_forged_share: float = Field(
+        default=0.01,
+        gt=0,
+        lt=1,
+        description="Bound on the expected share of forged leases among a cheater's accepted "
+        "ones, whenever it starts forging; sets how slowly the check rate falls",
+    )
+    ban_multiple: float = Field(
+        default=10.0,
+        gt=1,
+        description="A failed check whose figure is at least this multiple of its limit (far "
+        "beyond any honest error) bans the node at once, for reputation.ban_max_s",
     )
     tolerances: dict[str, Tolerance] = Field(
         default_factory=_default_tolerances,
@@ -289,9 +300,6 @@ class ReputationSection(_Section):
     """Strikes and bans (DESIGN.md §7)."""
 
     strikes_to_ban: int = Field(default=3, ge=1, description="Strikes that trigger a ban")
-    strike_window_s: float = Field(
-        default=3600.0, gt=0, description="Strikes older than this (seconds) no longer count"
-    )
     ban_base_s: float = Field(default=60.0, gt=0, description="First ban length in seconds")
     ban_max_s: float = Field(
         default=86400.0, gt=0, description="Longest ban in seconds (back-off cap)"

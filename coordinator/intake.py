@@ -306,6 +306,14 @@ def score_rewards(
     return out
 
 
+def severity(value: float, limit: float) -> float:
+    """How many times its limit a failed check's figure is: ``value / limit``; for a count with
+    limit 0 (replay misses), ``value / (limit + 1)``; inf for a non-finite figure."""
+    if not math.isfinite(value):
+        return math.inf
+    return abs(value) / (abs(limit) if limit > 0 else abs(limit) + 1.0)
+
+
 # --- the pipeline -----------------------------------------------------------------------------
 class IntakeMetrics:
     """Prometheus counters of the intake (registry injectable for tests)."""
@@ -439,4 +447,5 @@ class Intake:
         ctx.report.figures.update(verdict.figures)
         if not verdict.ok:
             ctx.report.failed = verdict.metric
+            ctx.report.figures["severity"] = severity(verdict.value, verdict.threshold)
             raise _reject(verdict.code, verdict.detail)

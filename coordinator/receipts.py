@@ -5,7 +5,8 @@ the lease, the node key, the policy version, what the node was held to, every ch
 its figures, the verdict and the ``seq`` range of the stored samples; a ``consumed`` entry names the
 learner step whose report first covered its ``seq`` (trained on, or dropped as too stale). Other
 entries: ``register`` (a node's first registration or a change of backend/dtype), ``flag`` (a reward
-audit flag) and ``seal`` (a signature over the chain so far).
+audit flag), ``withdrawn`` (a banned node's unconsumed rollouts removed from the trainer's feed)
+and ``seal`` (a signature over the chain so far).
 
 Entry ``n`` (``seq`` 1, 2, ...) is hashed as::
 
@@ -52,7 +53,7 @@ __all__ = [
 DOMAIN = b"rollout-swarm/receipt/v1\x00"
 SEAL_DOMAIN = b"rollout-swarm/receipt-seal/v1\x00"
 GENESIS = bytes(32)
-KINDS = frozenset({"verdict", "consumed", "register", "flag", "seal"})
+KINDS = frozenset({"verdict", "consumed", "register", "flag", "seal", "withdrawn"})
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS receipts (

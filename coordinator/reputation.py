@@ -1,9 +1,15 @@
 """Strikes and bans with growing back-off (DESIGN.md §7), persisted in the store.
 
 A failed check that is the node's fault (see :data:`coordinator.errors.NO_STRIKE` for the ones that
-are not) adds a strike. ``strikes_to_ban`` live strikes (newer than ``strike_window_s``, not
-consumed by an earlier ban) ban the identity for ``ban_s = base · 2^(bans − 1)``, capped at
-``ban_max_s``; the strikes are consumed, so the next ban needs fresh ones and lasts twice as long.
+are not) adds a strike. ``strikes_to_ban`` live strikes ban the identity for
+``ban_s = base · 2^(bans − 1)``, capped at ``ban_max_s``; the strikes are consumed, so the next ban
+needs fresh ones and lasts twice as long. A strike stays live until a ban consumes it or the node
+has earned back the floor check rate after it (:meth:`Reputation.forgive`, called when its clean
+leases reach :meth:`coordinator.trust.Trust.leases_to_floor`): time alone never clears one, so a
+patient cheater cannot wait strikes out (issue 34, finding 3: a 3,600 s window expired before the
+third strike of a node forging once every ~80 leases). A check failed by at least
+``intake.ban_multiple`` times its limit — far beyond any honest error — bans at once
+(:meth:`Reputation.ban_now`).
 While a ban is in force no strikes are recorded (the node is refused anyway). A node with any
 strike or ban on record is a *suspect*: the intake re-scores every sample of every lease it
 submits (``intake.suspect_full_check``), so nothing bad of it is accepted after its first detection.
@@ -12,6 +18,7 @@ submits (``intake.suspect_full_check``), so nothing bad of it is accepted after 
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -53,7 +60,7 @@ class Reputation:
             return None
         with self.store.transaction():
             self.store.add_strike(node_key, reason, detail, now)
-            live = self.store.live_strikes(node_key, now - self.config.strike_window_s)
+            live = self.store.live_strikes(node_key, -math.inf)
             if len(live) < self.config.strikes_to_ban:
                 return None
             previous = self.store.get_ban(node_key)
@@ -67,6 +74,29 @@ class Reputation:
             "node %s banned until %.0f (ban #%d: %s)", node_key.hex()[:16], until, count, why
         )
         return Ban(until=until, count=count, reason=why)
+
+    def ban_now(self, node_key: bytes, reason: str, detail: str, now: float) -> Ban | None:
+        """A strike that bans at once, for ``ban_max_s`` (a failed check far beyond any honest
+        error); None if a ban is already in force."""
+        if self.banned(node_key, now) is not None:
+            return None
+        with self.store.transaction():
+            self.store.add_strike(node_key, reason, detail, now)
+            previous = self.store.get_ban(node_key)
+            count = (previous[0] if previous else 0) + 1
+            until = now + self.config.ban_max_s
+            why = f"{reason} far beyond any honest error: {detail}"[:500]
+            self.store.put_ban(node_key, count, until, why)
+            self.store.consume_strikes(node_key)
+        log.warning("node %s banned at once until %.0f: %s", node_key.hex()[:16], until, why)
+        return Ban(until=until, count=count, reason=why)
+
+    def forgive(self, node_key: bytes) -> int:
+        """The node earned the floor check rate back: its live strikes no longer count toward a
+        ban (they stay on record). Returns how many were forgiven."""
+        return self.store.execute(
+            "UPDATE strikes SET consumed = 1 WHERE node_key = ? AND consumed = 0", (node_key,)
+        )
 
     def banned(self, node_key: bytes, now: float) -> Ban | None:
         """The ban in force at ``now``, or None."""

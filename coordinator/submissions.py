@@ -167,8 +167,10 @@ class SubmissionDesk:
                 "were already completed elsewhere", len(rows), skipped,
             )  # fmt: skip
             self.store.put_verdict(lease.lease_id, digest, verdict, now)
-            if ctx.report.spot_checked and ctx.report.passed:
-                self.trust.passed(node_key, full=ctx.report.full)
+            checked = bool(ctx.report.spot_checked and ctx.report.passed)
+            state = self.trust.accepted(node_key, checked=checked)
+            if state.clean_leases == self.trust.leases_to_floor(0) and not state.suspect:
+                self.reputation.forgive(node_key)  # trust recovered: earlier strikes lapse
             rewards: dict[int, list[float]] = {}
             for a in rows:
                 rewards.setdefault(a.prompt_index, []).append(a.reward)
@@ -256,10 +258,55 @@ class SubmissionDesk:
                 if lease is not None:
                     self.ledger.verdict(lease, digest, verdict, report or CheckReport(), None, now)
             if exc.strike and self.store.get_node(node_key) is not None:
-                self.reputation.strike(node_key, exc.code.value, exc.detail, now)
+                far = (report.figures.get("severity", 0.0) if report else 0.0) >= (
+                    self.config.intake.ban_multiple
+                )
+                if far:
+                    ban = self.reputation.ban_now(node_key, exc.code.value, exc.detail, now)
+                else:
+                    ban = self.reputation.strike(node_key, exc.code.value, exc.detail, now)
                 self.trust.struck(node_key)
+                if ban is not None:
+                    self._withdraw(node_key, now)
         log.info("rejected %s from %s: %s", ref, fingerprint_of(node_key), exc)
         return Reject(ref=ref, code=exc.code, detail=exc.detail, retry_after_s=exc.retry_after_s)
+
+    def _withdraw(self, node_key: bytes, now: float) -> int:
+        """A banned node's accepted rollouts the trainer has not consumed (seq above the cursor
+        of its last report) are withdrawn: deleted before the trainer fetches them, their prompts
+        re-queued for other nodes, a ``withdrawn`` receipt written. What it already consumed
+        stays trained on (the receipt counts it). Call inside a transaction; returns the
+        rollouts withdrawn."""
+        cursor = int(self.store.get_meta("learner_cursor") or 0)
+        prompts = [
+            int(r[0])
+            for r in self.store.query(
+                "SELECT DISTINCT prompt_index FROM rollouts WHERE node_key = ? AND seq > ?",
+                (node_key, cursor),
+            )
+        ]
+        gone = self.store.execute(
+            "DELETE FROM rollouts WHERE node_key = ? AND seq > ?", (node_key, cursor)
+        )
+        for index in prompts:  # done by the banned node: to be done again by another
+            self.store.execute(
+                "UPDATE prompts SET state = 'pending', done_by = NULL WHERE prompt_index = ?",
+                (index,),
+            )
+        consumed = self.store.query(
+            "SELECT COUNT(*) FROM rollouts WHERE node_key = ? AND seq <= ?", (node_key, cursor)
+        )[0][0]
+        self.receipts.append(
+            "withdrawn",
+            {"node": fingerprint_of(node_key), "rollouts": gone, "prompts": len(prompts),
+             "consumed_before": int(consumed), "cursor": cursor},
+            now,
+        )  # fmt: skip
+        log.warning(
+            "withdrew %d unconsumed rollouts (%d prompts re-queued) of banned node %s; %d were "
+            "consumed already", gone, len(prompts), fingerprint_of(node_key), consumed,
+        )  # fmt: skip
+        return gone
 
     def replayed_submission(self, env: SignedEnvelope) -> Ack | Reject | None:
         """The stored verdict for a submission envelope the replay guard refused (the same

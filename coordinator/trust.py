@@ -1,24 +1,39 @@
-"""Adaptive verification: how often each node's work is re-scored (DESIGN.md §7, check 7).
+"""What a node is held to: its check rate as a function of its history (DESIGN.md §7, check 7).
 
-Every node has a *check rate*, the share of its leases whose samples the spot check re-scores:
+Every node has a *check rate*, the share of its leases whose samples are re-scored (all of them:
+a checked lease is re-scored in full). It depends on ``h``, the node's **clean leases**: leases
+accepted since it registered, changed its registration, was struck or released from suspicion:
 
-* a **new** node (or one that changed its registered backend/dtype) starts at
-  ``intake.new_node_check_rate`` (1.0: every lease);
-* each passed spot check is *clean history*: the rate halves every
-  ``intake.clean_checks_halflife`` passed checks, down to the floor ``intake.spot_check_fraction``:
-  ``rate = max(floor, new · 2^(−clean / halflife))``;
-* a **suspect** — a node struck, banned or flagged by the reward audit — is checked on every
-  lease and every sample (``intake.suspect_full_check``) until it passes
-  ``intake.suspect_release_checks`` full checks in a row; it then starts again as a new node.
+    rate(h) = clamp(new_node_check_rate / (1 + h / P), spot_check_fraction, 1),
+    P = 1 / ε,   ε = intake.target_forged_share (0.01: P = 100)
 
-A strike resets the clean history. The state is one row per node in the ``trust`` table, so a
-restarted coordinator keeps every node's rate; a node key without a row is new, or a suspect if
-it has a strike or ban on record from before this table existed.
+* a **new** identity starts at ``new_node_check_rate`` (1.0: probation at full checks) and earns
+  a lower rate only with accepted work: the floor ``f = spot_check_fraction`` after
+  ``h_f = P · (1/f − 1)`` clean leases (1,900 at f = 0.05), at a cost of about
+  ``P · ln(1 + h_f / P)`` checks (300);
+* why ``1/(1 + h/P)``: a cheater that forges from its ``h``-th lease on is caught on each forged
+  lease with probability ``rate(h) ≥ 1/(1 + h/P)``, so it gets ``(1 − rate)/rate ≤ h/P`` forged
+  leases accepted on average before its first detection, against ``h`` honest ones: a forged
+  share of at most ``1/(1 + P) < ε`` among its accepted leases, wherever it starts; forging
+  each lease with probability ``p`` gives at most ``ε`` too (:mod:`coordinator.detection`
+  computes each strategy; docs/reliability.md "Detection power");
+* a **suspect** — struck, banned or flagged by the reward audit — is checked on every lease
+  (``intake.suspect_full_check``) until it passes ``intake.suspect_release_checks`` checks in a
+  row; it then starts again from ``h = 0``. A strike resets ``h`` to 0.
+
+The node cannot read any of this (:data:`coordinator.node_view.OPERATOR_ONLY_FIELDS`).
+:meth:`Trust.obligation` is the typed answer a verification budget needs (issue 35): the rate a
+node is held to now, and what its probation still costs in checks.
+
+The state is one row per node in the ``trust`` table, so a restarted coordinator keeps every
+node's rate; a node key without a row is new, or a suspect if it has a strike or ban on record
+from before this table existed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,10 +46,13 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS trust (
     node_key BLOB PRIMARY KEY, clean_checks INTEGER NOT NULL DEFAULT 0,
     suspect INTEGER NOT NULL DEFAULT 0, flagged_at REAL, flag_detail TEXT NOT NULL DEFAULT '',
-    label_changed_at REAL);
+    label_changed_at REAL, clean_leases INTEGER NOT NULL DEFAULT 0);
 """
 
 TrustLevel = Literal["suspect", "new", "trusted"]
+
+#: :meth:`Trust.leases_to_floor` when the floor is 0 (the rate never reaches it).
+UNBOUNDED = 10**9
 
 
 @dataclass(frozen=True)
@@ -49,6 +67,24 @@ class TrustState:
     flagged_at: float | None
     #: last change of its registered backend/dtype (Unix seconds); None = never changed
     label_changed_at: float | None
+    #: accepted leases since the node was new, struck, relabelled or released (``h``)
+    clean_leases: int = 0
+
+
+@dataclass(frozen=True)
+class Obligation:
+    """What a node is held to now (the typed view a verification budget queries)."""
+
+    #: share of its leases re-scored (1.0: every lease)
+    rate: float
+    #: struck, banned or flagged and not released: every lease checked
+    suspect: bool
+    #: accepted leases since it was new, struck, relabelled or released
+    clean_leases: int
+    #: clean leases still needed before its rate reaches the floor (0: at the floor)
+    leases_to_floor: int
+    #: expected checks those leases cost (Σ rate over them): its remaining probation
+    checks_to_floor: float
 
 
 class Trust:
@@ -58,25 +94,56 @@ class Trust:
         self.store = store
         self.config = config
         store.ensure_schema(SCHEMA)
+        columns = {row[1] for row in store.query("PRAGMA table_info(trust)")}
+        if "clean_leases" not in columns:  # a state database from before issue 34
+            store.execute("ALTER TABLE trust ADD COLUMN clean_leases INTEGER NOT NULL DEFAULT 0")
 
     def state(self, node_key: bytes) -> TrustState:
         rows = self.store.query(
-            "SELECT clean_checks, suspect, flagged_at, label_changed_at FROM trust"
+            "SELECT clean_checks, suspect, flagged_at, label_changed_at, clean_leases FROM trust"
             " WHERE node_key = ?",
             (node_key,),
         )
         if not rows:
             return TrustState(0, self.store.has_record(node_key), None, None)
-        clean, suspect, flagged, changed = rows[0]
-        return TrustState(int(clean), bool(suspect), flagged, changed)
+        clean, suspect, flagged, changed, leases = rows[0]
+        return TrustState(int(clean), bool(suspect), flagged, changed, int(leases))
+
+    @property
+    def patience(self) -> float:
+        """``P = 1 / ε``: clean leases over which the rate falls to half its start."""
+        return 1.0 / self.config.target_forged_share
+
+    def rate_after(self, clean_leases: int) -> float:
+        """``rate(h)`` of a node that is not a suspect (see the module docstring)."""
+        cfg = self.config
+        decayed = cfg.new_node_check_rate / (1.0 + clean_leases / self.patience)
+        return float(min(1.0, max(cfg.spot_check_fraction, decayed)))
 
     def rate_of(self, state: TrustState) -> float:
         """Share of a node's leases re-scored (1.0 for a suspect under full checks)."""
-        cfg = self.config
-        if state.suspect and cfg.suspect_full_check:
+        if state.suspect and self.config.suspect_full_check:
             return 1.0
-        decayed = cfg.new_node_check_rate * 0.5 ** (state.clean_checks / cfg.clean_checks_halflife)
-        return float(min(1.0, max(cfg.spot_check_fraction, decayed)))
+        return self.rate_after(state.clean_leases)
+
+    def leases_to_floor(self, clean_leases: int = 0) -> int:
+        """Clean leases after ``clean_leases`` until the rate reaches the floor."""
+        cfg = self.config
+        if cfg.new_node_check_rate <= cfg.spot_check_fraction:
+            return 0
+        if cfg.spot_check_fraction <= 0:  # no floor: the rate only approaches 0
+            return UNBOUNDED
+        h_f = self.patience * (cfg.new_node_check_rate / cfg.spot_check_fraction - 1.0)
+        return max(0, math.ceil(h_f) - clean_leases)
+
+    def obligation(self, node_key: bytes) -> Obligation:
+        """What ``node_key`` is held to now (:class:`Obligation`)."""
+        s = self.state(node_key)
+        suspect = s.suspect and self.config.suspect_full_check
+        left = self.leases_to_floor(s.clean_leases)
+        h = s.clean_leases
+        checks = sum(self.rate_after(h + i) for i in range(min(left, 100_000)))
+        return Obligation(self.rate_of(s), suspect, h, left, checks)
 
     def level_of(self, state: TrustState) -> TrustLevel:
         if state.suspect:
@@ -92,49 +159,53 @@ class Trust:
     def _put(self, node_key: bytes, state: TrustState, detail: str | None = None) -> None:
         self.store.execute(
             "INSERT INTO trust (node_key, clean_checks, suspect, flagged_at, flag_detail,"
-            " label_changed_at) VALUES (?,?,?,?,?,?) ON CONFLICT (node_key) DO UPDATE SET"
-            " clean_checks=excluded.clean_checks, suspect=excluded.suspect,"
+            " label_changed_at, clean_leases) VALUES (?,?,?,?,?,?,?) ON CONFLICT (node_key)"
+            " DO UPDATE SET clean_checks=excluded.clean_checks, suspect=excluded.suspect,"
             " flagged_at=excluded.flagged_at, label_changed_at=excluded.label_changed_at,"
+            " clean_leases=excluded.clean_leases,"
             " flag_detail=CASE WHEN excluded.flag_detail != '' THEN excluded.flag_detail"
             " ELSE trust.flag_detail END",
             (
                 node_key, state.clean_checks, int(state.suspect), state.flagged_at,
-                detail or "", state.label_changed_at,
+                detail or "", state.label_changed_at, state.clean_leases,
             ),
         )  # fmt: skip
 
-    def passed(self, node_key: bytes, *, full: bool) -> TrustState:
-        """A spot check of the node passed: one more clean check; a suspect that passed
-        ``suspect_release_checks`` full checks in a row is released (and starts as new)."""
+    def accepted(self, node_key: bytes, *, checked: bool) -> TrustState:
+        """A lease of the node was accepted (``checked``: after a passed check): one more clean
+        lease (and clean check); a suspect that passed ``suspect_release_checks`` checks in a
+        row is released and starts again from ``h = 0``."""
         s = self.state(node_key)
-        clean = s.clean_checks + 1
+        clean = s.clean_checks + int(checked)
+        leases = s.clean_leases + 1
         suspect = s.suspect
-        if suspect and full and clean >= self.config.suspect_release_checks:
+        if suspect and checked and clean >= self.config.suspect_release_checks:
             log.info("node %s released from full checks after %d", node_key.hex()[:16], clean)
-            suspect, clean = False, 0
-        new = TrustState(clean, suspect, s.flagged_at, s.label_changed_at)
+            suspect, clean, leases = False, 0, 0
+        new = TrustState(clean, suspect, s.flagged_at, s.label_changed_at, leases)
         self._put(node_key, new)
         return new
 
     def struck(self, node_key: bytes) -> None:
         """A strike (or ban): a suspect again, clean history lost."""
         s = self.state(node_key)
-        self._put(node_key, TrustState(0, True, s.flagged_at, s.label_changed_at))
+        self._put(node_key, TrustState(0, True, s.flagged_at, s.label_changed_at, 0))
 
     def flag(self, node_key: bytes, detail: str, now: float) -> None:
         """Flagged by the reward audit: checked in full like a struck node (no strike: the
         audit is statistical, the full checks then find what is wrong, if anything)."""
         s = self.state(node_key)
-        self._put(node_key, TrustState(0, True, now, s.label_changed_at), detail)
+        self._put(node_key, TrustState(0, True, now, s.label_changed_at, 0), detail)
 
     def relabelled(self, node_key: bytes, now: float) -> None:
         """The node registered another backend/dtype: its clean history no longer applies."""
         s = self.state(node_key)
-        self._put(node_key, TrustState(0, s.suspect, s.flagged_at, now))
+        self._put(node_key, TrustState(0, s.suspect, s.flagged_at, now, 0))
 
     def all_states(self) -> dict[bytes, TrustState]:
         """Every node with a trust row (one query; nodes without one are new)."""
         rows = self.store.query(
-            "SELECT node_key, clean_checks, suspect, flagged_at, label_changed_at FROM trust"
+            "SELECT node_key, clean_checks, suspect, flagged_at, label_changed_at, clean_leases"
+            " FROM trust"
         )
-        return {bytes(k): TrustState(int(c), bool(s), f, ch) for k, c, s, f, ch in rows}
+        return {bytes(k): TrustState(int(c), bool(s), f, ch, int(n)) for k, c, s, f, ch, n in rows}

@@ -4,6 +4,7 @@ rate per node is in the status document."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ def adaptive(tmp_path: Path, model: Any, **intake: Any) -> Harness:
         intake={
             "spot_check_fraction": 0.05,
             "new_node_check_rate": 1.0,
-            "clean_checks_halflife": 2.0,
+            "target_forged_share": 1 / 3,  # P = 3: the rate halves after 3 clean leases
             "suspect_release_checks": 3,
             **intake,
         },
@@ -43,27 +44,31 @@ def adaptive(tmp_path: Path, model: Any, **intake: Any) -> Harness:
     return h
 
 
-def test_the_rate_formula() -> None:
+def test_the_rate_formula(tmp_path: Path) -> None:
+    """rate(h) = 1 / (1 + h/100) down to the floor 0.05 (defaults: ε = 0.01, P = 100), which a
+    new identity reaches after 1,900 clean leases at a cost of ~P·ln(20) = 300 checks."""
     from coordinator.config import IntakeSection
+    from coordinator.store import Store
     from coordinator.trust import Trust
 
-    class NoStore:
-        def ensure_schema(self, script: str) -> None: ...
-
-    trust = Trust(NoStore(), IntakeSection())  # type: ignore[arg-type]
-    rates = [trust.rate_of(TrustState(c, False, None, None)) for c in range(0, 12, 2)]
-    assert rates[:4] == pytest.approx([1.0, 0.5, 0.25, 0.125])
-    assert rates[-1] == 0.05  # the floor
-    assert trust.rate_of(TrustState(0, True, None, None)) == 1.0  # a suspect: full checks
+    trust = Trust(Store(tmp_path / "s.sqlite"), IntakeSection())
+    rates = [trust.rate_of(TrustState(0, False, None, None, h)) for h in (0, 100, 300, 1900, 5000)]
+    assert rates == pytest.approx([1.0, 0.5, 0.25, 0.05, 0.05])
+    assert trust.rate_after(1899) > 0.05
+    assert trust.leases_to_floor() == 1900 and trust.leases_to_floor(1900) == 0
+    assert trust.rate_of(TrustState(0, True, None, None, 5000)) == 1.0  # a suspect: full checks
     assert trust.level_of(TrustState(0, False, None, None)) == "new"
-    assert trust.level_of(TrustState(40, False, None, None)) == "trusted"
+    assert trust.level_of(TrustState(0, False, None, None, 1900)) == "trusted"
+    node = b"n" * 32
+    ob = trust.obligation(node)  # the typed view for a verification budget
+    assert ob.rate == 1.0 and not ob.suspect and ob.leases_to_floor == 1900
+    assert ob.checks_to_floor == pytest.approx(100 * math.log(20), rel=0.01)
 
 
 async def test_a_new_node_is_checked_often_then_less(tmp_path: Path, model: Any) -> None:
-    """Its first lease is always re-scored; the rate falls with each passed check. Which leases
-    are drawn depends on random lease ids: while the rate is above 1/2 every lease is drawn with
-    probability above 1/2, so the 3 checks that bring it below 1/2 take more than 40 leases with
-    probability < 1e-9."""
+    """Its first lease is always re-scored; the rate falls with each accepted lease, checked or
+    not (P = 3: 1, 0.75, 0.6, 0.5, 0.43), so a cheater cannot slow it by hiding which leases
+    were checked; the checks themselves are drawn by the secret."""
     h = adaptive(tmp_path, model)
     node = h.node()
     rates, checked = [], 0
@@ -75,9 +80,9 @@ async def test_a_new_node_is_checked_often_then_less(tmp_path: Path, model: Any)
         got = await h.core.submit(node.public_key, sampled(h.lease(node, max_prompts=1), model))
         assert isinstance(got, Ack), got
         checked += h.core.metrics.spot_checks.labels(result="pass")._value.get() > before
-    assert rates[0] == 1.0 and checked >= 3
-    assert rates == sorted(rates, reverse=True) and rates[-1] < 0.5
+    assert rates == pytest.approx([1.0, 0.75, 0.6, 0.5, 3 / 7]) and checked >= 1
     assert h.core.trust.state(node.public_key).clean_checks == checked
+    assert h.core.trust.state(node.public_key).clean_leases == 4
     status = build_status(
         h.core, fingerprint="c", peer_id="p", started_at=0.0, trainer_stats={}, broadcast=None
     )

@@ -160,7 +160,8 @@ async def test_forged_tail_logprobs_are_caught_under_bf16(tmp_path: Path, model:
     got = await h.core.submit(node.public_key, forged)
     assert isinstance(got, Reject) and got.code is ReasonCode.LOGPROB_MISMATCH, got
     assert "deviate by more than" in got.detail
-    assert isinstance(await h.core.submit(node.public_key, honest), Ack)
+    # 40% of tokens beyond the bound, 20 times the 2% allowed: banned at once (issue 34)
+    assert h.core.reputation.banned(node.public_key, h.clock()) is not None
 
 
 # --- hole 3: replay for every backend -----------------------------------------------------------
@@ -174,8 +175,10 @@ async def test_a_vllm_node_is_replayed_too(tmp_path: Path, model: Any) -> None:
     got = await h.core.submit(node.public_key, cheat)
     assert isinstance(got, Reject) and got.code is ReasonCode.SAMPLING_MISMATCH, got
     assert "draws of the lease's seeds" in got.detail
-    honest = sampled(h.lease(node), model, backend="vllm")
-    assert isinstance(await h.core.submit(node.public_key, honest), Ack)
+    assert h.core.reputation.banned(node.public_key, h.clock()) is not None  # far off: at once
+    other = h.node(backend="vllm", dtype="float32")
+    honest = sampled(h.lease(other), model, backend="vllm")
+    assert isinstance(await h.core.submit(other.public_key, honest), Ack)
 
 
 # --- hole 4: honest nodes struck for their rounding ---------------------------------------------
