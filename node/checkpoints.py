@@ -185,6 +185,7 @@ class CheckpointManager:
             if holds is not None and holds(version):  # accepted before, held in memory: a switch
                 await asyncio.to_thread(self.backend.activate_adapter, version)
                 self.switches += 1
+                log.debug("switched to the held LoRA adapter of policy v%d", version)
                 return
             highest = self.highest_accepted
             if highest is not None and version < highest:
@@ -216,12 +217,14 @@ class CheckpointManager:
             self.last_load_s = time.monotonic() - t0
             fetched = self.broadcast.sync.last
             log.info(
-                "loaded policy v%d (%d bytes; %s, %d bytes fetched; %s tensors changed) in %.2f s",
+                "loaded policy v%d (%d bytes; %s, %d bytes fetched; %s) in %.2f s",
                 version,
                 part_size(manifest, "full"),
                 fetched.path if fetched is not None else "?",
                 fetched.fetched_bytes if fetched is not None else 0,
-                "all" if changed is None else len(changed),
+                f"LoRA adapter, rank {manifest.lora.rank}, over the loaded base"
+                if manifest.lora is not None
+                else f"{'all' if changed is None else len(changed)} tensors changed",
                 self.last_load_s,
             )
 

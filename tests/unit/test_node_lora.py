@@ -148,8 +148,9 @@ def _holding(tmp: Path, broadcast: BroadcastNode) -> Any:
 
 
 async def test_lora_version_is_signed_loaded_sampled_and_rescored_alike(
-    swarm: Swarm, tmp_path: Path
+    swarm: Swarm, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level("INFO", logger="node.checkpoints")
     tr, (state,) = trained_versions(tmp_path, 1)
     manifest = swarm.publish(1, state)
     assert version_kind(manifest) == "lora" and manifest.delta is None
@@ -159,6 +160,7 @@ async def test_lora_version_is_signed_loaded_sampled_and_rescored_alike(
     await swarm.manager.ensure(1)
     backend = swarm.backend
     assert backend.loaded_version == 1 and backend.base_reloads == 0
+    assert "loaded policy v1" in caplog.text and "LoRA adapter, rank 4" in caplog.text
     outs = backend.generate(REQUESTS, SAMPLING)
     prompts = [r.prompt_token_ids for r in REQUESTS for _ in range(r.n)]
     comps = [s.token_ids for g in outs for s in g]
