@@ -23,7 +23,19 @@ Two kinds of link (``--net``):
     python bench/broadcast.py --suite loss          # 50 ms each way, 0.1% loss (N = 4, 8)
     python bench/broadcast.py --suite nat           # N = 8 with 0, 4, 8 receivers behind NAT
     python bench/broadcast.py --suite loopback      # the loopback table and docs/broadcast.png
+    python bench/broadcast.py --suite issue37 --cpu-per-peer 0.2   # paced vs unpaced, budgets
     python bench/broadcast.py --net netns --delay-ms 20 --ns 8 --modes peer --no-report
+
+``--cpu-per-peer C`` (netns) gives every peer (seed included) its own CPU budget of C cores
+(cgroup v1 ``cpu`` quota, ``swarm.netns.Topology.limit_cpu``), so that the peers do not compete
+for the machine's cores as they would not across the internet; the budgets must sum to at most
+the machine's cores. A suite run with it measures every link twice, without and with the budgets.
+
+Every run also prints where the time went (per-chunk timelines of the receivers: the first chunk,
+every chunk somewhere in the swarm, the first chunk from a peer, 95 % of all copies, the last
+one), the DHT holder publications that failed or timed out, and the CPU the peers used per GiB
+moved one hop (p2pd and Python apart, from /proc of every peer's process tree, less the rate
+they burn idle, measured in the second before GO).
 
 Each suite rewrites only its own section of docs/benchmarks.md (``bench/_report.py``).
 """
@@ -48,6 +60,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _cpu import tree_cpu  # noqa: E402
 from _report import write_section  # noqa: E402
 
 MIB = 1 << 20
@@ -63,8 +76,14 @@ class Link:
     nat: int = 0  # receivers behind NAT routers (netns)
     app_cap: bool = False  # also cap uploads in the application (always on for loopback)
     dht_only: bool = False  # receivers learn holders from the DHT only (the old protocol)
+    window: bool = True  # chunk answers paced by the bulk window (False: unpaced, before #37)
+    cpu: float = 0.0  # CPU budget per peer, cores (netns; 0: none)
 
     def label(self) -> str:
+        if self.cpu:
+            return replace(self, cpu=0.0).label() + f" — {self.cpu:g} CPU/peer"
+        if not self.window:
+            return replace(self, window=True).label() + " — unpaced chunks"
         if self.dht_only:
             return replace(self, dht_only=False).label() + " — DHT-only holder info"
         if self.net == "loopback":
@@ -90,6 +109,46 @@ class Result:
     error: str = ""
     natted_share: float | None = None  # chunks served by NATed receivers / all chunks received
     reachability: dict[str, int] = field(default_factory=dict)  # receivers per measured class
+    dht_timeouts: int = 0  # receivers' holder publications that timed out (sum)
+    dht_failures: int = 0  # ... that failed for any reason (sum)
+    phases: dict[str, float] = field(default_factory=dict)  # where the time went (s after GO)
+    cpu_per_gib: dict[str, float] = field(default_factory=dict)  # CPU-s per GiB and hop
+
+
+def phases(
+    timelines: list[list[tuple[float, int, str]]], seed: str, n_chunks: int
+) -> dict[str, float]:
+    """Where the time went, from the receivers' per-chunk timelines ((seconds after GO, chunk,
+    source peer) each): ``first`` (median first chunk: start-up), ``spread`` (every chunk held
+    by some receiver: the seed's slots), ``p2p`` (median first chunk from a peer: holder
+    discovery), ``copies95`` (95 % of all copies held) and ``last`` (the tail after it is
+    ``last - copies95``)."""
+    firsts: list[float] = []
+    p2p: list[float] = []
+    arrivals: list[float] = []
+    first_copy: dict[int, float] = {}
+    for timeline in timelines:
+        tl = sorted(timeline)
+        if not tl:
+            continue
+        firsts.append(tl[0][0])
+        from_peer = [t for t, _i, peer in tl if peer != seed]
+        if from_peer:
+            p2p.append(from_peer[0])
+        for t, i, _peer in tl:
+            arrivals.append(t)
+            first_copy[i] = min(first_copy.get(i, t), t)
+    if not arrivals:
+        return {}
+    arrivals.sort()
+    out = {
+        "first": statistics.median(firsts),
+        "spread": max(first_copy.values()) if len(first_copy) == n_chunks else float("nan"),
+        "p2p": statistics.median(p2p) if p2p else float("nan"),
+        "copies95": arrivals[min(len(arrivals) - 1, int(0.95 * len(arrivals)))],
+        "last": arrivals[-1],
+    }
+    return out
 
 
 class Bench:
@@ -113,6 +172,8 @@ class Bench:
         common = ["--coordinator-key", coord_key, *shlex.split(self.args.peer_args)]
         if self.link.dht_only:
             common.append("--no-exchange")
+        if not self.link.window:
+            common.append("--no-window")
         if self.link.net == "loopback" or self.link.app_cap:
             common += ["--upload-rate", str(self.cap)]
         self.common = common
@@ -130,6 +191,8 @@ class Bench:
                 self.hosts.append(self.topo.add_private(f"r{i}", router))
             for h in [seed_host, *self.hosts]:
                 self.topo.shape(h, self.cap)
+                if self.link.cpu:
+                    self.topo.limit_cpu(h, self.link.cpu)
             if self.link.delay_ms or self.link.loss:
                 self.topo.add_delay(self.link.delay_ms / 1000, loss=self.link.loss)
             seed_args += ["--host", seed_host.ip]
@@ -185,7 +248,10 @@ class Bench:
         result = Result(self.link, mode, n, None, None, None)
         try:
             await asyncio.gather(*(p.start() for p in procs))
+            pids = [p.proc.pid for p in [self.seed, *procs] if p.proc is not None]
+            idle0, i0 = [tree_cpu(pid) for pid in pids], time.monotonic()
             await asyncio.sleep(1.0)  # let DHT routing (and reachability probes) settle
+            cpu0, idle_s = [tree_cpu(pid) for pid in pids], time.monotonic() - i0
             t0 = time.time()
             for p in procs:
                 p.go()
@@ -207,13 +273,30 @@ class Bench:
                 result.error = f"{errors[0]} (logs: {self.tmp})"
                 return result
             t_last = max(p.done_at or 0.0 for p in procs) - t0
+            cpu1 = [tree_cpu(pid) for pid in pids]
+            hops = n * self.size / (1 << 30)  # GiB moved one hop (each receiver gets M once)
+            for kind in ("p2pd", "python", "dht"):
+                used = sum(b[kind] - a[kind] for a, b in zip(cpu0, cpu1, strict=True))
+                # less what the peers burn when idle (DHT upkeep), measured just before GO
+                idle = sum(b[kind] - a[kind] for a, b in zip(idle0, cpu0, strict=True))
+                result.cpu_per_gib[kind] = max(0.0, used - idle * t_last / idle_s) / hops
+            result.cpu_per_gib["total"] = sum(result.cpu_per_gib.values())
             result.t_last, result.ratio = t_last, t_last / (self.size / self.cap)
-            sources = [p.stats.get("sources", {}) for p in procs]
-            from_seed = sum(int(s.get(self.seed.peer_id, 0)) for s in sources)  # type: ignore[union-attr]
+            stats: list[dict[str, Any]] = [dict(p.stats) for p in procs]
+            for st in stats:
+                result.dht_timeouts += int(st.get("dht_timeouts", 0))
+                result.dht_failures += int(st.get("dht_failures", 0))
+            timelines = []
+            for p, st in zip(procs, stats, strict=True):
+                off = (p.done_at or t0) - t0 - float(st.get("seconds", 0.0))  # its start - GO
+                timelines.append([(t + off, i, peer) for t, i, peer in st.get("timeline", [])])
+            result.phases = phases(timelines, self.seed.peer_id, n_chunks)
+            sources: list[dict[str, int]] = [st.get("sources", {}) for st in stats]
+            from_seed = sum(int(s.get(self.seed.peer_id, 0)) for s in sources)
             result.seed_copies = from_seed / n_chunks
             ids = {p.peer_id: nat for p, nat in zip(procs, natted, strict=True)}
-            total = sum(sum(s.values()) for s in sources)  # type: ignore[union-attr]
-            by_nat = sum(c for s in sources for k, c in s.items() if ids.get(k))  # type: ignore[union-attr]
+            total = sum(sum(s.values()) for s in sources)
+            by_nat = sum(c for s in sources for k, c in s.items() if ids.get(k))
             result.natted_share = by_nat / total if total else 0.0
             if self.args.timeline:
                 with open(self.args.timeline, "a") as fh:
@@ -297,9 +380,22 @@ def _line(r: Result) -> str:
     extra = ""
     if r.link.nat:
         extra = f", {r.natted_share:.0%} of chunks served by NATed peers, reach {r.reachability}"
+    ph = r.phases
+    timeline = (
+        f"\n    where the time went (s after GO): first chunk {ph.get('first', 0):.2f}, "
+        f"every chunk in the swarm {ph.get('spread', 0):.2f}, "
+        f"first chunk from a peer {ph.get('p2p', 0):.2f}, "
+        f"95% of copies {ph.get('copies95', 0):.2f}, last {ph.get('last', 0):.2f}"
+        if ph else ""
+    )  # fmt: skip
+    cpu = r.cpu_per_gib
     return (
         f"{head} last receiver after {r.t_last:6.2f} s = {r.ratio:5.2f} x M/B "
-        f"(seed uploaded {r.seed_copies:.2f} copies{extra})"
+        f"(seed uploaded {r.seed_copies:.2f} copies{extra}); DHT publications failed "
+        f"{r.dht_failures} (timed out {r.dht_timeouts}); CPU-s per GiB and hop "
+        f"{cpu.get('total', 0):.1f} (p2pd {cpu.get('p2pd', 0):.1f}, Python "
+        f"{cpu.get('python', 0):.1f}, DHT process {cpu.get('dht', 0):.1f}); load average "
+        f"{os.getloadavg()[0]:.1f}{timeline}"
     )
 
 
@@ -395,6 +491,57 @@ def report_nat(args: argparse.Namespace, results: list[Result]) -> None:
     write_section("broadcast-nat", "\n".join(lines))
 
 
+def report_issue37(args: argparse.Namespace, results: list[Result]) -> None:
+    ns = sorted({r.n for r in results})
+    section = f"broadcast-issue37-{args.cap_mib:g}mibs"
+    lines = [
+        f"## Broadcast near the link limit, {args.cap_mib:g} MiB/s links (`bench/broadcast.py "
+        f"--suite issue37`)",
+        "",
+        "Every peer in its own network namespace, each uplink shaped by `tc tbf` (50 ms queue); "
+        "delay by the NFQUEUE delay line. \"unpaced chunks\": the chunk answers written as fast "
+        "as the connection takes them (before issue 37); otherwise through the server's bulk "
+        "window (`swarm/bulkwindow.py`). \"C CPU/peer\": every peer (seed included) in its own "
+        "cgroup with a CPU quota of C cores. DHT timeouts: the receivers' holder publications "
+        "that timed out (3 s), summed over a run. CPU: all peers' CPU seconds (p2pd + Python + "
+        f"DHT process) per GiB moved one hop. {_conditions(args)}.",
+        "",
+        "| link | " + " | ".join(f"N = {n}" for n in ns)
+        + f" | seed copies (N = {ns[-1]}) | DHT timeouts (N = {ns[-1]}) | CPU-s/GiB/hop |",
+        "|---|" + "---|" * len(ns) + "---|---|---|",
+    ]  # fmt: skip
+    for link in dict.fromkeys(r.link for r in results):
+        rows = [r for r in results if r.link == link]
+        last = [r for r in rows if r.n == ns[-1]]
+        timeouts = ", ".join(str(r.dht_timeouts) for r in last if r.t_last is not None) or "-"
+        cpu = [r.cpu_per_gib["total"] for r in last if r.cpu_per_gib]
+        cells = [_cell([r for r in rows if r.n == n]) for n in ns]
+        lines.append(
+            f"| {link.label()} | " + " | ".join(cells)
+            + f" | {_cell(last, 'seed_copies')} | {timeouts} | "
+            + (f"{statistics.median(cpu):.1f}" if cpu else "-") + " |"
+        )  # fmt: skip
+    lines += [
+        "",
+        f"Where the time went at N = {ns[-1]} (seconds after GO, first run of each link):",
+        "",
+    ]
+    lines += ["| link | first chunk | every chunk in the swarm | first chunk from a peer | "
+              "95 % of copies | last |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for link in dict.fromkeys(r.link for r in results):
+        first = next((r for r in results if r.link == link and r.n == ns[-1] and r.phases), None)
+        if first is not None:
+            ph = first.phases
+            lines.append(
+                f"| {link.label()} | {ph['first']:.2f} | {ph['spread']:.2f} | "
+                f"{ph['p2p']:.2f} | {ph['copies95']:.2f} | {ph['last']:.2f} |"
+            )
+    lines += ["", f"Command: `{args.command}`"]
+    if args.note:
+        lines += ["", args.note]
+    write_section(section, "\n".join(lines))
+
+
 def report_loopback(args: argparse.Namespace, results: list[Result]) -> None:
     import matplotlib
 
@@ -452,6 +599,13 @@ SUITES = {
         [4, 8],
     ),
     "nat": ([Link(nat=0), Link(nat=4), Link(nat=8)], ["peer"], [8]),
+    # issue 37: chunk answers paced by the bulk window or not, with and without 20 ms each way
+    # (--cpu-per-peer adds the same links with a CPU budget per peer)
+    "issue37": (
+        [Link(), Link(window=False), Link(delay_ms=20.0), Link(delay_ms=20.0, window=False)],
+        ["peer"],
+        [8],
+    ),
     "loopback": ([Link(net="loopback")], ["star", "peer"], [1, 2, 4, 8]),
 }
 
@@ -477,14 +631,38 @@ def main() -> None:
     p.add_argument("--timeline", default="", help="append per-chunk arrival times (JSON lines)")
     p.add_argument("--peer-args", default="", help="extra swarm.peerproc flags, one string")
     p.add_argument("--no-report", action="store_true", help="print only, leave docs/ alone")
+    p.add_argument(
+        "--cpu-per-peer",
+        type=float,
+        default=0.0,
+        help="netns: CPU budget per peer, cores (a suite runs every link both ways)",
+    )
+    p.add_argument("--no-window", action="store_true", help="unpaced chunk answers (A/B)")
     args = p.parse_args()
     args.command = "python bench/broadcast.py " + " ".join(sys.argv[1:])
     if args.suite:
         links, modes, ns = SUITES[args.suite]
         modes, ns = args.modes or modes, args.ns or ns
     else:
-        links = [Link(args.net, args.delay_ms, args.loss, args.nat, args.app_cap)]
+        links = [Link(args.net, args.delay_ms, args.loss, args.nat, args.app_cap,
+                      window=not args.no_window)]  # fmt: skip
         modes, ns = args.modes or ["star", "peer"], args.ns or [1, 2, 4, 8]
+    if args.cpu_per_peer:
+        from swarm.netns import cpu_limit_unavailable
+
+        why = cpu_limit_unavailable()
+        if why:
+            raise SystemExit(f"--cpu-per-peer is unavailable: {why}")
+        peers = max(ns) + 1  # receivers and the seed
+        cores = os.cpu_count() or 1
+        if peers * args.cpu_per_peer > cores + 1e-9:
+            raise SystemExit(
+                f"--cpu-per-peer {args.cpu_per_peer:g} x {peers} peers = "
+                f"{peers * args.cpu_per_peer:g} cores > the machine's {cores}; use at most "
+                f"{cores / peers:.3f}"
+            )
+        budgeted = [replace(link, cpu=args.cpu_per_peer) for link in links]
+        links = budgeted if not args.suite else [*links, *budgeted]
     if any(link.net == "netns" for link in links):
         from swarm.netns import unavailable_reason
 
@@ -500,7 +678,8 @@ def main() -> None:
     print(json.dumps({"runs": len(results), "failed": len(failed)}))
     if args.no_report or not args.suite:
         return
-    reports = {"record": report_record, "loss": report_record, "nat": report_nat}
+    reports = {"record": report_record, "loss": report_record, "nat": report_nat,
+               "issue37": report_issue37}  # fmt: skip
     reports.get(args.suite, report_loopback)(args, results)
     print(f"wrote the {args.suite} section of docs/benchmarks.md")
 

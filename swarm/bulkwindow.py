@@ -37,10 +37,23 @@ from dataclasses import dataclass
 
 from swarm.ratelimit import TokenBucket
 
+
+async def drain_within(writer: asyncio.StreamWriter, timeout: float) -> None:
+    """``writer.drain()`` bounded by ``timeout``; free when nothing is queued in the transport."""
+    transport = writer.transport
+    if transport.get_write_buffer_size() == 0 and not transport.is_closing():
+        return
+    async with asyncio.timeout(timeout):
+        await writer.drain()
+
+
 ACK = struct.Struct(">Q")
 """An acknowledgement: the number of body bytes received so far (cumulative), 8 bytes."""
 BULK_SLICE = 32 * 1024
-"""Bytes per write of a windowed answer; the reader acknowledges after every this many bytes."""
+"""A unit of bulk bytes (the default window bounds are multiples of it)."""
+MIN_SLICE, MAX_SLICE = 16 * 1024, 256 * 1024
+"""Bytes per write of a windowed answer: a quarter of the window within these bounds (small on a
+slow link, where one slice is itself queueing delay; large on a fast one, fewer writes)."""
 
 
 @dataclass
@@ -67,7 +80,7 @@ class BulkWindow:
         *,
         target: float = 0.025,
         initial: int = 128 * 1024,
-        min_window: int = 2 * BULK_SLICE,
+        min_window: int = 2 * MIN_SLICE,
         max_window: int = 16 << 20,
         gain: float = 0.5,
         base_history: float = 60.0,
@@ -101,6 +114,12 @@ class BulkWindow:
     def statistics(self) -> WindowStats:
         return WindowStats(self.window, self.inflight, self.base_rtt, self.last_rtt,
                            len(self._waiters), self.acked)  # fmt: skip
+
+    def slice_size(self) -> int:
+        """Bytes for the next write: a quarter of the window, a multiple of :data:`MIN_SLICE`
+        within [:data:`MIN_SLICE`, :data:`MAX_SLICE`]."""
+        quarter = int(self._window) // 4 // MIN_SLICE * MIN_SLICE
+        return max(MIN_SLICE, min(MAX_SLICE, quarter))
 
     def _fits(self, n: int) -> bool:
         return self.inflight == 0 or self.inflight + n <= self._window
@@ -173,8 +192,9 @@ async def write_windowed(
     ack_timeout: float,
     limiter: TokenBucket | None = None,
 ) -> None:
-    """Write ``data`` in :data:`BULK_SLICE` slices, each once ``window`` has room, reading the
-    reader's cumulative :data:`ACK` acknowledgements meanwhile; returns when all are acknowledged.
+    """Write ``data`` in slices of :meth:`BulkWindow.slice_size`, each once ``window`` has room,
+    reading the reader's cumulative :data:`ACK` acknowledgements meanwhile; returns when all are
+    acknowledged.
 
     Raises ``TimeoutError`` when a write or the wait for room takes over ``timeout``, or when
     bytes stay unacknowledged for ``ack_timeout``; ``OSError``/``IncompleteReadError`` when the
@@ -186,7 +206,8 @@ async def write_windowed(
     async def read_acks() -> None:
         while state["acked"] < len(data):
             try:
-                raw = await asyncio.wait_for(reader.readexactly(ACK.size), ack_timeout)
+                async with asyncio.timeout(ack_timeout):
+                    raw = await reader.readexactly(ACK.size)
             except TimeoutError:
                 if pending:
                     raise
@@ -202,13 +223,16 @@ async def write_windowed(
 
     acks = asyncio.create_task(read_acks(), name="bulk-acks")
     view = memoryview(data)
+    start = 0
     try:
-        for start in range(0, len(view), BULK_SLICE):
-            piece = view[start : start + BULK_SLICE]
+        while start < len(view):
+            piece = view[start : start + window.slice_size()]
             room = window.reserve(len(piece))
+            done: set[asyncio.Future[None]] = {room} if room.done() else set()
             try:
-                done, _ = await asyncio.wait({room, acks}, timeout=timeout,
-                                             return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                if not done:
+                    done, _ = await asyncio.wait({room, acks}, timeout=timeout,
+                                                 return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
             except BaseException:
                 window.withdraw(len(piece), room)
                 raise
@@ -226,9 +250,9 @@ async def write_windowed(
                     written_at = loop.time()
                 writer.write(piece)
             finally:  # granted bytes are in flight from here on (released in the end if unacked)
-                state["sent"] = start + len(piece)
+                state["sent"] = start = start + len(piece)
                 pending.append((state["sent"], written_at, len(piece)))
-            await asyncio.wait_for(writer.drain(), timeout)
+            await drain_within(writer, timeout)
         await asyncio.wait_for(asyncio.shield(acks), timeout)
     finally:
         if not acks.done():
@@ -247,23 +271,24 @@ async def read_acked(
     deadline: float,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> bytes:
-    """Read exactly ``n`` body bytes of a windowed answer, acknowledging every
-    :data:`BULK_SLICE` bytes received and the last byte (the writer waits for those)."""
+    """Read exactly ``n`` body bytes of a windowed answer, acknowledging after every read
+    (the writer waits for the acknowledgement of its last byte)."""
     loop = asyncio.get_running_loop()
     buf = bytearray(n)
-    got = last_ack = 0
+    got = 0
     while got < n:
         left = deadline - loop.time()
         if left <= 0:
             raise TimeoutError
-        piece = await asyncio.wait_for(reader.read(min(n - got, 1 << 20)), min(stall_timeout, left))
+        async with asyncio.timeout(min(stall_timeout, left)):
+            piece = await reader.read(min(n - got, 1 << 20))
         if not piece:
             raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
         buf[got : got + len(piece)] = piece
         got += len(piece)
-        if got - last_ack >= BULK_SLICE or got == n:
-            writer.write(ACK.pack(got))
-            last_ack = got
+        # every read: the writer shares one window among streams, so bytes held back here
+        # could block them all (one read takes what has arrived: few acks on a fast link)
+        writer.write(ACK.pack(got))
         if on_progress is not None:
             on_progress(got, n)
     return bytes(buf)

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from swarm import keys
 from swarm.dht import SwarmPeer
-from swarm.errors import DhtError
+from swarm.errors import DhtError, DhtTimeout
 from swarm.tasks import cancel_and_wait
 from swarm.wire import MAX_TABLE_BYTES, MAX_TABLE_ENTRIES, HolderEntry
 
@@ -99,6 +99,9 @@ class HolderAnnouncer:
         self._stopping = False
         self.paused = False
         """True while this peer cannot be dialled: nothing is published (records expire)."""
+        self.published = 0  # DHT stores that succeeded
+        self.failures = 0  # ... that failed (retried on the next round)
+        self.timeouts = 0  # ... of which timed out (a DHT message stuck behind bulk data)
 
     def pause(self, paused: bool) -> None:
         """Stop (True) or resume (False) publishing; resuming publishes every bitmap at once."""
@@ -133,9 +136,12 @@ class HolderAnnouncer:
                 continue
             try:
                 await self.directory.publish(version, self.peer_id, bitmap, self.ttl)
+                self.published += 1
             except DhtError as exc:
                 logger.warning("publishing holders of v%d failed: %s", version, exc)
                 self._dirty.add(version)
+                self.failures += 1
+                self.timeouts += isinstance(exc, DhtTimeout)
 
     async def start(self) -> None:
         self._stopping = False

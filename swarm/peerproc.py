@@ -49,6 +49,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed-parallel", type=int, default=None, help="requests to one seed at once")
     p.add_argument("--peer-parallel", type=int, default=None, help="requests to one peer at once")
     p.add_argument("--no-exchange", action="store_true", help="old per-chunk RPCs only (A/B)")
+    p.add_argument("--no-window", action="store_true", help="unpaced chunk answers only (A/B)")
     p.add_argument("--dialback-server", action="store_true", help="serve reachability dial-backs")
     p.add_argument(
         "--probe-reachability", default=None, metavar="PEER_ID",
@@ -101,6 +102,8 @@ async def _amain(args: argparse.Namespace) -> int:
         node.server.load_chunk = corrupt  # type: ignore[method-assign]
     if args.no_exchange:
         node.downloader.exchange = None
+    if args.no_window:
+        node.downloader.windowed_exchange = None
     if args.probe_reachability:
         node.dialable = False  # nothing is announced before the measurement says otherwise
     await node.start()
@@ -192,6 +195,11 @@ async def _download(node: object, args: argparse.Namespace) -> None:
         "seconds": done_at - t0,
         "scores": node.scores.snapshot(),
         "reachability": args.reachability,
+        # DHT holder publications (a timeout: a DHT message stuck behind bulk data)
+        "dht_published": node.announcer.published,
+        "dht_failures": node.announcer.failures,
+        "dht_timeouts": node.announcer.timeouts,
+        "cpu_s": time.process_time(),  # this process only (not its DHT process nor p2pd)
     }
     if transfer is not None:
         stats |= {

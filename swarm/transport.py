@@ -36,7 +36,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from swarm.bulkwindow import BulkWindow, read_acked, write_windowed
+from swarm.bulkwindow import BulkWindow, drain_within, read_acked, write_windowed
 from swarm.errors import DialFailed, PeerUnreachable, RemoteError, RpcTimeout, TransportError
 from swarm.ratelimit import TokenBucket
 
@@ -50,6 +50,7 @@ ProgressFn = Callable[[int, int], None]
 _HEADER = struct.Struct(">I")  # same prefix as protocol.codec.frame
 _OK, _ERR = 0, 1
 _SLICE = 64 * 1024
+_BIG_SLICE = 256 * 1024  # without an upload cap: fewer writes and drains per answer
 #: Slowest average rate at which a caller must take an answer (bytes/s; see write_sliced).
 MIN_READ_BPS = 32 * 1024
 _LINGER_S = 2.0  # after answering, wait at most this long for the caller to close the stream
@@ -161,19 +162,20 @@ async def _read_exactly(
     on_progress: ProgressFn | None = None,
 ) -> bytes:
     loop = asyncio.get_running_loop()
-    buf = bytearray()
-    while len(buf) < n:
+    buf = bytearray(n)  # one buffer, filled in place (no regrowth copies)
+    got = 0
+    while got < n:
         left = deadline - loop.time()
         if left <= 0:
             raise TimeoutError
-        piece = await asyncio.wait_for(
-            reader.read(min(n - len(buf), 1 << 20)), min(stall_timeout, left)
-        )
+        async with asyncio.timeout(min(stall_timeout, left)):  # no task per read, as wait_for
+            piece = await reader.read(min(n - got, 1 << 20))
         if not piece:
-            raise asyncio.IncompleteReadError(bytes(buf), n)
-        buf += piece
+            raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
+        buf[got : got + len(piece)] = piece
+        got += len(piece)
         if on_progress is not None:
-            on_progress(len(buf), n)
+            on_progress(got, n)
     return bytes(buf)
 
 
@@ -206,7 +208,8 @@ async def write_sliced(
     limiter: TokenBucket | None,
     urgent: bool = False,
 ) -> None:
-    """Write ``data`` in 64 KiB slices, each through ``limiter``, each drain bounded by timeout.
+    """Write ``data`` in slices (64 KiB through ``limiter``, 256 KiB without), each drain
+    bounded by timeout.
 
     The reader must also take the whole of ``data`` at :data:`MIN_READ_BPS` on average (time spent
     waiting for the upload limiter is not counted): a peer reading a byte now and then cannot
@@ -215,13 +218,14 @@ async def write_sliced(
     loop = asyncio.get_running_loop()
     budget = timeout + len(data) / MIN_READ_BPS
     view = memoryview(data)
-    for start in range(0, len(view), _SLICE):
-        piece = view[start : start + _SLICE]
+    step = _SLICE if limiter is not None else _BIG_SLICE  # the cap is smooth only in small steps
+    for start in range(0, len(view), step):
+        piece = view[start : start + step]
         if limiter is not None:
             await limiter.acquire(len(piece), urgent=urgent)
         writer.write(piece)
         t0 = loop.time()
-        await asyncio.wait_for(writer.drain(), min(timeout, budget))
+        await drain_within(writer, min(timeout, budget))
         budget -= loop.time() - t0
         if budget <= 0:
             raise TimeoutError(f"the reader took {len(data)} bytes slower than {MIN_READ_BPS} B/s")

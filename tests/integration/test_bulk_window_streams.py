@@ -10,7 +10,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from swarm.bulkwindow import ACK, BULK_SLICE, BulkWindow, read_acked, write_windowed
+from swarm.bulkwindow import (
+    ACK,
+    BULK_SLICE,
+    MIN_SLICE,
+    BulkWindow,
+    read_acked,
+    write_windowed,
+)
 from swarm.dht import SwarmPeer
 from swarm.errors import RemoteError
 from swarm.testing import start_loopback_peer, wait_until
@@ -51,6 +58,40 @@ async def test_windowed_bytes_arrive_whole_and_the_window_empties() -> None:
     stats = window.statistics()
     assert stats.inflight == 0 and stats.acked == len(data) and stats.base_rtt is not None
     writer.close()
+    server.close()
+
+
+async def test_streams_sharing_a_small_window_do_not_wait_on_each_other() -> None:
+    """Four answers through one window of two small slices: each reader must acknowledge what
+    it has, however little, or the streams holding the window wait for each other's bytes."""
+    window = BulkWindow(initial=2 * MIN_SLICE, min_window=2 * MIN_SLICE, max_window=2 * MIN_SLICE)
+    data = os.urandom(10 * MIN_SLICE)
+    errors: list[BaseException] = []
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            await write_windowed(w, r, data, window=window, timeout=10.0, ack_timeout=2.0)
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            w.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    loop = asyncio.get_running_loop()
+
+    async def fetch() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            return await read_acked(reader, writer, len(data), stall_timeout=10.0,
+                                    deadline=loop.time() + 20.0)  # fmt: skip
+        finally:
+            writer.close()
+
+    t0 = loop.time()
+    got = await asyncio.wait_for(asyncio.gather(*(fetch() for _ in range(4))), 30.0)
+    assert all(g == data for g in got) and not errors, errors
+    assert loop.time() - t0 < 2.0, "streams waited for acknowledgements held back"
     server.close()
 
 

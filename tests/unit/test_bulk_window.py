@@ -129,3 +129,13 @@ async def test_urgent_bytes_pass_the_queue_of_bulk_writers() -> None:
     clock.t += 100.0
     await bucket.acquire(4000, urgent=True)
     assert slept[-1] == pytest.approx((4000 - 1000 - 2 * 1000) / 1000.0)
+
+
+def test_slices_follow_the_window() -> None:
+    """Small writes on a slow link (a slice is queueing delay itself), large ones on a fast link
+    (fewer writes, less CPU)."""
+    from swarm.bulkwindow import MAX_SLICE, MIN_SLICE
+
+    assert BulkWindow(initial=64 * 1024, min_window=32 * 1024).slice_size() == MIN_SLICE
+    assert BulkWindow(initial=256 * 1024).slice_size() == 64 * 1024
+    assert BulkWindow(initial=8 << 20).slice_size() == MAX_SLICE

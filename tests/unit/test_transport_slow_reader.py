@@ -11,6 +11,16 @@ import pytest
 from swarm import transport
 
 
+class Transport:
+    """Bytes are always queued (a slow reader), so every slice waits for ``drain``."""
+
+    def get_write_buffer_size(self) -> int:
+        return 1
+
+    def is_closing(self) -> bool:
+        return False
+
+
 class Writer:
     """The part of ``asyncio.StreamWriter`` that ``write_sliced`` uses; ``drain`` takes
     ``delay`` seconds per call, as a reader that slow would make it."""
@@ -18,6 +28,7 @@ class Writer:
     def __init__(self, delay: float) -> None:
         self.delay = delay
         self.written = 0
+        self.transport = Transport()
 
     def write(self, data: memoryview) -> None:
         self.written += len(data)
@@ -29,8 +40,8 @@ class Writer:
 async def test_a_reader_slower_than_the_minimum_rate_is_cut_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(transport, "MIN_READ_BPS", 1 << 20)  # 1 MiB/s: budget 0.5 s + 1 s
-    data = bytes(1 << 20)  # 16 slices of 64 KiB
+    monkeypatch.setattr(transport, "MIN_READ_BPS", 4 << 20)  # 4 MiB/s: budget 0.5 s + 1 s
+    data = bytes(4 << 20)  # 16 slices of 256 KiB (no upload cap)
     slow = Writer(0.2)  # every slice within the 0.5 s slice timeout, 3.2 s in all
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):

@@ -1,0 +1,199 @@
+"""Benchmark: CPU cost of moving checkpoint chunks one hop, by component.
+
+One process runs two swarm peers on 127.0.0.1 (each with its own hivemind DHT process and p2pd),
+a seed ``BroadcastNode`` holding a version of M bytes and a receiver that fetches its chunks (the
+real chunk server, exchange RPC, transport, verification and store; holder records in memory so
+the DHT stays out of the data path; assembling the files afterwards is not counted). No link cap: the figures are CPU, not time. Both ends of the
+hop are measured together:
+
+* ``p2pd``: both daemons' CPU from /proc/<pid>/stat (``bench/_cpu.py``);
+* ``python``: this process (both peers' Python side), ``time.process_time``;
+* components of the Python side, timed on the same chunks in this process: ``hashing`` (the
+  receiver's sha256 check, ``protocol.manifest.verify_chunk``), ``framing`` (``ExchangeReply``
+  encode at the server + decode at the receiver), ``copies`` (the byte copies the transport's
+  read path makes per chunk), ``disk`` (the receiver's store write + the server's read, page
+  cache); ``python other`` = python less those (event loop, stream I/O, acknowledgements).
+
+Figures are CPU-seconds per GiB moved one hop, medians of ``--repeats`` runs, with the load
+average printed (this machine is shared: other jobs slow p2pd and Python down alike).
+
+    python bench/bulk_cpu.py                       # 256 MiB, 1 MiB chunks, paced and unpaced
+    python bench/bulk_cpu.py --size-mib 64 --repeats 1 --no-report
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # first: bench/protocol.py must not shadow the protocol package
+
+from _cpu import tree_cpu  # noqa: E402
+from _report import write_section  # noqa: E402
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def components(chunks: list[bytes], manifest: Any, tmp: Path) -> dict[str, float]:
+    """CPU seconds of each Python component for moving ``chunks`` one hop (both ends)."""
+    from protocol.codec import decode, encode
+    from protocol.limits import CHUNK_FRAME_OVERHEAD, Limits
+    from protocol.manifest import verify_chunk
+    from swarm.wire import TABLE_OVERHEAD, ExchangeReply, HolderEntry
+
+    out: dict[str, float] = {}
+    t = time.process_time()
+    for i, c in enumerate(chunks):
+        verify_chunk(manifest, i, c)
+    out["hashing"] = time.process_time() - t
+    limits = Limits(control_frame=manifest.chunk_size + CHUNK_FRAME_OVERHEAD + TABLE_OVERHEAD)
+    table = [HolderEntry(peer_id="12D3KooW" + "x" * 44, have=b"\xff" * 8, dialable=True)]
+    t = time.process_time()
+    for i, c in enumerate(chunks):
+        raw = encode(ExchangeReply(version=1, index=i, data=c, holders=table))
+        decode(raw, ExchangeReply, limits)
+    out["framing"] = time.process_time() - t
+    t = time.process_time()
+    for c in chunks:  # the read path: pieces into a buffer, the buffer into bytes
+        buf = bytearray(len(c))
+        view = memoryview(c)
+        for s in range(0, len(c), 64 * 1024):
+            buf[s : s + 64 * 1024] = view[s : s + 64 * 1024]
+        bytes(buf)
+    out["copies"] = time.process_time() - t
+    t = time.process_time()
+    for i, c in enumerate(chunks):  # the store: temp file + rename, then a read (page cache)
+        p = tmp / f"{i}.bin"
+        with open(p.with_suffix(".tmp"), "wb") as f:
+            f.write(c)
+        os.replace(p.with_suffix(".tmp"), p)
+        p.read_bytes()
+    out["disk"] = time.process_time() - t
+    return out
+
+
+async def one_run(args: argparse.Namespace, windowed: bool, tmp: Path) -> dict[str, float]:
+    from protocol.identity import Identity
+    from protocol.manifest import build_manifest, sign_manifest
+    from swarm.broadcast import BroadcastNode
+    from swarm.chunks import ChunkStore
+    from swarm.holders import MemoryHolderDirectory
+    from swarm.testing import start_loopback_peer
+    from swarm.transport import P2PTransport
+
+    size = int(args.size_mib * MIB)
+    coord = Identity.generate()
+    now = time.time()
+    manifest, chunks = build_manifest(
+        {"model.safetensors": os.urandom(size)}, version=1, parent_version=None,
+        model_config_hash="00", tokenizer_hash="00", created_at=now, expires_at=now + 3600,
+        chunk_size=int(args.chunk_kib * 1024),
+    )  # fmt: skip
+    env = sign_manifest(manifest, coord, now)
+    a = await start_loopback_peer()
+    b = await start_loopback_peer(await a.visible_maddrs())
+    directory = MemoryHolderDirectory()
+    seed = BroadcastNode(P2PTransport(a.p2p), ChunkStore(tmp / "seed"), directory,
+                         coord.public_key)  # fmt: skip
+    recv = BroadcastNode(P2PTransport(b.p2p), ChunkStore(tmp / "recv"), directory,
+                         coord.public_key)  # fmt: skip
+    if not windowed:
+        recv.downloader.windowed_exchange = None
+    try:
+        await seed.start()
+        await recv.start()
+        await seed.seed_version(env, chunks)
+        idle0, i0 = tree_cpu(os.getpid()), time.monotonic()
+        await asyncio.sleep(1.0)
+        cpu0, idle_s = tree_cpu(os.getpid()), time.monotonic() - i0
+        got_env, got = await recv.downloader.fetch_manifest(1, [a.peer_id])
+        c0, t0 = time.process_time(), time.monotonic()
+        await recv.downloader.fetch_part(got_env, got, [a.peer_id], "full")  # the chunks only
+        c1, wall = time.process_time(), time.monotonic() - t0
+        cpu1 = tree_cpu(os.getpid())
+        p2pd_idle = (cpu0["p2pd"] - idle0["p2pd"]) / idle_s
+        gib = size / GIB
+        out = {
+            "p2pd": max(0.0, cpu1["p2pd"] - cpu0["p2pd"] - p2pd_idle * wall) / gib,
+            "python": (c1 - c0) / gib,
+            "wall_s": wall,
+        }
+        parts = components(chunks, manifest, tmp)
+        for k, v in parts.items():
+            out[k] = v / gib
+        out["python other"] = out["python"] - sum(parts.values()) / gib
+        out["total"] = out["p2pd"] + out["python"]
+        return out
+    finally:
+        await recv.stop()
+        await seed.stop()
+        await asyncio.gather(a.stop(), b.stop())
+
+
+async def run(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
+    results: dict[str, list[dict[str, float]]] = {}
+    for _ in range(args.repeats):
+        for mode in args.modes:
+            with tempfile.TemporaryDirectory(prefix="bench-bulk-cpu-") as d:
+                r = await one_run(args, mode == "paced", Path(d))
+            results.setdefault(mode, []).append(r)
+            print(f"{mode:8s} " + ", ".join(f"{k} {v:.2f}" for k, v in r.items())
+                  + f" (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+    return results
+
+
+KEYS = ["total", "p2pd", "python", "hashing", "framing", "copies", "disk", "python other"]
+
+
+def report(args: argparse.Namespace, results: dict[str, list[dict[str, float]]]) -> str:
+    lines = [
+        "## CPU cost of the chunk data path (`bench/bulk_cpu.py`)",
+        "",
+        "CPU-seconds per GiB moved one hop (both ends together: seed and receiver, each with "
+        "its p2pd), loopback, no link cap; the components of the Python side timed on the same "
+        f"chunks. M = {args.size_mib:g} MiB, {args.chunk_kib:g} KiB chunks; median of "
+        f"{args.repeats} run(s); machine: {os.cpu_count()} CPU cores, load average "
+        f"{os.getloadavg()[0]:.1f} at the end.",
+        "",
+        "| chunk answers | " + " | ".join(KEYS) + " | wall s |",
+        "|---|" + "---|" * (len(KEYS) + 1),
+    ]
+    for mode, runs in results.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in [*KEYS, "wall_s"]}
+        label = "paced (bulk window)" if mode == "paced" else "unpaced"
+        lines.append(f"| {label} | " + " | ".join(f"{med[k]:.2f}" for k in KEYS)
+                     + f" | {med['wall_s']:.1f} |")  # fmt: skip
+    lines += ["", f"Command: `{args.command}`"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--size-mib", type=float, default=256.0)
+    p.add_argument("--chunk-kib", type=float, default=1024.0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", nargs="+", default=["paced", "unpaced"],
+                   choices=["paced", "unpaced"])  # fmt: skip
+    p.add_argument("--no-report", action="store_true", help="print only, leave docs/ alone")
+    args = p.parse_args()
+    args.command = "python bench/bulk_cpu.py " + " ".join(sys.argv[1:])
+    results = asyncio.run(run(args))
+    text = report(args, results)
+    print(text)
+    if not args.no_report:
+        write_section("bulk-cpu", text)
+        print("wrote the bulk-cpu section of docs/benchmarks.md")
+
+
+if __name__ == "__main__":
+    main()
