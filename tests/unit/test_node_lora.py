@@ -301,3 +301,24 @@ async def test_a_lora_version_after_full_weights_builds_the_base_again(
     fresh = HFBackend(device="cpu")
     fresh.load_adapter(3, state, rank=4, alpha=8.0, keep=2)
     assert swarm.backend.generate(REQUESTS, SAMPLING) == fresh.generate(REQUESTS, SAMPLING)
+
+
+def test_the_builder_publishes_an_adapter_as_a_lora_version_never_a_delta(tmp_path: Path) -> None:
+    from swarm.publication import Base
+
+    _, (first, second) = trained_versions(tmp_path, 2)
+    builder = VersionBuilder(model_config_hash="ab", tokenizer_hash="cd", chunk_size=4096)
+    one = builder.build(
+        adapter_files(first), version=1, parent_version=None, base=None, created_at=1.0,
+        expires_at=2.0, lora=_lora_info(first),
+    )  # fmt: skip
+    two = builder.build(
+        adapter_files(second), version=2, parent_version=1, created_at=1.0, expires_at=2.0,
+        base=Base(one.manifest, adapter_files(first), 0), lora=_lora_info(second),
+    )  # fmt: skip
+    for built in (one, two):
+        assert built.kind == "lora" and built.manifest.delta is None
+        assert version_kind(built.manifest) == "lora"
+        assert {c.file for c in built.manifest.chunks} == {"adapter.safetensors"}
+        assert built.manifest.tensors is not None and len(built.manifest.tensors) == 28
+    assert _lora_info(dict(first)) is None  # plain weights: a full or delta version
