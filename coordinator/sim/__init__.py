@@ -8,6 +8,8 @@ time with SimPy. docs/simulation.md is the user-facing description.
 - :mod:`coordinator.sim.scenario`   ``Scenario`` (pydantic, TOML, dotted overrides, sweeps)
 - :mod:`coordinator.sim.catalogue`  the GPU catalogue (``gpus.toml``)
 - :mod:`coordinator.sim.costs`      measured figures from docs/benchmarks.md charged as time
+- :mod:`coordinator.sim.calibration` the coordinator's own costs (checked-in calibration file),
+  charged to one simulated coordinator core
 - :mod:`coordinator.sim.network`    WAN links and checkpoint dissemination
 - :mod:`coordinator.sim.base`       the world interface, pool entries, counters, reference model
 - :mod:`coordinator.sim.nodes`      ``SimNode``: one node's messages, disruptions, cheats
