@@ -469,7 +469,9 @@ async def test_every_cheat_is_refused_struck_and_banned_while_honest_nodes_train
     for cheat in plays:
         assert cheat.banned_at is not None, f"not banned: {cheat.name}: {cheat.verdicts}"
         refused = [v for v in cheat.verdicts if v != "ack"]
-        assert len(refused) == STRIKES_TO_BAN, (cheat.name, cheat.verdicts)
+        # a cheat far beyond any honest error bans at once (issue 34), subtler ones at the
+        # STRIKES_TO_BAN-th strike
+        assert 1 <= len(refused) <= STRIKES_TO_BAN, (cheat.name, cheat.verdicts)
 
     feed = await swarm.trainer.fetch(0)
     by_node: dict[str, list[int]] = {}
@@ -481,8 +483,8 @@ async def test_every_cheat_is_refused_struck_and_banned_while_honest_nodes_train
             s for s in by_node.get(cheat.node.identity.fingerprint, []) if s > cheat.detected_seq
         ]
         assert late == [], f"{cheat.name}: accepted after its first detection: {late}"
-        accepted = len(by_node.get(cheat.node.identity.fingerprint, []))
-        assert accepted == cheat.accepted_before_detection, cheat.name
+        # what it had accepted and the trainer had not consumed was withdrawn at its ban
+        assert by_node.get(cheat.node.identity.fingerprint, []) == [], cheat.name
     got_honest = {
         (r.lease_id, r.prompt_id, r.sample_index)
         for r in feed
