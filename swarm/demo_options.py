@@ -211,10 +211,28 @@ class DemoOptions:
                 system_prompt=self.system_prompt,
                 names=names,
             )
+            self._check_heldout(task)
         finally:
             close = getattr(task, "close", None)
             if callable(close):
                 close()
+
+    def _check_heldout(self, task: Any) -> None:
+        """With the held-out evaluation on (the profile's or ``--trainer-set``'s), the task must
+        hold out enough problems: refused here, not when the trainer starts."""
+        settings = {"eval_every": self.eval_every, "eval_prompts": self.eval_prompts}
+        settings.update({k: v for k, v in self.trainer_overrides.items() if k in settings})
+        every, prompts = settings["eval_every"], settings["eval_prompts"]
+        if every is None or (isinstance(every, str) and every.lower() == "none"):
+            return
+        from coordinator.tasks import heldout_problems
+
+        try:
+            heldout_problems(task, int(prompts or 100))
+        except ValueError as exc:
+            raise ValueError(
+                f"--task {self.task}: {exc} (or --trainer-set eval_every=none: no held-out score)"
+            ) from None
 
 
 #: trainer settings the demo derives from its own flags (``--trainer-set`` may not set them)

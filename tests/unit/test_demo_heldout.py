@@ -119,3 +119,19 @@ def test_trainer_set_can_change_the_evaluation() -> None:
     }  # fmt: skip
     with pytest.raises(ValueError, match="eval_prompts"):
         parse_trainer_settings(["eval_prompts=0"])
+
+
+def test_a_task_without_enough_held_out_problems_is_refused_at_start(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    with pytest.raises(ValueError, match=r"--task arith:5: arith:5 holds out \d+ problems"):
+        DemoOptions(model_dir=model_dir, run_dir=tmp_path / "a", task="arith:5")
+    # fewer prompts, or no evaluation, and it starts
+    DemoOptions(
+        model_dir=model_dir, run_dir=tmp_path / "b", task="arith:5",
+        trainer_overrides=parse_trainer_settings(["eval_prompts=3"]),
+    )  # fmt: skip
+    DemoOptions(
+        model_dir=model_dir, run_dir=tmp_path / "c", task="arith:5",
+        trainer_overrides=parse_trainer_settings(["eval_every=none"]),
+    )  # fmt: skip
