@@ -138,7 +138,7 @@ class Demo:
             f'task = "{o.task}"\ntask_seed = {o.seed}\n{model}group_size = {o.group_size}\n'
             # S = 0 (on-policy): the learner trains only on its current version's rollouts; the
             # coordinator's smallest bound is 1 (a lease of v-1 still lands, then is stale)
-            f"staleness_bound = {max(1, o.staleness)}\nheartbeat_interval_s = 2.0\n"
+            f"staleness_bound = {max(1, o.staleness or 0)}\nheartbeat_interval_s = 2.0\n"
             "heartbeat_misses = 3\n"
             f"\n[sampling]\nmax_new_tokens = {o.max_new_tokens}\ntemperature = {o.temperature}\n"
             f"\n[leases]\n{leases}{prompt}"
