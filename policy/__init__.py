@@ -23,6 +23,8 @@ Modules:
                             directory, named models (``smollm2``), fingerprints
 * :mod:`policy.lora`     -- LoRA versions: the adapter format, the base model's fingerprint,
                             adapters applied over one loaded base (merged or unmerged)
+* :mod:`policy.evaluation`-- the held-out evaluation's protocol: greedy accuracy and pass@1 on
+                            a fixed prompt set with Wilson intervals, the decoding loop
 * :mod:`policy.testing`  -- test helpers: a tiny Llama with a real BPE tokenizer, chat template and
                             two EOS ids; a model and its twin with another CPU's rounding
 

@@ -29,6 +29,8 @@ Modules:
 * :mod:`swarm.demo`          -- ``swarm demo``: a local swarm as separate processes
 * :mod:`swarm.demo_options`  -- the demo's flags, profiles and ``--trainer-set``
 * :mod:`swarm.demo_report`   -- the demo's live view, plot and summary
+* :mod:`swarm.heldout`       -- the held-out evaluation put together for the trainer process (the
+                               task's split and verifier, the policy's rendering and protocol)
 * :mod:`swarm.inspect`       -- ``swarm inspect``: join the DHT as a client, show the swarm
 * :mod:`swarm.display`       -- human-readable figures: short unique fingerprints, units, hardware
 * :mod:`swarm.web`           -- the browser pages (coordinator dashboard, node page) and their

@@ -34,6 +34,8 @@ Modules:
 - :mod:`trainer.launch` — ``swarm trainer run --nproc N``; the ranks other than 0.
 - :mod:`trainer.swarm_client` — the coordinator client: ``CoordinatorSource`` (rollouts) and
   ``SwarmPublisher`` (versions).
+- :mod:`trainer.evaluation` — the held-out evaluation in the trainer: v0 and every
+  ``eval_every`` versions, on a replica in a worker thread (off the critical path).
 - :mod:`trainer.main` — ``swarm trainer run``: the network process.
 
 See docs/trainer.md for the objective, every knob and every metric.
