@@ -3,8 +3,8 @@
 One process runs two swarm peers on 127.0.0.1 (each with its own hivemind DHT process and p2pd),
 a seed ``BroadcastNode`` holding a version of M bytes and a receiver that fetches its chunks (the
 real chunk server, exchange RPC, transport, verification and store; holder records in memory so
-the DHT stays out of the data path; assembling the files afterwards is not counted). No link cap: the figures are CPU, not time. Both ends of the
-hop are measured together:
+the DHT stays out of the data path; assembling the files afterwards is not counted). No link
+cap: the figures are CPU, not time. Both ends of the hop are measured together:
 
 * ``p2pd``: both daemons' CPU from /proc/<pid>/stat (``bench/_cpu.py``);
 * ``python``: this process (both peers' Python side), ``time.process_time``;
