@@ -386,6 +386,37 @@ async def _start_status_page(cfg: NodeConfig, worker: NodeWorker) -> NodeStatusP
     return page
 
 
+#: after a stop, seconds the work loop gets to hand back the lease in hand (submit or release);
+#: a coordinator that is frozen rather than gone would hold a submission for its 60 s timeout
+DRAIN_S = 8.0
+
+
+async def _work_until_drained(worker: NodeWorker, stop: asyncio.Event) -> None:
+    """Until the work loop ends; after a stop, at most ``DRAIN_S`` more, then the loop (its task
+    ``node-work``) is cancelled: the lease in hand is left to expire at its deadline."""
+    from swarm.tasks import cancel_and_wait
+
+    work = asyncio.ensure_future(worker.wait())
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([work, waiter], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if not work.done():
+        await asyncio.wait([work], timeout=DRAIN_S)
+    if not work.done():
+        log.warning("the lease in hand was not handed back within %.0f s; leaving it to its "
+                    "deadline", DRAIN_S)  # fmt: skip
+        loop = [t for t in asyncio.all_tasks() if t.get_name() == "node-work"]
+        await cancel_and_wait(loop)
+        # stop() awaits the work task to drain it: it is over (cancelled), so it must not
+        worker._tasks.pop("work", None)
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        return
+    work.result()
+
+
 async def _run_worker(
     cfg: NodeConfig, worker: NodeWorker, identity: Identity, stop: asyncio.Event
 ) -> tuple[int, bool]:
@@ -438,7 +469,7 @@ async def _run_worker(
     print(f"node running: peer {worker.peer_id}, key {identity.fingerprint}", flush=True)
     rc = EXIT_OK
     try:
-        await worker.wait()
+        await _work_until_drained(worker, stop)
         if worker.failures.gave_up:  # stopped by a signal after giving up: say so in the code
             rc = EXIT_RUNTIME
     except Exception:

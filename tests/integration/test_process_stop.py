@@ -9,6 +9,8 @@ States covered:
 * the trainer and a node while their coordinator is already gone (the trainer kept retrying for
   more than 20 s and had to be killed, leaving its DHT process and p2pd behind); the coordinator
   itself while they run;
+* the trainer and a node while their coordinator is frozen (SIGSTOP: requests in flight wait for
+  their timeouts, up to 60 s): the node gives the lease in hand 8 s to be handed back;
 * the trainer in the middle of a learner step that outlasts the stop grace (a stall injected at
   the end of the step, on the step's thread: ``RSWARM_STALLS``): the step is abandoned, the last
   checkpoint stands; a node at work and the coordinator it works for;
@@ -126,6 +128,30 @@ async def test_trainer_and_node_stop_while_their_coordinator_is_gone(
     stop_within(trainer, "trainer")
     stop_within(node, "node")
     assert "Traceback" not in trainer.text(), trainer.text()[-3000:]
+
+
+async def test_trainer_and_node_stop_while_their_coordinator_is_frozen(
+    tmp_path: Path, procs: list[Proc]
+) -> None:
+    """SIGSTOP: the coordinator's libp2p daemon still accepts streams, its process never answers,
+    so every request in flight waits for its timeout (up to 60 s for a submission)."""
+    coord, _, _ = await _swarm(tmp_path)
+    procs.append(coord.proc)  # type: ignore[attr-defined]
+    maddr, fp = coord.maddr, coord.fingerprint  # type: ignore[attr-defined]
+    node = node_proc(tmp_path, maddr, fp, "n1", max_prompts=8)
+    procs.append(node)
+    trainer = _trainer(tmp_path, maddr, fp, "trainer")
+    procs.append(trainer)
+    await until(lambda: published_versions(trainer.text())[-1:] >= [1], "a trained step", 240,
+                trainer)  # fmt: skip
+    coord.proc.signal(signal.SIGSTOP)  # type: ignore[attr-defined]
+    try:
+        await asyncio.sleep(4.0)  # the node's next submission or lease request is in flight
+        stop_within(node, "node")
+        stop_within(trainer, "trainer")
+    finally:
+        coord.proc.signal(signal.SIGCONT)  # type: ignore[attr-defined]
+    stop_within(coord.proc, "coordinator")  # type: ignore[attr-defined]
 
 
 async def test_trainer_abandons_a_step_that_outlasts_the_grace(
