@@ -54,6 +54,7 @@ class Stats:
     refused_too_stale: int = 0  # samples refused because their version fell out of S
     submitted: dict[str, int] = field(default_factory=dict)  # lease_id -> honest samples sent
     acked: set[str] = field(default_factory=set)  # lease ids answered Ack
+    acked_by: dict[str, bytes] = field(default_factory=dict)  # lease id -> node key
     bad_leases: set[str] = field(default_factory=set)  # lease ids whose submission was a cheat
     queue_wait_s: float = 0.0
     verify_busy_s: float = 0.0

@@ -68,6 +68,10 @@ class Learner:
         w = self.w
         batch = w.call("fetch", w.core.fetch_rollouts, self.cursor, need)
         self.cursor = batch.last_seq
+        # the trainer reports its step and cursor with its fetches (coordinator.learner_link):
+        # the coordinator's consumed receipts, retention and a banned node's withdrawal of
+        # unconsumed rollouts (seq above the cursor) follow it
+        w.core.learner_report(self.steps, self.cursor, w.scenario.learner.step_s)
         for r in batch.rollouts:
             if r.seq in self.seen:
                 self.doubled += 1

@@ -13,10 +13,13 @@ Invariants (checked after every run from the coordinator's own store and the lea
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
+
+from protocol.identity import fingerprint_of
 
 if TYPE_CHECKING:
     from coordinator.sim.world import World
@@ -144,11 +147,20 @@ def collect(w: World, label: str, wall_s: float, cpu_s: float) -> RunResult:
     inv: dict[str, tuple[bool, str]] = {}
 
     phantom = [lid for lid in per_lease if lid not in st.acked]
+    # a node banned for a gross failure has its unconsumed rollouts withdrawn (issue 34: a
+    # ``withdrawn`` receipt names it): those acknowledged submissions lose their rows by design
+    withdrawn_fps = {
+        json.loads(bytes(body))["node"]
+        for (body,) in w.store.query("SELECT body FROM receipts WHERE kind = 'withdrawn'")
+    }
     unstored = [lid for lid in st.acked if lid not in per_lease]
+    withdrawn = [lid for lid in unstored if fingerprint_of(st.acked_by[lid]) in withdrawn_fps]
+    missing = [lid for lid in unstored if lid not in set(withdrawn)]
     inv["acked_durable"] = (
-        not phantom and not unstored,
+        not phantom and not missing,
         f"{len(st.acked)} acknowledged submissions, {len(per_lease)} with stored rows; "
-        f"{len(unstored)} acknowledged without rows, {len(phantom)} rows never acknowledged",
+        f"{len(missing)} acknowledged without rows, {len(phantom)} rows never acknowledged, "
+        f"{len(withdrawn)} withdrawn from banned nodes",
     )
     over = [p for p, n in per_prompt.items() if n > g]
     triples = len({(r.lease_id, r.prompt_index, r.sample_index) for r in rows})

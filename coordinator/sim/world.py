@@ -279,6 +279,7 @@ class World:
         if isinstance(verdict, Ack):
             self.stats.verdicts["ack"] += 1
             self.stats.acked.add(lease.lease_id)
+            self.stats.acked_by[lease.lease_id] = node.key
             if not bad:
                 self.stats.submitted[lease.lease_id] = n
             return
