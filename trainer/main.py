@@ -92,6 +92,7 @@ async def run_trainer(
     from swarm.broadcast import BroadcastNode
     from swarm.chunks import ChunkStore
     from swarm.dht import PeerConfig, SwarmPeer
+    from swarm.errors import SwarmError
     from swarm.holders import DhtHolderDirectory
     from swarm.transport import P2PTransport
     from trainer.recipe import Trainer
@@ -106,7 +107,13 @@ async def run_trainer(
         PeerConfig(initial_peers=(coordinator_maddr,), identity_path=str(state_dir / "p2p.key")),
         record_validators=swarm_validators(),
     )
-    await peer.start()
+    try:
+        await peer.start()
+    except SwarmError:
+        if stop.is_set():  # asked to stop while joining: not a failure to report
+            log.info("stopped while joining the swarm")
+            return 0
+        raise
     broadcast: BroadcastNode | None = None
     reach: asyncio.Task[None] | None = None
     publisher: SwarmPublisher | None = None

@@ -28,6 +28,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -231,6 +232,40 @@ async def test_node_and_trainer_stop_during_start_up(tmp_path: Path, procs: list
         assert "error:" not in trainer.text() + node.text()
     finally:
         await bootstrap.close()
+
+
+async def test_trainer_stops_while_joining_through_a_silent_bootstrap(
+    tmp_path: Path, procs: list[Proc]
+) -> None:
+    # A TCP port that accepts and never speaks libp2p: joining the DHT through it hangs until the
+    # start-up timeout (15 s), then fails; stopped meanwhile, the trainer exits 0 (not 1).
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    held: list[socket.socket] = []
+
+    async def accept() -> None:
+        loop = asyncio.get_running_loop()
+        listener.setblocking(False)
+        while True:
+            conn, _ = await loop.sock_accept(listener)
+            held.append(conn)
+
+    acceptor = asyncio.create_task(accept())
+    try:
+        maddr = f"/ip4/127.0.0.1/tcp/{port}/p2p/QmbGGLyeczPQgE4zbC5xf9PKkLJdSkJG2x4RahNVJrULrF"
+        trainer = _trainer(tmp_path, maddr, Identity.generate().fingerprint, "trainer")
+        procs.append(trainer)
+        await until(lambda: held, "the trainer dialling the silent bootstrap", 120, trainer)
+        await asyncio.sleep(1.0)
+        stop_within(trainer, "trainer", sig=signal.SIGINT)
+        assert "error:" not in trainer.text(), trainer.text()[-2000:]
+    finally:
+        acceptor.cancel()
+        for conn in held:
+            conn.close()
+        listener.close()
 
 
 async def test_demo_stops_every_process_it_started(tmp_path: Path) -> None:
