@@ -108,8 +108,11 @@ async def run_trainer(
         record_validators=swarm_validators(),
     )
     try:
-        await peer.start()
-    except SwarmError:
+        # Joining can take the start-up timeout (15 s + 5 s) against a bootstrap that never
+        # answers: a stop ends it (the DHT process and p2pd it started are ended on the way out,
+        # swarm.signals.end_descendants)
+        await _race_stop(peer.start(), stop)
+    except (_Stopped, SwarmError):
         if stop.is_set():  # asked to stop while joining: not a failure to report
             log.info("stopped while joining the swarm")
             return 0
