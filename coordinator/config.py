@@ -219,7 +219,14 @@ class IntakeSection(_Section):
         default=256,
         ge=8,
         description="Honest samples the coordinator draws per precision and path to calibrate a "
-        "version (once per version, on its first check)",
+        "version (on its first check)",
+    )
+    calibration_every: int = Field(
+        default=16,
+        ge=1,
+        description="Re-measure the honest error every this many versions; a version in between "
+        "is held to the newest measurement at or below it (a measurement costs about as much as "
+        "generating calibration_samples rollouts per precision; 1: every version)",
     )
     calibration_margin: float = Field(
         default=2.0,

@@ -47,6 +47,9 @@ class CalibrationSettings:
     margin: float = 2.0
     #: prompts of the version's first check used for the calibration, at most
     prompts: int = 16
+    #: re-measure every this many versions; a version in between is held to the newest
+    #: calibration at or below it (1: every version is measured)
+    every: int = 1
 
     @classmethod
     def from_intake(cls, intake: Any) -> CalibrationSettings | None:
@@ -54,7 +57,7 @@ class CalibrationSettings:
         if not intake.calibrate:
             return None
         return cls(tuple(intake.accepted_dtypes), intake.calibration_samples,
-                   intake.calibration_margin)  # fmt: skip
+                   intake.calibration_margin, every=intake.calibration_every)  # fmt: skip
 
 
 class VerifierUnavailable(Exception):
@@ -207,8 +210,9 @@ class InProcessLogprobVerifier:
         self.compute_s = 0.0
         self.checks = 0
         self.tokens = 0
-        #: seconds spent calibrating versions (once per version; not in ``compute_s``)
+        #: seconds spent calibrating versions (not in ``compute_s``) and measurements made
         self.calibration_s = 0.0
+        self.calibrations = 0
 
     def _model(self, version: int, dtype: str) -> Any:
         """The model of ``version`` in ``dtype`` (loaded/cast if not cached); call with
@@ -250,14 +254,21 @@ class InProcessLogprobVerifier:
         return list(dict.fromkeys(v for v, _ in self._models))
 
     def tolerance_of(self, version: int, prompt_ids: list[list[int]], steps: int) -> Tolerance:
-        """The calibrated tolerance of ``version``, measured on the first call (blocking; call
-        with ``_lock`` held): honest samples of the check's prompts in every accepted precision
-        (:func:`coordinator.calibration.measure_honest_error`)."""
+        """The calibrated tolerance of ``version`` (blocking; call with ``_lock`` held): honest
+        samples of the check's prompts in every accepted precision
+        (:func:`coordinator.calibration.measure_honest_error`), measured on the first check of a
+        version at least ``calibration.every`` versions after the newest measured one; a version
+        in between is held to the newest measurement at or below it. Measuring costs about as
+        much as generating ``samples`` rollouts per precision, so measuring every version starves
+        the checks when versions come every few seconds (the demo publishes one per step)."""
         from coordinator.calibration import calibrated_tolerance, measure_honest_error
 
         assert self.calibration is not None
+        cal = self.calibration
         if version not in self.calibrated:
-            cal = self.calibration
+            below = [v for v in self.calibrated if v <= version]
+            if below and version - max(below) < cal.every:
+                return self.calibrated[max(below)][0]
             t0 = time.perf_counter()
             err = measure_honest_error(
                 self._model(version, "float32"),
@@ -271,6 +282,7 @@ class InProcessLogprobVerifier:
                 seed=version,
             )
             self.calibration_s += time.perf_counter() - t0
+            self.calibrations += 1
             self.calibrated[version] = (calibrated_tolerance(err, cal.margin), err)
             while len(self.calibrated) > self.cache_size:
                 del self.calibrated[min(self.calibrated)]

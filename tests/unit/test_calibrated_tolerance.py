@@ -168,3 +168,37 @@ def test_the_replay_admits_far_fewer_tokens_than_the_bf16_slack(model: Any) -> N
     legacy = admissible_per_position(logits, u, IntakeSection().tolerances["*/bfloat16"])
     assert legacy > 1.8
     assert calibrated_count < 1.2
+
+
+def test_calibration_is_measured_every_few_versions_not_every_version(model: Any) -> None:
+    """A measurement costs about as much as generating ``samples`` rollouts per precision; with a
+    version per learner step (the demo) measuring each one starved the checks (the demo's learner
+    went from ~1 step/s to ~0.25). Versions between two measurements are held to the newest one
+    at or below them; a version ``every`` after it is measured afresh."""
+    verifier = InProcessLogprobVerifier(
+        lambda version: model,
+        {},
+        cache_size=4,
+        calibration=CalibrationSettings(samples=8, every=3),
+    )
+    prompts = [[1, 2, 3, 4]]
+    with verifier._lock:
+        first = verifier.tolerance_of(5, prompts, 6)
+        assert verifier.calibrations == 1
+        assert verifier.tolerance_of(6, prompts, 6) == first
+        assert verifier.tolerance_of(7, prompts, 6) == first
+        assert verifier.calibrations == 1
+        verifier.tolerance_of(8, prompts, 6)  # 5 + every: measured again
+        assert verifier.calibrations == 2
+        verifier.tolerance_of(4, prompts, 6)  # nothing measured at or below 4
+        assert verifier.calibrations == 3
+
+
+def test_every_version_is_measured_with_every_1(model: Any) -> None:
+    verifier = InProcessLogprobVerifier(
+        lambda version: model, {}, cache_size=4, calibration=CalibrationSettings(samples=8)
+    )
+    with verifier._lock:
+        for v in (1, 2, 3):
+            verifier.tolerance_of(v, [[1, 2, 3]], 4)
+    assert verifier.calibrations == 3
