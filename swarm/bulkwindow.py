@@ -259,6 +259,8 @@ async def write_windowed(
             acks.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await acks
+        elif not acks.cancelled():
+            acks.exception()  # retrieved: the caller sees the write path's error (or none)
         window.release(sum(n for _end, _at, n in pending))
 
 

@@ -139,3 +139,48 @@ def test_slices_follow_the_window() -> None:
     assert BulkWindow(initial=64 * 1024, min_window=32 * 1024).slice_size() == MIN_SLICE
     assert BulkWindow(initial=256 * 1024).slice_size() == 64 * 1024
     assert BulkWindow(initial=8 << 20).slice_size() == MAX_SLICE
+
+
+async def test_a_failed_acknowledgement_reader_is_retrieved_when_the_write_fails_too() -> None:
+    """The reader vanishes: the acknowledgement task fails (the stream's error) while the write
+    path is still draining, then the drain fails too. The caller sees the drain's error; the
+    task's must be retrieved as well, or asyncio logs "Task exception was never retrieved" with a
+    traceback (seen in the trainer's log each time a downloader went away mid-answer)."""
+    import gc
+
+    from swarm.bulkwindow import BulkWindow, write_windowed
+
+    class Transport:
+        def get_write_buffer_size(self) -> int:
+            return 1
+
+        def is_closing(self) -> bool:
+            return False
+
+    class Writer:
+        transport = Transport()
+
+        def write(self, data: object) -> None:
+            pass
+
+        async def drain(self) -> None:
+            await asyncio.sleep(0.05)  # the acknowledgement task fails meanwhile
+            raise BrokenPipeError(32, "Broken pipe")
+
+    class Reader:
+        async def readexactly(self, n: int) -> bytes:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    loop = asyncio.get_running_loop()
+    seen: list[dict[str, object]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: seen.append(ctx))
+    try:
+        with pytest.raises(BrokenPipeError):
+            await write_windowed(Writer(), Reader(), b"x" * 4096,  # type: ignore[arg-type]
+                                 window=BulkWindow(), timeout=5.0, ack_timeout=5.0)  # fmt: skip
+        gc.collect()
+        await asyncio.sleep(0)
+        assert not [c for c in seen if "never retrieved" in str(c.get("message"))], seen
+    finally:
+        loop.set_exception_handler(previous)
