@@ -343,9 +343,11 @@ class P2PTransport:
                     ack_timeout=self.ack_timeout, limiter=self.upload_limiter,
                 )  # fmt: skip
             else:
+                # only a small answer is control traffic: a large one on an unwindowed method
+                # (the per-chunk RPCs, exchange/1) is bulk and waits its turn under the cap
                 limiter = self.upload_limiter
                 await write_sliced(writer, body, timeout=self.io_timeout, limiter=limiter,
-                                   urgent=not windowed)  # fmt: skip
+                                   urgent=not windowed and len(body) <= _SLICE)  # fmt: skip
             if unread:  # the rest of a refused request: let the caller finish writing it
                 await _discard(reader, unread, deadline)
             return True
