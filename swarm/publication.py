@@ -136,34 +136,6 @@ class VersionBuilder:
         t0 = time.perf_counter()
         tensors = tensor_infos(files, self.hash)
         full = sum(len(f) for f in files.values())
-        if lora is not None:
-            manifest, chunks = build_manifest(
-                files,
-                version=version,
-                parent_version=parent_version,
-                model_config_hash=self.model_config_hash,
-                tokenizer_hash=self.tokenizer_hash,
-                created_at=created_at,
-                expires_at=expires_at,
-                chunk_size=self.chunk_size,
-                hash=self.hash,
-                tensors=tensors,
-                lora=lora,
-            )
-            total = sum(math.prod(t.shape) for t in tensors)
-            encode_s = time.perf_counter() - t0
-            return Built(manifest, chunks, "lora", "", full, 0, 0, total, encode_s)
-        reason, delta = self._keyframe_reason(base, version, force_keyframe), None
-        if not reason and base is not None:
-            try:
-                delta = encode_delta(base.files, files, tensors, level=self.policy.level)
-            except LayoutChanged as exc:
-                reason = f"layout changed ({exc})"
-            else:
-                if len(delta.data) >= self.policy.max_delta_ratio * full:
-                    ratio = len(delta.data) / full
-                    reason = f"the delta is {ratio:.0%} of the full checkpoint"
-        encode_s = time.perf_counter() - t0
 
         def manifest_of(
             all_files: Mapping[str, bytes], info: DeltaInfo | None
@@ -180,7 +152,25 @@ class VersionBuilder:
                 hash=self.hash,
                 tensors=tensors,
                 delta=info,
+                lora=lora,
             )
+
+        if lora is not None:
+            manifest, chunks = manifest_of(files, None)
+            total = sum(math.prod(t.shape) for t in tensors)
+            encode_s = time.perf_counter() - t0
+            return Built(manifest, chunks, "lora", "", full, 0, 0, total, encode_s)
+        reason, delta = self._keyframe_reason(base, version, force_keyframe), None
+        if not reason and base is not None:
+            try:
+                delta = encode_delta(base.files, files, tensors, level=self.policy.level)
+            except LayoutChanged as exc:
+                reason = f"layout changed ({exc})"
+            else:
+                if len(delta.data) >= self.policy.max_delta_ratio * full:
+                    ratio = len(delta.data) / full
+                    reason = f"the delta is {ratio:.0%} of the full checkpoint"
+        encode_s = time.perf_counter() - t0
 
         if reason or delta is None or base is None:
             manifest, chunks = manifest_of(files, None)
