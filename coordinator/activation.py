@@ -1,88 +1,128 @@
-"""Liveness and the active set: who is alive, what each node can do, the plan (a mixin of the
-coordinator).
+"""The active set: who is alive, what each node can do, the plan.
 
-:class:`ActiveSet` is a mixin of :class:`coordinator.core.Coordinator`, which sets the state
-declared below in its ``__init__``. :meth:`ActiveSet.replan` hands the planner
-(:func:`coordinator.capacity.plan_activation`, docs/capacity.md) the live nodes' measured figures
-and the learner's (B, T_train and its variability, κ, T_bcast) and keeps the resulting plan;
-:meth:`ActiveSet.is_active` is what a lease request consults.
+:class:`ActiveSet` owns the current :class:`~coordinator.capacity.Plan` and the standby set. It
+receives what it reads: the store (live nodes' rows), the injected clock, the
+:class:`~coordinator.liveness.Liveness` buffer (flushed before it reads ``last_seen``), the
+:class:`~coordinator.throughput.ThroughputBook` (measured figures) and the
+:class:`LearnerFigures` (B, T_train and its variability, κ, T_bcast) that the network service
+updates. :meth:`ActiveSet.replan` hands the planner (:func:`coordinator.capacity.plan_activation`,
+docs/capacity.md) those inputs and keeps the resulting plan; :meth:`ActiveSet.is_active` is what a
+lease request consults.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from prometheus_client import Gauge
+from prometheus_client import CollectorRegistry, Gauge
 
 from coordinator.capacity import NodeCapacity, Plan, plan_activation
 from coordinator.config import CoordinatorConfig
+from coordinator.liveness import Liveness
 from coordinator.store import NodeRecord, Store
 from coordinator.throughput import NodeFigures, ThroughputBook
 
 
-class ActiveSet:
-    """Liveness and activation, as a mixin of :class:`~coordinator.core.Coordinator` (which sets
-    every attribute below in its ``__init__``)."""
+@dataclass
+class LearnerFigures:
+    """The learner's figures the capacity rule reads (configured until the trainer reports its
+    own; the service and the simulation write them)."""
 
-    config: CoordinatorConfig
-    store: Store
-    clock: Callable[[], float]
-    throughput: ThroughputBook
+    #: T_bcast: weights ready at the trainer -> leases name them (seconds)
     t_bcast_s: float
+    #: T_train: seconds per learner step
     t_train_s: float
-    t_train_cv: float
+    #: B: rollouts consumed per learner step
     batch_rollouts: int
+    #: κ: learner steps between published versions
     kappa: int
-    published_kappa: float | None
-    plan: Plan | None
-    _standby: frozenset[str]
-    _planned_at: float
-    #: node_key -> last_seen not yet written to the store (see :mod:`coordinator.core`)
-    _seen: dict[bytes, float]
-    _g_active: Gauge
+    #: the variability of the learner's step time (coefficient of variation), as reported
+    t_train_cv: float = 0.0
+    #: versions per publication as observed (a trainer whose publication outlasts κ steps
+    #: publishes less often: the window a version is the newest grows); running mean
+    published_kappa: float | None = None
+    #: the last version published (for :meth:`published`)
+    last_published: int | None = None
 
-    def flush_liveness(self) -> None:
-        """Write the ``last_seen`` of every node heard from since the last flush (one commit)."""
-        if self._seen:
-            seen, self._seen = self._seen, {}
-            self.store.touch_nodes(seen.items())
+    @classmethod
+    def from_config(cls, config: CoordinatorConfig) -> LearnerFigures:
+        cap = config.capacity
+        return cls(cap.t_bcast_s, cap.t_train_s, cap.batch_rollouts, config.kappa)
+
+    def published(self, version: int) -> None:
+        """A version was published: fold its step from the previous one into ``published_kappa``."""
+        step = version - (self.last_published or 0)
+        # a jump far beyond κ is a restarted trainer renumbering, not its publication pace
+        if self.last_published is not None and 0 < step <= 8 * self.kappa:
+            old = self.published_kappa
+            self.published_kappa = step if old is None else 0.7 * old + 0.3 * step
+        self.last_published = version
+
+    @property
+    def effective_kappa(self) -> float:
+        """κ of the rule: the learner's, or the observed versions per publication if larger."""
+        return max(float(self.kappa), self.published_kappa or 0.0)
+
+
+class ActiveSet:
+    """Liveness queries and activation (module docstring)."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        *,
+        store: Store,
+        clock: Callable[[], float],
+        liveness: Liveness,
+        throughput: ThroughputBook,
+        learner: LearnerFigures,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.clock = clock
+        self.liveness = liveness
+        self.throughput = throughput
+        self.learner = learner
+        self.plan: Plan | None = None
+        #: when the plan was made (clock seconds; -inf: never)
+        self.planned_at = -math.inf
+        self._standby: frozenset[str] = frozenset()
+        #: node_key -> (inputs stamp, its NodeCapacity): soft state, rebuilt after a restart
+        self._capacity_cache: dict[bytes, tuple[tuple[object, ...], NodeCapacity | None]] = {}
+        self._g_active = Gauge("swarm_nodes_active", "Nodes in the active set", registry=registry)
+
+    def horizon(self, now: float) -> float:
+        """Nodes last seen before this are not alive (``heartbeat_interval_s × misses``)."""
+        return now - self.config.heartbeat_interval_s * self.config.heartbeat_misses
 
     def alive_nodes(self) -> list[NodeRecord]:
         """Registered, heard from within the heartbeat horizon, not banned (one query; the
         adverts are not loaded)."""
-        self.flush_liveness()
+        self.liveness.flush()
         now = self.clock()
-        horizon = now - self.config.heartbeat_interval_s * self.config.heartbeat_misses
-        return self.store.live_nodes(horizon, now)
+        return self.store.live_nodes(self.horizon(now), now)
 
     def node_capacity(self, node: NodeRecord) -> NodeCapacity | None:
         """What the planner knows of ``node``: its lease-by-lease figures (generation rate, lease
         time, round-trip overhead, version-load delay); before any, the durable end-to-end rate;
         None when it has not completed a lease yet."""
         fig = self.throughput.get(node.node_key)
-        if fig is not None:
-            return NodeCapacity(
-                node.node_key.hex(), fig.gen_rate, node.price_per_hour, node.reliability,
-                overhead_s=fig.overhead_s, lease_s=fig.lease_s, load_s=fig.load_s or 0.0,
-            )  # fmt: skip
-        if not node.rollouts_per_s:
-            return None
-        return NodeCapacity(node.node_key.hex(), node.rollouts_per_s, node.price_per_hour,
-                            node.reliability)  # fmt: skip
+        return _capacity(
+            node.node_key, fig, node.price_per_hour, node.rollouts_per_s, node.reliability
+        )
 
     def _planner_inputs(self) -> tuple[int, list[NodeCapacity], float]:
         """(live nodes, the measured ones' :class:`NodeCapacity`, t_gen) from bare rows
         (:meth:`Store.planner_rows`); a node's NodeCapacity is rebuilt only when its inputs
         changed (a completed lease, a price, its lease record), so a re-plan of 10,000 nodes
         does not construct 10,000 objects every 5 s."""
-        self.flush_liveness()
+        self.liveness.flush()
         now = self.clock()
-        horizon = now - self.config.heartbeat_interval_s * self.config.heartbeat_misses
-        rows = self.store.planner_rows(horizon, now)
-        # soft state (rebuilt after a restart); created here so Coordinator.__init__ stays as is
-        cache: dict[bytes, tuple[tuple[object, ...], NodeCapacity | None]] = (
-            self.__dict__.setdefault("_capacity_cache", {})
-        )
+        rows = self.store.planner_rows(self.horizon(now), now)
+        cache = self._capacity_cache
         measured: list[NodeCapacity] = []
         fastest_gen = 0.0
         for key, price, tps, rps, done, expired in rows:
@@ -95,7 +135,7 @@ class ActiveSet:
             if hit is not None and hit[0] == stamp:
                 capacity = hit[1]
             else:
-                capacity = self._capacity(key, fig, price, rps, (done + 1) / (done + expired + 2))
+                capacity = _capacity(key, fig, price, rps, (done + 1) / (done + expired + 2))
                 cache[key] = (stamp, capacity)
             if capacity is not None:
                 measured.append(capacity)
@@ -106,48 +146,50 @@ class ActiveSet:
         t_gen = self.config.group_size * self.config.sampling.max_new_tokens * fastest_gen
         return len(rows), measured, t_gen
 
-    def _capacity(
-        self, key: bytes, fig: NodeFigures | None, price: float | None, rps: float | None,
-        reliability: float,
-    ) -> NodeCapacity | None:  # fmt: skip
-        """:meth:`node_capacity` on bare inputs (the same rule)."""
-        if fig is not None:
-            return NodeCapacity(
-                key.hex(), fig.gen_rate, price, reliability, overhead_s=fig.overhead_s,
-                lease_s=fig.lease_s, load_s=fig.load_s or 0.0,
-            )  # fmt: skip
-        if not rps:
-            return None
-        return NodeCapacity(key.hex(), rps, price, reliability)
-
     def replan(self) -> Plan:
         """Recompute the active set (call when nodes join/leave or their μ changes)."""
         cap = self.config.capacity
         alive, measured, t_gen = self._planner_inputs()
+        figures = self.learner
         plan = plan_activation(
             measured,
-            batch=self.batch_rollouts,
-            t_train=self.t_train_s,
-            kappa=self.effective_kappa,
-            t_bcast=self.t_bcast_s,
-            t_train_cv=self.t_train_cv,
+            batch=figures.batch_rollouts,
+            t_train=figures.t_train_s,
+            kappa=figures.effective_kappa,
+            t_bcast=figures.t_bcast_s,
+            t_train_cv=figures.t_train_cv,
             headroom=cap.headroom,
             staleness_bound=self.config.staleness_bound,
             t_gen=t_gen,
         )
         self.plan = plan
-        self._planned_at = self.clock()
+        self.planned_at = self.clock()
         self._standby = frozenset(plan.standby)
         self._g_active.set(len(plan.active) + alive - len(measured))
         return plan
 
-    @property
-    def effective_kappa(self) -> float:
-        """κ of the rule: the learner's, or the observed versions per publication if larger."""
-        return max(float(self.kappa), self.published_kappa or 0.0)
+    def replan_due(self) -> bool:
+        """``capacity.replan_interval_s`` has passed since the last plan."""
+        return self.clock() - self.planned_at >= self.config.capacity.replan_interval_s
 
     def is_active(self, node_key: bytes) -> bool:
         """Unmeasured nodes are always active (they must run a lease to be measured)."""
         if not self.config.capacity.activation or self.plan is None:
             return True
         return node_key.hex() not in self._standby
+
+
+def _capacity(
+    key: bytes, fig: NodeFigures | None, price: float | None, rps: float | None,
+    reliability: float,
+) -> NodeCapacity | None:  # fmt: skip
+    """What the planner knows of one node: its lease-by-lease figures; before any, the durable
+    end-to-end rate ``rps``; None when it has not completed a lease yet."""
+    if fig is not None:
+        return NodeCapacity(
+            key.hex(), fig.gen_rate, price, reliability, overhead_s=fig.overhead_s,
+            lease_s=fig.lease_s, load_s=fig.load_s or 0.0,
+        )  # fmt: skip
+    if not rps:
+        return None
+    return NodeCapacity(key.hex(), rps, price, reliability)

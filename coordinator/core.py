@@ -1,8 +1,19 @@
 """The transport-independent coordinator: one object the network service calls into.
 
-:class:`Coordinator` ties together the store, lease state machine, intake pipeline, reputation and
-capacity planner. Its methods take decoded protocol messages plus the signer's public key (from the
-envelope) and return protocol messages. Refusals raise :class:`~coordinator.errors.Rejection`
+:class:`Coordinator` composes its collaborators in one ``__init__`` that reads top to bottom: the
+durable books over the store (:class:`~coordinator.leases.LeaseManager`,
+:class:`~coordinator.reputation.Reputation`, :class:`~coordinator.trust.Trust`,
+:class:`~coordinator.audits.RewardAudits`, :class:`~coordinator.receipts.ReceiptLog`,
+:class:`~coordinator.ledger.Ledger`, :class:`~coordinator.retention.Retention`,
+:class:`~coordinator.admission.Admission`), the soft state
+(:class:`~coordinator.liveness.Liveness`, :class:`~coordinator.throughput.ThroughputBook`,
+:class:`~coordinator.activation.LearnerFigures`, :class:`~coordinator.activation.ActiveSet`), and
+the submission pipeline (:class:`~coordinator.submissions.SubmissionDesk` over
+:class:`~coordinator.intake.Intake` and :class:`~coordinator.slots.PromptSlots`) with the
+trainer's :class:`~coordinator.feed.RolloutFeed`. Each receives what it uses as constructor
+arguments; the coordinator keeps registration, heartbeats, leases, publication and upkeep, and
+delegates the rest. Its methods take decoded protocol messages plus the signer's public key (from
+the envelope) and return protocol messages. Refusals raise :class:`~coordinator.errors.Rejection`
 (the service answers ``Reject(code, detail)``), except :meth:`submit`, which returns the verdict
 (``Ack`` or ``Reject``) because verdicts are stored and replayed to an identical re-send.
 
@@ -24,27 +35,30 @@ learner step goes into the hash-chained receipt log (:mod:`coordinator.receipts`
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from coordinator.activation import ActiveSet
+from coordinator.activation import ActiveSet, LearnerFigures
+from coordinator.admission import Admission
 from coordinator.audits import RewardAudits
-from coordinator.capacity import Plan
+from coordinator.capacity import NodeCapacity, Plan
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import Rejection
-from coordinator.intake import Intake, IntakeMetrics, PromptSlot
+from coordinator.feed import RolloutFeed
+from coordinator.intake import Intake, IntakeMetrics
 from coordinator.leases import LeaseManager
 from coordinator.ledger import Ledger
+from coordinator.liveness import Liveness
 from coordinator.logprobs import LogprobVerifier
 from coordinator.problems import Task
 from coordinator.receipts import ReceiptLog
 from coordinator.reputation import Reputation
 from coordinator.retention import Retention
-from coordinator.store import LeaseRecord, NodeRecord, Store
+from coordinator.slots import PromptSlots
+from coordinator.store import NodeRecord, Store
 from coordinator.submissions import SubmissionDesk
 from coordinator.throughput import LeaseLag, ThroughputBook
 from coordinator.trust import Trust
@@ -56,6 +70,7 @@ from protocol.errors import ReasonCode
 from protocol.identity import Identity, fingerprint_of
 from protocol.manifest import verify_manifest
 from protocol.messages import (
+    Ack,
     CapabilityAdvert,
     Heartbeat,
     HeartbeatAck,
@@ -65,6 +80,9 @@ from protocol.messages import (
     PromptItem,
     Register,
     RegisterAck,
+    Reject,
+    RolloutBatch,
+    RolloutSubmission,
     SamplingParams,
     SignedEnvelope,
     Standby,
@@ -76,8 +94,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Coordinator(SubmissionDesk, ActiveSet):
-    """Core state machine of the control plane (no sockets)."""
+class Coordinator:
+    """Core state machine of the control plane (no sockets): composes the collaborators below in
+    one place and keeps the public methods the service, the simulation and the benches call."""
 
     def __init__(
         self,
@@ -96,10 +115,18 @@ class Coordinator(SubmissionDesk, ActiveSet):
         prompts: PromptRenderer | None = None,
         stop_token_ids: Sequence[int] | None = None,
     ) -> None:
+        # --- what it was given ---
         self.config = config
         self.store = store
         self.task = task
         self.tokenizer = tokenizer
+        self.clock = clock
+        self.publisher_key = publisher_key
+        #: Whether a version's weights can be fetched from here now (the network service: held in
+        #: full). Leases name the newest servable version; None: every published one is.
+        self.servable = servable
+        self.replay = replay if replay is not None else ReplayGuard()
+        self.registry = registry if registry is not None else CollectorRegistry()
         #: renders a task's question into the prompt tokens a lease carries
         self.prompts = prompts or PromptRenderer(
             tokenizer, template=config.prompt.template, system_prompt=config.prompt.system_prompt
@@ -114,13 +141,8 @@ class Coordinator(SubmissionDesk, ActiveSet):
         )
         #: what each node last said when it gave a lease back (shown on /status, swarm inspect)
         self.node_problems: dict[bytes, str] = {}
-        self.clock = clock
-        self.publisher_key = publisher_key
-        #: Whether a version's weights can be fetched from here now (the network service: held in
-        #: full). Leases name the newest servable version; None: every published one is.
-        self.servable = servable
-        self.replay = replay if replay is not None else ReplayGuard()
-        self.registry = registry if registry is not None else CollectorRegistry()
+
+        # --- durable books over the store ---
         self.leases = LeaseManager(
             store,
             config.leases,
@@ -139,46 +161,61 @@ class Coordinator(SubmissionDesk, ActiveSet):
             seal_interval_s=config.receipts.seal_interval_s,
         )
         self.ledger = Ledger(store, self.receipts, verifier)
-        self.metrics = IntakeMetrics(self.registry)
-        self.intake = Intake(
-            task,
-            tokenizer,
-            verifier=verifier,
-            secret=store.secret(),
-            metrics=self.metrics,
-        )
-        self._g_active = Gauge(
-            "swarm_nodes_active", "Nodes in the active set", registry=self.registry
-        )
-        self._g_version = Gauge(
-            "swarm_policy_version", "Latest published version", registry=self.registry
-        )
-        #: T_bcast: weights ready at the trainer -> leases name them (seconds); measured by the
-        #: service from the configured starting value
-        self.t_bcast_s = config.capacity.t_bcast_s
-        #: T_train estimate: the configured value until the trainer reports its step time.
-        self.t_train_s = config.capacity.t_train_s
-        #: the variability of the learner's step time (coefficient of variation), as reported
-        self.t_train_cv = 0.0
-        #: B and κ: configured until the trainer reports its own (the learner's figures win)
-        self.batch_rollouts = config.capacity.batch_rollouts
-        self.kappa = config.kappa
-        #: versions per publication as observed (a trainer whose publication outlasts κ steps
-        #: publishes less often: the window a version is the newest grows); running mean
-        self.published_kappa: float | None = None
-        self._last_published: int | None = None
+        #: bounded storage: consumed rollouts past the audit window are pruned on the tick
+        self.retention = Retention(store, clock)
+        self.admission = Admission(store, self.reputation, clock)
+
+        # --- soft state: liveness, measured figures, the plan ---
+        self.liveness = Liveness(store)
         #: per-node μ_i, g_i, o_i, d_i measured from accepted leases (coordinator.throughput)
         self.throughput = ThroughputBook(config.leases.throughput_ewma)
         #: publish call -> first lease naming the version (a diagnostic beside T_bcast: much
         #: longer than the coordinator's download means nodes stall before asking for work)
         self.lease_lag = LeaseLag(config.leases.throughput_ewma)
-        self.plan: Plan | None = None
-        self._standby: frozenset[str] = frozenset()
-        self._planned_at = -math.inf
-        #: node_key -> last_seen not yet written to the store (see the module docstring)
-        self._seen: dict[bytes, float] = {}
-        #: bounded storage: consumed rollouts past the audit window are pruned on the tick
-        self.retention = Retention(store, self.clock)
+        #: B, T_train (and its variability), κ, T_bcast: configured until the learner reports
+        self.learner = LearnerFigures.from_config(config)
+        self.active = ActiveSet(
+            config,
+            store=store,
+            clock=clock,
+            liveness=self.liveness,
+            throughput=self.throughput,
+            learner=self.learner,
+            registry=self.registry,
+        )
+        self._g_version = Gauge(
+            "swarm_policy_version", "Latest published version", registry=self.registry
+        )
+
+        # --- the submission pipeline and the trainer's feed ---
+        self.metrics = IntakeMetrics(self.registry)
+        self.intake = Intake(
+            task, tokenizer, verifier=verifier, secret=store.secret(), metrics=self.metrics
+        )
+        self.slots = PromptSlots(task, self.prompts, self.audits)
+        self.desk = SubmissionDesk(
+            config.intake,
+            store=store,
+            clock=clock,
+            leases=self.leases,
+            slots=self.slots,
+            intake=self.intake,
+            metrics=self.metrics,
+            trust=self.trust,
+            reputation=self.reputation,
+            audits=self.audits,
+            ledger=self.ledger,
+            receipts=self.receipts,
+            throughput=self.throughput,
+            staleness_bound=config.staleness_bound,
+            vocab_size=tokenizer.vocab_size,
+            eos_token_id=tokenizer.eos_token_id,
+            stop_token_ids=frozenset(self.stop_token_ids),
+            problems=self.node_problems,
+        )
+        self.feed = RolloutFeed(store, self.ledger, clock)
+
+        # --- resume ---
         self.leases.expire_due()
         outstanding = self.leases.outstanding()
         if outstanding:
@@ -187,6 +224,115 @@ class Coordinator(SubmissionDesk, ActiveSet):
                 len(outstanding),
             )
         self.replan()
+
+    # --- delegation: the submission pipeline, the trainer's feed, the active set ------------------
+    async def submit(self, node_key: bytes, sub: RolloutSubmission) -> Ack | Reject:
+        """Verify and store a submission (:meth:`SubmissionDesk.submit`)."""
+        return await self.desk.submit(node_key, sub)
+
+    def replayed_submission(self, env: SignedEnvelope) -> Ack | Reject | None:
+        """The stored verdict of a re-sent envelope (:meth:`SubmissionDesk.replayed_submission`)."""
+        return self.desk.replayed_submission(env)
+
+    def learner_report(self, step: int, cursor: int, step_time_s: float) -> None:
+        """The trainer's figures with a fetch (:meth:`RolloutFeed.learner_report`)."""
+        self.feed.learner_report(step, cursor, step_time_s)
+
+    def fetch_rollouts(
+        self, after_seq: int, max_rollouts: int, min_policy_version: int | None = None
+    ) -> RolloutBatch:
+        """Accepted rollouts after ``after_seq`` (:meth:`RolloutFeed.fetch`)."""
+        return self.feed.fetch(after_seq, max_rollouts, min_policy_version)
+
+    def flush_liveness(self) -> None:
+        """Write buffered ``last_seen`` times (:meth:`Liveness.flush`)."""
+        self.liveness.flush()
+
+    def alive_nodes(self) -> list[NodeRecord]:
+        """Registered, alive, unbanned nodes (:meth:`ActiveSet.alive_nodes`)."""
+        return self.active.alive_nodes()
+
+    def node_capacity(self, node: NodeRecord) -> NodeCapacity | None:
+        """What the planner knows of ``node`` (:meth:`ActiveSet.node_capacity`)."""
+        return self.active.node_capacity(node)
+
+    def replan(self) -> Plan:
+        """Recompute the active set (:meth:`ActiveSet.replan`)."""
+        return self.active.replan()
+
+    def is_active(self, node_key: bytes) -> bool:
+        """Whether a lease request of ``node_key`` gets work (:meth:`ActiveSet.is_active`)."""
+        return self.active.is_active(node_key)
+
+    @property
+    def plan(self) -> Plan | None:
+        """The current activation plan (None before the first)."""
+        return self.active.plan
+
+    @property
+    def effective_kappa(self) -> float:
+        """κ of the rule (:attr:`LearnerFigures.effective_kappa`)."""
+        return self.learner.effective_kappa
+
+    # --- the learner's figures (read and written by the service and the simulation) -------------
+    @property
+    def t_bcast_s(self) -> float:
+        """T_bcast (seconds), measured by the service (:class:`LearnerFigures`)."""
+        return self.learner.t_bcast_s
+
+    @t_bcast_s.setter
+    def t_bcast_s(self, value: float) -> None:
+        self.learner.t_bcast_s = value
+
+    @property
+    def t_train_s(self) -> float:
+        """T_train: seconds per learner step, as reported (:class:`LearnerFigures`)."""
+        return self.learner.t_train_s
+
+    @t_train_s.setter
+    def t_train_s(self, value: float) -> None:
+        self.learner.t_train_s = value
+
+    @property
+    def t_train_cv(self) -> float:
+        """The learner's step-time coefficient of variation (:class:`LearnerFigures`)."""
+        return self.learner.t_train_cv
+
+    @t_train_cv.setter
+    def t_train_cv(self, value: float) -> None:
+        self.learner.t_train_cv = value
+
+    @property
+    def batch_rollouts(self) -> int:
+        """B: rollouts per learner step (:class:`LearnerFigures`)."""
+        return self.learner.batch_rollouts
+
+    @batch_rollouts.setter
+    def batch_rollouts(self, value: int) -> None:
+        self.learner.batch_rollouts = value
+
+    @property
+    def kappa(self) -> int:
+        """Κ: learner steps between published versions (:class:`LearnerFigures`)."""
+        return self.learner.kappa
+
+    @kappa.setter
+    def kappa(self, value: int) -> None:
+        self.learner.kappa = value
+
+    @property
+    def published_kappa(self) -> float | None:
+        """Versions per publication as observed (:class:`LearnerFigures`)."""
+        return self.learner.published_kappa
+
+    @property
+    def _planned_at(self) -> float:
+        """When the plan was made (the simulation and bench/coord_scale.py read and set it)."""
+        return self.active.planned_at
+
+    @_planned_at.setter
+    def _planned_at(self, value: float) -> None:
+        self.active.planned_at = value
 
     # --- identity and admission ------------------------------------------------------------------
     def open(self, env: SignedEnvelope, type_: type[T]) -> tuple[bytes, T]:
@@ -200,20 +346,7 @@ class Coordinator(SubmissionDesk, ActiveSet):
         return env.signer, msg
 
     def _admit(self, node_key: bytes) -> NodeRecord:
-        node = self.store.get_node(node_key)
-        if node is None:
-            raise Rejection(
-                ReasonCode.UNKNOWN_NODE, f"{fingerprint_of(node_key)} must register first"
-            )
-        ban = self.reputation.banned(node_key, self.clock())
-        if ban is not None:
-            left = max(0.0, ban.until - self.clock())
-            raise Rejection(
-                ReasonCode.BANNED,
-                f"banned for {left:.0f}s more (ban #{ban.count}: {ban.reason})",
-                retry_after_s=left,
-            )
-        return node
+        return self.admission.admit(node_key)
 
     def register(self, node_key: bytes, advert: CapabilityAdvert) -> RegisterAck:
         now = self.clock()
@@ -265,7 +398,7 @@ class Coordinator(SubmissionDesk, ActiveSet):
         # nodes are always active); re-planning for each of 10,000 joining nodes would scan the
         # swarm 10,000 times. Its gauge count follows at the next tick.
         if old is not None and (
-            max(old.last_seen, self._seen.get(node_key, -math.inf)) < horizon
+            max(old.last_seen, self.liveness.unwritten(node_key)) < horizon
             or old.price_per_hour != record.price_per_hour
             or old.tokens_per_s != record.tokens_per_s
         ):
@@ -315,13 +448,13 @@ class Coordinator(SubmissionDesk, ActiveSet):
                 retry_after_s=horizon,
             )
         self.store.delete_node(victim)
-        self._seen.pop(victim, None)
+        self.liveness.forget(victim)
         log.info("node table full (%d): forgot %s, gone the longest", cap, fingerprint_of(victim))
 
     def heartbeat(self, node_key: bytes, hb: Heartbeat) -> HeartbeatAck:
         self._admit(node_key)
         now = self.clock()
-        self._seen[node_key] = now
+        self.liveness.saw(node_key, now)
         return HeartbeatAck(
             server_time=now,
             current_policy_version=self.lease_version(),
@@ -331,7 +464,7 @@ class Coordinator(SubmissionDesk, ActiveSet):
     # --- leases ----------------------------------------------------------------------------------
     def request_lease(self, node_key: bytes, req: LeaseRequest) -> Lease | Standby:
         node = self._admit(node_key)
-        self._seen[node_key] = self.clock()
+        self.liveness.saw(node_key, self.clock())
         version = self.lease_version()
         if version is None:
             return Standby(retry_after_s=1.0, reason="no policy version available yet")
@@ -363,7 +496,7 @@ class Coordinator(SubmissionDesk, ActiveSet):
             policy_version=version,
             prompts=[
                 PromptItem(prompt_id=slot.problem.prompt_id, token_ids=pack_tokens(slot.token_ids))
-                for slot in self._slots(lease).values()
+                for slot in self.slots.of(lease).values()
             ],
             group_size=lease.group_size,
             sampling=SamplingParams(
@@ -401,15 +534,6 @@ class Coordinator(SubmissionDesk, ActiveSet):
             self.node_problems[node_key] = reason
         return prompts
 
-    def _slots(self, lease: LeaseRecord) -> dict[str, PromptSlot]:
-        slots = {}
-        originals = self.audits.originals(lease.prompts)  # audit copies ask the original prompt
-        for position, index in enumerate(lease.prompts):
-            problem = self.task.problem(originals.get(index, index))
-            ids = tuple(self.prompts.render(problem.prompt))
-            slots[problem.prompt_id] = PromptSlot(index, problem, ids, position)
-        return slots
-
     # --- versions --------------------------------------------------------------------------------
     def publish_version(self, manifest_env: SignedEnvelope) -> Manifest:
         """Record a signed manifest (verified against ``publisher_key``) as the newest version."""
@@ -427,12 +551,7 @@ class Coordinator(SubmissionDesk, ActiveSet):
             self.store.put_version(manifest.version, encode(manifest_env), self.clock())
         fault_point("publish.after_commit")
         self.lease_lag.published(manifest.version, self.clock())
-        step = manifest.version - (self._last_published or 0)
-        # a jump far beyond κ is a restarted trainer renumbering, not its publication pace
-        if self._last_published is not None and 0 < step <= 8 * self.kappa:
-            old = self.published_kappa
-            self.published_kappa = step if old is None else 0.7 * old + 0.3 * step
-        self._last_published = manifest.version
+        self.learner.published(manifest.version)
         self._g_version.set(manifest.version)
         log.info("published policy version %d", manifest.version)
         return manifest
@@ -457,7 +576,7 @@ class Coordinator(SubmissionDesk, ActiveSet):
         re-plan reads every live node: ~0.1 s of CPU at 10,000 nodes, too much for every tick)."""
         self.flush_liveness()
         self.leases.expire_due()
-        if self.clock() - self._planned_at >= self.config.capacity.replan_interval_s:
+        if self.active.replan_due():
             self.replan()
         self.receipts.seal(self.clock())
         self.retention.tick()  # consumed rollouts past the audit window leave the database

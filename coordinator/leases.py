@@ -37,7 +37,7 @@ import hmac
 import logging
 import math
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from coordinator.config import LeaseSection
 from coordinator.errors import Rejection
@@ -55,6 +55,47 @@ SEED_LABEL = b"rollout-swarm/lease-seed/"
 MIN_TOKENS_PER_S = 1e-3
 MAX_TOKENS_PER_S = 1e9
 EPOCH = "fencing_epoch"
+
+
+def holder_refusal(
+    lease: LeaseRecord | None, node_key: bytes, lease_id: str, epoch: int
+) -> Rejection | None:
+    """Why ``node_key`` may not act on lease ``lease_id`` at ``epoch`` (``lease`` is its record,
+    None if there is none); None: it holds it."""
+    if lease is None:
+        return Rejection(ReasonCode.UNKNOWN_LEASE, f"no lease {lease_id!r}; request a new one")
+    if lease.node_key != node_key:
+        return Rejection(ReasonCode.WRONG_NODE, f"lease {lease_id} belongs to another node")
+    if lease.epoch != epoch:
+        return Rejection(
+            ReasonCode.STALE_EPOCH,
+            f"lease {lease_id} has epoch {lease.epoch}, the request carries {epoch}",
+        )
+    if lease.state == "released":
+        return Rejection(ReasonCode.LEASE_EXPIRED, f"lease {lease_id} was released by its node")
+    return None
+
+
+def undone_prompts(
+    lease: LeaseRecord, states: Mapping[int, tuple[str, str]]
+) -> tuple[set[int], set[int]]:
+    """Prompts of ``lease`` not done yet, given their ``{index: (state, holder)}``: (still held
+    by it, held by a newer lease). A prompt without a state row counts as done."""
+    held: set[int] = set()
+    fenced: set[int] = set()
+    for p in lease.prompts:
+        state, holder = states.get(p, ("done", ""))
+        if state != "done":
+            (held if holder == lease.lease_id else fenced).add(p)
+    return held, fenced
+
+
+def open_prompts_of(lease: LeaseRecord, states: Mapping[int, tuple[str, str]]) -> set[int]:
+    """Prompts of ``lease`` for which a result is still accepted (:meth:`LeaseManager.open_prompts`
+    on loaded prompt states)."""
+    if lease.state == "released":
+        return set()
+    return undone_prompts(lease, states)[0]
 
 
 class LeaseManager:
@@ -215,25 +256,16 @@ class LeaseManager:
     def check_holder(self, node_key: bytes, lease_id: str, epoch: int) -> LeaseRecord:
         """The lease, if ``node_key`` holds it at ``epoch``; else a :class:`Rejection`."""
         lease = self.store.get_lease(lease_id)
-        if lease is None:
-            raise Rejection(ReasonCode.UNKNOWN_LEASE, f"no lease {lease_id!r}; request a new one")
-        if lease.node_key != node_key:
-            raise Rejection(ReasonCode.WRONG_NODE, f"lease {lease_id} belongs to another node")
-        if lease.epoch != epoch:
-            raise Rejection(
-                ReasonCode.STALE_EPOCH,
-                f"lease {lease_id} has epoch {lease.epoch}, the request carries {epoch}",
-            )
-        if lease.state == "released":
-            raise Rejection(ReasonCode.LEASE_EXPIRED, f"lease {lease_id} was released by its node")
+        refusal = holder_refusal(lease, node_key, lease_id, epoch)
+        if refusal is not None:
+            raise refusal
+        assert lease is not None
         return lease
 
     def open_prompts(self, lease: LeaseRecord) -> set[int]:
         """Prompts of ``lease`` for which a result is still accepted: nobody completed them yet
         and (for an expired lease) they were not re-issued to a newer lease (the fence)."""
-        if lease.state == "released":
-            return set()
-        return self._undone(lease)[0]
+        return open_prompts_of(lease, self.store.prompt_states(lease.prompts))
 
     def fenced_prompts(self, lease: LeaseRecord) -> set[int]:
         """Prompts of an expired ``lease`` not done yet but re-issued to a newer lease."""
@@ -241,14 +273,7 @@ class LeaseManager:
 
     def _undone(self, lease: LeaseRecord) -> tuple[set[int], set[int]]:
         """Prompts of ``lease`` not done yet: (still held by it, held by a newer lease)."""
-        states = self.store.prompt_states(lease.prompts)
-        held: set[int] = set()
-        fenced: set[int] = set()
-        for p in lease.prompts:
-            state, holder = states.get(p, ("done", ""))
-            if state != "done":
-                (held if holder == lease.lease_id else fenced).add(p)
-        return held, fenced
+        return undone_prompts(lease, self.store.prompt_states(lease.prompts))
 
     def record_result(
         self, lease: LeaseRecord, prompts: Sequence[int], *, tokens: int, samples: int

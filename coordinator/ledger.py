@@ -13,7 +13,7 @@ from typing import Any
 
 from coordinator.intake import CheckReport
 from coordinator.receipts import ReceiptLog
-from coordinator.store import LeaseRecord, Store, Verdict
+from coordinator.store import LeaseRecord, NodeRecord, Store, Verdict
 from protocol.identity import fingerprint_of
 
 __all__ = ["Ledger"]
@@ -38,12 +38,17 @@ class Ledger:
         report: CheckReport,
         seqs: tuple[int, int] | None,
         now: float,
+        *,
+        node: NodeRecord | None = None,
     ) -> None:
-        """The receipt of a lease-bound verdict (call inside the verdict's transaction)."""
-        node = self.store.get_node(lease.node_key)
+        """The receipt of a lease-bound verdict (call inside the verdict's transaction).
+        ``node``: the lease holder's record when the caller has it (read only for a lease from
+        before registrations were recorded in leases, and only when not given)."""
         if lease.backend:
             held = f"{lease.backend}/{lease.dtype}"
         else:  # a lease from before registrations were recorded in leases
+            if node is None:
+                node = self.store.get_node(lease.node_key)
             held = f"{node.backend}/{node.dtype}" if node else "?"
         self.receipts.append(
             "verdict",

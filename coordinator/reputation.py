@@ -37,6 +37,13 @@ class Ban:
     reason: str
 
 
+def ban_in_force(row: tuple[int, float, str] | None, now: float) -> Ban | None:
+    """The ban of a ``bans`` row ``(bans so far, banned_until, reason)`` if in force at ``now``."""
+    if row is None or row[1] <= now:
+        return None
+    return Ban(until=row[1], count=row[0], reason=row[2])
+
+
 def ban_duration(count: int, base_s: float, max_s: float) -> float:
     """``base · 2^(count − 1)`` seconds, capped at ``max_s`` (count ≥ 1)."""
     if count < 1:
@@ -100,10 +107,7 @@ class Reputation:
 
     def banned(self, node_key: bytes, now: float) -> Ban | None:
         """The ban in force at ``now``, or None."""
-        row = self.store.get_ban(node_key)
-        if row is None or row[1] <= now:
-            return None
-        return Ban(until=row[1], count=row[0], reason=row[2])
+        return ban_in_force(self.store.get_ban(node_key), now)
 
     def suspect(self, node_key: bytes) -> bool:
         """Has the node ever been struck or banned? (Its work is then checked in full.)"""

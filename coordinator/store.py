@@ -15,8 +15,9 @@ import json
 import secrets
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,49 @@ from coordinator.records import (
     rollout_from_row,
 )
 
-__all__ = ["ACK", "LeaseRecord", "NodeRecord", "RolloutRow", "Store", "Verdict"]
+__all__ = [
+    "ACK", "LeaseRecord", "NodeRecord", "RolloutRow", "Store", "SubmissionContext", "Verdict",
+]  # fmt: skip
+
+#: One node's row of the ``trust`` table (:mod:`coordinator.trust` owns the table): clean_checks,
+#: suspect, flagged_at, label_changed_at, clean_leases.
+TrustRow = tuple[int, bool, float | None, float | None, int]
+TRUST_SQL = (
+    "SELECT clean_checks, suspect, flagged_at, label_changed_at, clean_leases FROM trust"
+    " WHERE node_key = ?"
+)
+
+
+@dataclass(frozen=True)
+class SubmissionContext:
+    """Everything the submission pipeline's checks read, loaded in one read
+    (:meth:`Store.load_submission`); the checks (:mod:`coordinator.pipeline`) touch nothing else."""
+
+    #: the sender's registration; None: not registered
+    node: NodeRecord | None
+    #: the sender's ban on record ``(bans so far, banned_until, reason)``; None: never banned
+    ban: tuple[int, float, str] | None
+    #: the lease the submission names; None: no such lease
+    lease: LeaseRecord | None
+    #: the verdict stored for these exact bytes (lease, digest); None: first time
+    verdict: Verdict | None
+    #: distinct verdicts stored for the lease
+    verdicts: int
+    #: ``{prompt_index: (state, holder lease_id)}`` of the lease's prompts ever issued
+    prompt_states: Mapping[int, tuple[str, str]]
+    #: every published version, oldest first
+    versions: tuple[int, ...]
+    #: the sender's trust row; None: it has none (new, or a suspect with ``has_record``)
+    trust: TrustRow | None
+    #: any strike or ban on record for the sender (read only when it has no trust row)
+    has_record: bool
+    #: ``{audit copy index: original prompt index}`` for the lease's audit copies
+    originals: Mapping[int, int]
+
+    @property
+    def latest_version(self) -> int | None:
+        return self.versions[-1] if self.versions else None
+
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -190,6 +233,42 @@ class Store:
     def _all(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         with self._lock, self._guard("select"):
             return list(self._conn.execute(sql, args).fetchall())
+
+    # --- the submission pipeline's one read -------------------------------------------------------
+    def load_submission(self, node_key: bytes, lease_id: str, digest: bytes) -> SubmissionContext:
+        """What the checks of one submission need (:class:`SubmissionContext`), read under the
+        connection lock (a consistent view: every write of this process takes the same lock)."""
+        with self._lock:
+            node = self.get_node(node_key)
+            lease = self.get_lease(lease_id)
+            prompts = lease.prompts if lease is not None else ()
+            audit = [i for i in prompts if i < 0]
+            originals: dict[int, int] = {}
+            if audit:
+                marks = ",".join("?" * len(audit))
+                sql = f"SELECT prompt_index, original FROM audits WHERE prompt_index IN ({marks})"
+                originals = {int(a): int(o) for a, o in self._all(sql, audit)}
+            trust = self.trust_row(node_key)
+            return SubmissionContext(
+                node=node,
+                ban=self.get_ban(node_key),
+                lease=lease,
+                verdict=self.get_verdict(lease_id, digest),
+                verdicts=self.verdict_count(lease_id),
+                prompt_states=self.prompt_states(prompts),
+                versions=tuple(self.versions()),
+                trust=trust,
+                has_record=False if trust is not None else self.has_record(node_key),
+                originals=originals,
+            )
+
+    def trust_row(self, node_key: bytes) -> TrustRow | None:
+        """The node's row of the ``trust`` table (:mod:`coordinator.trust`), or None."""
+        rows = self._all(TRUST_SQL, (node_key,))
+        if not rows:
+            return None
+        c, s, f, ch, n = rows[0]
+        return (int(c), bool(s), f, ch, int(n))
 
     # --- meta ------------------------------------------------------------------------------------
     def get_meta(self, key: str) -> str | None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from coordinator.config import IntakeSection
-from coordinator.store import Store
+from coordinator.store import Store, TrustRow
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,15 @@ class Obligation:
     checks_to_floor: float
 
 
+def trust_state(row: TrustRow | None, has_record: bool) -> TrustState:
+    """A node's state from its ``trust`` row; without one it is new, or a suspect when it has a
+    strike or ban on record (``has_record``) from before the table existed."""
+    if row is None:
+        return TrustState(0, has_record, None, None)
+    clean, suspect, flagged, changed, leases = row
+    return TrustState(clean, suspect, flagged, changed, leases)
+
+
 class Trust:
     """Per-node check rates; every change is committed with the caller's transaction."""
 
@@ -99,15 +108,8 @@ class Trust:
             store.execute("ALTER TABLE trust ADD COLUMN clean_leases INTEGER NOT NULL DEFAULT 0")
 
     def state(self, node_key: bytes) -> TrustState:
-        rows = self.store.query(
-            "SELECT clean_checks, suspect, flagged_at, label_changed_at, clean_leases FROM trust"
-            " WHERE node_key = ?",
-            (node_key,),
-        )
-        if not rows:
-            return TrustState(0, self.store.has_record(node_key), None, None)
-        clean, suspect, flagged, changed, leases = rows[0]
-        return TrustState(int(clean), bool(suspect), flagged, changed, int(leases))
+        row = self.store.trust_row(node_key)
+        return trust_state(row, row is None and self.store.has_record(node_key))
 
     @property
     def patience(self) -> float:
@@ -171,11 +173,14 @@ class Trust:
             ),
         )  # fmt: skip
 
-    def accepted(self, node_key: bytes, *, checked: bool) -> TrustState:
+    def accepted(
+        self, node_key: bytes, *, checked: bool, state: TrustState | None = None
+    ) -> TrustState:
         """A lease of the node was accepted (``checked``: after a passed check): one more clean
         lease (and clean check); a suspect that passed ``suspect_release_checks`` checks in a
-        row is released and starts again from ``h = 0``."""
-        s = self.state(node_key)
+        row is released and starts again from ``h = 0``. ``state``: the node's current state
+        when the caller has just read it (inside the same transaction); else it is read."""
+        s = self.state(node_key) if state is None else state
         clean = s.clean_checks + int(checked)
         leases = s.clean_leases + 1
         suspect = s.suspect

@@ -1,0 +1,292 @@
+"""The submission pipeline's pure steps (coordinator.pipeline), without SQLite or a Coordinator.
+
+Each test builds the one-read :class:`SubmissionContext` by hand, as ``Store.load_submission``
+would fill it, and asks what the pipeline answers: the screen before any check, the context the
+intake checks read, the re-check inside the write transaction and the decision. Time is an
+argument (no clock), so a ban's end is tested at the exact second. Checks 3–6 then run on the
+built context through a real :class:`Intake` (no verifier, so no model; no store either).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from coordinator.errors import IntakeRejection
+from coordinator.intake import Intake, IntakeContext, PromptSlot, expected_seed
+from coordinator.pipeline import (
+    MAX_VERDICTS_PER_LEASE,
+    Proceed,
+    Refusal,
+    Replay,
+    decide,
+    intake_context,
+    recheck,
+    screen,
+    trust_of,
+)
+from coordinator.records import ACK, LeaseRecord, NodeRecord, Verdict
+from coordinator.store import SubmissionContext
+from coordinator.tasks import ReverseTask
+from policy.model import CharTokenizer
+from protocol.errors import ReasonCode
+from protocol.messages import (
+    GroupResult,
+    RolloutSubmission,
+    Sample,
+    Timings,
+    pack_logprobs,
+    pack_tokens,
+)
+
+TOK = CharTokenizer()
+TASK = ReverseTask()
+NODE = b"n" * 32
+OTHER = b"o" * 32
+NOW = 1_000_000.0
+G = 2
+LEASE_SEED = 12345
+
+
+def lease(state: str = "active", prompts: tuple[int, ...] = (0, 1), **kw: object) -> LeaseRecord:
+    base = LeaseRecord(
+        lease_id="L00000007-abc",
+        node_key=NODE,
+        epoch=7,
+        version=3,
+        prompts=prompts,
+        group_size=G,
+        max_new_tokens=4,
+        issued_at=NOW - 10,
+        deadline=NOW + 20,
+        state=state,
+        backend="hf",
+        dtype="float32",
+    )
+    return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
+
+
+def node(**kw: object) -> NodeRecord:
+    base = NodeRecord(NODE, "fp", None, NOW - 100, NOW - 1, backend="vllm", dtype="bfloat16")
+    return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
+
+
+def context(**kw: object) -> SubmissionContext:
+    """What the store would load for a registered node holding an active lease of 2 prompts."""
+    the_lease = kw.pop("lease", lease())
+    assert the_lease is None or isinstance(the_lease, LeaseRecord)
+    prompts = the_lease.prompts if the_lease else ()
+    base = SubmissionContext(
+        node=node(),
+        ban=None,
+        lease=the_lease,
+        verdict=None,
+        verdicts=0,
+        prompt_states={p: ("leased", "L00000007-abc") for p in prompts},
+        versions=(1, 2, 3),
+        trust=None,
+        has_record=False,
+        originals={},
+    )
+    return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
+
+
+def slots(the_lease: LeaseRecord) -> dict[str, PromptSlot]:
+    out = {}
+    for position, index in enumerate(the_lease.prompts):
+        problem = TASK.problem(index)
+        out[problem.prompt_id] = PromptSlot(
+            index, problem, tuple(TOK.encode_prompt(problem.prompt)), position
+        )
+    return out
+
+
+def submission(the_lease: LeaseRecord, *, epoch: int | None = None) -> RolloutSubmission:
+    """Correct answers (reversed prompt + EOS) for every prompt of the lease."""
+    groups = []
+    for position, slot in enumerate(slots(the_lease).values()):
+        answer = [*reversed(list(slot.token_ids)[1:-1]), TOK.eos_token_id]
+        samples = [
+            Sample(
+                token_ids=pack_tokens(answer),
+                logprobs=pack_logprobs([-0.5] * len(answer)),
+                finish_reason="eos",
+                seed=expected_seed(LEASE_SEED, position, j),
+            )
+            for j in range(G)
+        ]
+        groups.append(GroupResult(prompt_id=slot.problem.prompt_id, samples=samples))
+    return RolloutSubmission(
+        lease_id=the_lease.lease_id,
+        epoch=the_lease.epoch if epoch is None else epoch,
+        policy_version=the_lease.version,
+        backend="hf",
+        dtype="float32",
+        groups=groups,
+        timings=Timings(started_at=0.0, finished_at=1.0, generate_s=1.0),
+    )
+
+
+def refused(answer: Replay | Refusal | Proceed) -> Refusal:
+    assert isinstance(answer, Refusal), answer
+    return answer
+
+
+# --- screen: answers before any check of the rollouts -----------------------------------------
+def test_an_unregistered_sender_is_refused_unstored() -> None:
+    out = refused(screen(context(node=None), NODE, submission(lease()), NOW))
+    assert out.rejection.code is ReasonCode.UNKNOWN_NODE
+    assert out.lease is None  # not lease-bound: no verdict stored under the digest
+
+
+def test_a_ban_holds_until_its_end_on_the_injected_time() -> None:
+    ban = (2, NOW + 30.0, "3 strikes, mostly logprob_mismatch")
+    out = refused(screen(context(ban=ban), NODE, submission(lease()), NOW))
+    assert out.rejection.code is ReasonCode.BANNED
+    assert out.rejection.retry_after_s == pytest.approx(30.0)  # same clock value, no arithmetic
+    assert "ban #2" in out.rejection.detail
+    # at its end the same loaded row no longer refuses: only ``now`` changed
+    assert isinstance(screen(context(ban=ban), NODE, submission(lease()), NOW + 30.0), Proceed)
+
+
+@pytest.mark.parametrize(
+    ("the_lease", "sender", "epoch", "code"),
+    [
+        (None, NODE, 7, ReasonCode.UNKNOWN_LEASE),
+        (lease(), OTHER, 7, ReasonCode.WRONG_NODE),
+        (lease(), NODE, 6, ReasonCode.STALE_EPOCH),
+        (lease(state="released"), NODE, 7, ReasonCode.LEASE_EXPIRED),
+    ],
+)
+def test_only_the_holder_at_its_epoch_may_submit(
+    the_lease: LeaseRecord | None, sender: bytes, epoch: int, code: ReasonCode
+) -> None:
+    ctx = context(lease=the_lease, node=node(node_key=sender))
+    out = refused(screen(ctx, sender, submission(lease(), epoch=epoch), NOW))
+    assert out.rejection.code is code
+    assert out.lease is None
+
+
+def test_the_same_bytes_get_the_stored_verdict() -> None:
+    stored = Verdict(ACK, "4 samples of 2 prompts accepted; 0 groups were already completed", 4)
+    out = screen(context(verdict=stored), NODE, submission(lease()), NOW)
+    assert out == Replay("L00000007-abc", stored)
+
+
+def test_a_flood_of_variants_is_refused_unstored_with_a_strike() -> None:
+    ctx = context(verdicts=MAX_VERDICTS_PER_LEASE)
+    out = refused(screen(ctx, NODE, submission(lease()), NOW))
+    assert out.rejection.code is ReasonCode.DUPLICATE and out.rejection.strike
+    assert out.lease is None
+    below = context(verdicts=MAX_VERDICTS_PER_LEASE - 1)
+    assert isinstance(screen(below, NODE, submission(lease()), NOW), Proceed)
+
+
+def test_a_lease_with_nothing_open_is_closed_with_the_right_code() -> None:
+    done = {0: ("done", "L00000007-abc"), 1: ("done", "L00000009-xyz")}
+    complete = refused(screen(context(prompt_states=done), NODE, submission(lease()), NOW))
+    assert complete.rejection.code is ReasonCode.DUPLICATE
+    assert complete.lease == lease()  # lease-bound: the verdict is stored and receipted
+
+    expired = lease(state="expired")
+    fenced = {0: ("done", "L00000007-abc"), 1: ("leased", "L00000009-xyz")}
+    ctx = context(lease=expired, prompt_states=fenced)
+    assert refused(screen(ctx, NODE, submission(expired), NOW)).rejection.code is (
+        ReasonCode.STALE_EPOCH
+    )
+    ctx = context(lease=expired, prompt_states=done)
+    assert refused(screen(ctx, NODE, submission(expired), NOW)).rejection.code is (
+        ReasonCode.LEASE_EXPIRED
+    )
+
+
+def test_an_expired_lease_keeps_the_prompts_it_still_holds_open() -> None:
+    expired = lease(state="expired")
+    states = {0: ("pending", "L00000007-abc"), 1: ("leased", "L00000009-xyz")}
+    out = screen(context(lease=expired, prompt_states=states), NODE, submission(expired), NOW)
+    assert out == Proceed(expired, frozenset({0}))
+
+
+# --- what the checks read ---------------------------------------------------------------------
+def context_for_checks(ctx: SubmissionContext, proceed: Proceed) -> IntakeContext:
+    return intake_context(
+        ctx, NODE, proceed, slots(proceed.lease), staleness_bound=2,
+        vocab_size=TOK.vocab_size, eos_token_id=TOK.eos_token_id,
+        stop_token_ids=frozenset({TOK.eos_token_id}), suspect=False, check_rate=0.25,
+        lease_seed=LEASE_SEED,
+    )  # fmt: skip
+
+
+def test_the_checks_hold_the_node_to_its_lease_registration() -> None:
+    ctx = context()
+    proceed = screen(ctx, NODE, submission(lease()), NOW)
+    assert isinstance(proceed, Proceed)
+    check = context_for_checks(ctx, proceed)
+    assert (check.backend, check.dtype) == ("hf", "float32")
+    assert check.current_version == 3 and check.known_versions == {1, 2, 3}
+    # a lease from before registrations were recorded: the node's current one applies
+    old = lease(backend="", dtype="")
+    check = context_for_checks(context(lease=old), Proceed(old, frozenset({0, 1})))
+    assert (check.backend, check.dtype) == ("vllm", "bfloat16")
+
+
+def test_checks_3_to_6_run_on_the_built_context_without_a_store() -> None:
+    ctx = context()
+    proceed = screen(ctx, NODE, submission(lease()), NOW)
+    assert isinstance(proceed, Proceed)
+    intake = Intake(TASK, TOK, verifier=None, secret=b"s" * 32)
+    intake.offload = _inline
+    accepted = asyncio.run(intake.verify(submission(lease()), context_for_checks(ctx, proceed)))
+    assert len(accepted) == 2 * G and all(a.reward == 1.0 for a in accepted)
+    # the version check reads the loaded versions: v3 is 3 behind v6 (S = 2)
+    stale = context(versions=(1, 2, 3, 4, 5, 6))
+    with pytest.raises(IntakeRejection) as err:
+        asyncio.run(intake.verify(submission(lease()), context_for_checks(stale, proceed)))
+    assert err.value.code is ReasonCode.TOO_STALE
+
+
+async def _inline(fn: Callable[..., Any], *args: Any) -> Any:
+    """Runs the reward scoring inline (no thread: nothing here blocks for long)."""
+    return fn(*args)
+
+
+def test_a_node_with_a_record_but_no_trust_row_is_a_suspect() -> None:
+    assert trust_of(context(has_record=True)).suspect
+    assert not trust_of(context()).suspect
+    row = (3, False, None, None, 40)
+    assert trust_of(context(trust=row)).clean_leases == 40
+
+
+# --- inside the write transaction -------------------------------------------------------------
+def test_the_recheck_keeps_only_prompts_still_open() -> None:
+    sub = submission(lease())
+    states = {0: ("done", "L00000009-xyz"), 1: ("leased", "L00000007-abc")}
+    assert recheck(context(prompt_states=states), NODE, sub, [0, 1]) == Proceed(
+        lease(), frozenset({1})
+    )
+    # both completed elsewhere meanwhile: closed as a duplicate, lease-bound
+    done = {0: ("done", "L00000009-xyz"), 1: ("done", "L00000009-xyz")}
+    out = refused(recheck(context(prompt_states=done), NODE, sub, [0, 1]))
+    assert out.rejection.code is ReasonCode.DUPLICATE and out.lease == lease()
+
+
+def test_the_recheck_answers_a_race_won_by_the_same_bytes_and_a_release() -> None:
+    sub = submission(lease())
+    won = Verdict(ACK, "accepted", 4)
+    assert recheck(context(verdict=won), NODE, sub, [0, 1]) == Replay("L00000007-abc", won)
+    released = context(lease=lease(state="released"))
+    out = refused(recheck(released, NODE, sub, [0, 1]))
+    assert out.rejection.code is ReasonCode.LEASE_EXPIRED and out.lease is None
+
+
+def test_the_decision_counts_samples_prompts_and_skipped_groups() -> None:
+    sub = submission(lease())
+    out = decide(sub, [1, 1], tokens=8, samples=2)
+    assert out.prompts == (1,) and out.tokens == 8
+    assert out.verdict == Verdict(
+        ACK, "2 samples of 1 prompts accepted; 1 groups were already completed elsewhere", 2, 1
+    )
