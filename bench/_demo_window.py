@@ -1,6 +1,6 @@
 """One measured window of a real ``swarm demo`` (shared by ``bench/capacity.py``).
 
-Starts the demo's processes (:class:`swarm.demo.Demo`: coordinator, trainer, N nodes on
+Starts the demo's processes (:class:`swarm.shell.demo.Demo`: coordinator, trainer, N nodes on
 127.0.0.1), waits until the learner has done ``warmup_steps`` steps, then measures for
 ``seconds``: the learner's idle fraction and its breakdown from the trainer's cumulative counters
 (``metrics.jsonl``: ``wall_s``, ``busy_s``, ``idle_<cause>_s`` of the first and last step of the
@@ -23,8 +23,8 @@ from typing import Any
 from _age import breakdown
 
 from coordinator.status import CAPACITY_FIELDS
-from swarm.demo import Demo
-from swarm.demo_options import DemoOptions
+from swarm.shell.demo import Demo
+from swarm.shell.demo_options import DemoOptions
 from trainer.metrics import IDLE_CAUSES
 
 STATUS_KEYS = (

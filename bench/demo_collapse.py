@@ -41,7 +41,7 @@ def run_demo(seed: int, run_dir: Path, extra: list[str]) -> dict[str, Any]:
     argv = [
         sys.executable,
         "-m",
-        "swarm.cli",
+        "swarm.shell.cli",
         "demo",
         "--no-live",
         "--seed",

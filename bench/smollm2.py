@@ -77,7 +77,7 @@ def run_one(
     if run_dir.exists():
         shutil.rmtree(run_dir)
     argv = [
-        sys.executable, "-m", "swarm.cli", "demo", "--model", model, "--seed", str(seed),
+        sys.executable, "-m", "swarm.shell.cli", "demo", "--model", model, "--seed", str(seed),
         "--staleness", str(staleness), "--time-limit", str(minutes * 60), "--no-live",
         "--run-dir", str(run_dir), *extra,
     ]  # fmt: skip

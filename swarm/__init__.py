@@ -25,16 +25,22 @@ Modules:
 * :mod:`swarm.testing`       -- helpers for tests (loopback peers, sample adverts)
 * :mod:`swarm.checkpoint_io` -- torch state_dict <-> safetensors file bytes
 * :mod:`swarm.tasks`         -- bounded cancel-and-wait for owned background tasks
-* :mod:`swarm.cli`           -- the ``swarm`` command line (typer)
-* :mod:`swarm.demo`          -- ``swarm demo``: a local swarm as separate processes
-* :mod:`swarm.demo_options`  -- the demo's flags, profiles and ``--trainer-set``
-* :mod:`swarm.demo_report`   -- the demo's live view, plot and summary
-* :mod:`swarm.heldout`       -- the held-out evaluation put together for the trainer process (the
-                               task's split and verifier, the policy's rendering and protocol)
-* :mod:`swarm.inspect`       -- ``swarm inspect``: join the DHT as a client, show the swarm
 * :mod:`swarm.display`       -- human-readable figures: short unique fingerprints, units, hardware
+                               (the status pages' and the shell's)
+* :mod:`swarm.signals`       -- signal plumbing and fast exit shared by the processes' entry points
+* :mod:`swarm.reachability`  -- measured reachability: can other peers dial this one
+* :mod:`swarm.configfile`    -- reading any process's TOML config file, with one-line errors
+* :mod:`swarm.files`         -- atomic writes of the small documents other processes poll for
+* :mod:`swarm.faults`        -- fault-injection points for the reliability suite (inert by default)
+* :mod:`swarm.netns`         -- network-namespace topologies (links, shaping, NAT) for tests, bench
+* :mod:`swarm.delayline`     -- a userspace delay line on NFQUEUE where ``netem`` is missing
 * :mod:`swarm.web`           -- the browser pages (coordinator dashboard, node page) and their
                                 read-only HTTP server; uPlot vendored
+* :mod:`swarm.shell`         -- the user-facing shell apart from the peer layer: the ``swarm``
+                                command line, ``swarm demo``, ``swarm inspect``, the held-out
+                                evaluation's assembly, the configuration reference. It drives
+                                the roles; the peer layer never imports a role
+                                (``tests/unit/test_layering.py``)
 
 Nothing is imported here, so ``swarm --help`` stays fast (hivemind pulls in torch).
 """

@@ -7,8 +7,8 @@ Two ways to start the sharded trainer, the same code in every rank (docs/trainer
   ``swarm trainer run ...`` on this machine with torchrun's environment (``RANK``, ``LOCAL_RANK``,
   ``WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``), forwards SIGINT/SIGTERM to
   them, and when one rank fails stops the others and exits 1 with one line naming it;
-* ``torchrun ... -m swarm.cli trainer run ...`` (one machine or several): torchrun sets the same
-  environment; use it across machines.
+* ``torchrun ... -m swarm.shell.cli trainer run ...`` (one machine or several): torchrun sets the
+  same environment; use it across machines.
 
 In a rank, ``WORLD_SIZE > 1`` selects the sharded path: rank 0 runs the network process
 (:func:`trainer.main.run_trainer`), every other rank :func:`run_follower`: the same recipe, no
@@ -127,7 +127,7 @@ def launch_local(nproc: int, argv: Sequence[str], *, stop_grace_s: float) -> int
         LOCAL_WORLD_SIZE=str(nproc),
     )
     env[LAUNCHER_ENV] = str(os.getpid())
-    cmd = [sys.executable, "-m", "swarm.cli", "trainer", "run", *argv]
+    cmd = [sys.executable, "-m", "swarm.shell.cli", "trainer", "run", *argv]
     # (rank, exit code) from the waiter threads; (_STOP, signal) from the signal handler
     # (SimpleQueue.put is reentrant: safe in a handler that interrupts a get()).
     events: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()

@@ -18,12 +18,19 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from protocol.identity import Identity
 from swarm.tasks import cancel_and_wait
 from trainer.swarm_client import CoordinatorError, CoordinatorSource, SwarmPublisher, digest_hex
+
+#: Gives a trainer its held-out evaluation: ``(trainer, the coordinator's status, the leases' stop
+#: ids, the source)`` -> the task, to close when done. The shell passes it in
+#: (:func:`swarm.shell.heldout.start_evaluation`: the coordinator's task with the policy's
+#: evaluation protocol), so the trainer imports neither the coordinator nor the shell.
+StartEvaluation = Callable[[Any, dict[str, Any], Sequence[int], Any], Any]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +73,7 @@ async def run_trainer(
     coordinator_maddr: str,
     coordinator_key: str,
     state_dir: Path,
+    start_evaluation: StartEvaluation,
     chunk_size: int = 4 << 20,
     stop: asyncio.Event | None = None,
     dist: Any = None,
@@ -174,9 +182,7 @@ async def run_trainer(
             latest = await _race_stop(publisher.latest_version(), stop)
         trainer.sync_published(latest)
         _attach_stats(trainer, source, publisher)
-        if trainer.evaluation is not None:  # the held-out evaluation (swarm/heldout.py)
-            from swarm.heldout import start_evaluation
-
+        if trainer.evaluation is not None:  # the held-out evaluation (StartEvaluation)
             start_evaluation(trainer, status, lease_stops, source)
         if stop.is_set():  # stopped during the set-up: a final checkpoint, as on any stop
             trainer.request_stop()
@@ -375,11 +381,13 @@ def run_from_cli(
     state_dir: Path | None,
     max_steps: int | None = None,
     nproc: int | None = None,
+    start_evaluation: StartEvaluation,
 ) -> int:
     """``swarm trainer run``. Exit 0 clean (SIGINT/SIGTERM or max_steps), 2 bad input, 1 failure.
 
     Every error is one ``error:`` line on stderr. ``nproc`` > 1 starts that many ranks here
     (:func:`trainer.launch.launch_local`); under torchrun (``WORLD_SIZE`` > 1) this is one rank.
+    ``start_evaluation`` gives rank 0 its held-out evaluation (:data:`StartEvaluation`).
     """
     import os
     import sys
@@ -507,7 +515,7 @@ def run_from_cli(
             loop.add_signal_handler(sig, stop.set)
         return await run_trainer(
             cfg, coordinator_maddr=coordinator, coordinator_key=coordinator_key, state_dir=out,
-            stop=stop, dist=dist,
+            start_evaluation=start_evaluation, stop=stop, dist=dist,
         )  # fmt: skip
 
     dist = None

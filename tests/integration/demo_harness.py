@@ -103,7 +103,8 @@ class DemoRun:
     def __init__(self, run_dir: Path, out: Path, *flags: str) -> None:
         self.run_dir = run_dir
         self.out = out
-        argv = [sys.executable, "-m", "swarm.cli", "demo", "--no-live", "--run-dir", str(run_dir)]
+        argv = [sys.executable, "-m", "swarm.shell.cli", "demo", "--no-live"]
+        argv += ["--run-dir", str(run_dir)]
         with open(out, "wb") as fh:
             self.popen = subprocess.Popen(
                 [*argv, *flags], cwd=REPO, env=demo_env(), stdout=fh, stderr=subprocess.STDOUT,

@@ -74,7 +74,7 @@ class Proc:
         self.log = log
         self._out = open(log, "ab")  # noqa: SIM115 - closed in stop()
         self.popen = subprocess.Popen(
-            [*(prefix or []), sys.executable, "-m", "swarm.cli", *args],
+            [*(prefix or []), sys.executable, "-m", "swarm.shell.cli", *args],
             cwd=ROOT,
             env={**ENV, **(env or {})},
             stdout=self._out,

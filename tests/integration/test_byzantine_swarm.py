@@ -524,7 +524,7 @@ async def _audit(swarm: Swarm, receipt: str) -> int:
 
     await until(sealed, "a sealed receipt log", 60, swarm.coord.proc)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "swarm.cli", "audit", "--state-dir", str(swarm.coord.state),
+        sys.executable, "-m", "swarm.shell.cli", "audit", "--state-dir", str(swarm.coord.state),
         "--coordinator-key", swarm.coord.fingerprint, "--receipt", receipt,
         cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip

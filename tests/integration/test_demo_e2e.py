@@ -53,7 +53,7 @@ def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     """Run ``swarm ARGS`` in its own session; afterwards nothing of that session may be left
     (``swarm inspect`` starts a libp2p daemon, which must go away with it)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "swarm.cli", *args], cwd=REPO, env=demo_env(), text=True,
+        [sys.executable, "-m", "swarm.shell.cli", *args], cwd=REPO, env=demo_env(), text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
@@ -80,7 +80,7 @@ def test_demo_trains_broadcasts_and_cleans_up(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     out = tmp_path / "demo.out"
     argv = [
-        sys.executable, "-m", "swarm.cli", "demo", "--no-live", "--nodes", "3",
+        sys.executable, "-m", "swarm.shell.cli", "demo", "--no-live", "--nodes", "3",
         "--target", str(TARGET_EXACT), "--time-limit", str(DEMO_TIME_LIMIT_S),
         "--batch-prompts", "32", "--group-size", "8", "--run-dir", str(run_dir),
     ]  # fmt: skip

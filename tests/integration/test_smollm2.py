@@ -106,7 +106,7 @@ def test_base_score_of_smollm2_on_the_held_out_arith_set() -> None:
     40 held-out ``arith`` prompts (chat template, no system prompt, 48 new tokens, the model's
     stop set). Greedy decoding of a fixed set is a fixed number; another CPU's rounding may flip
     a near-tie between two tokens, hence one prompt of slack."""
-    from swarm.heldout import build_evaluator
+    from swarm.shell.heldout import build_evaluator
 
     torch.set_num_threads(2)
     path, _ = resolve_model("smollm2")

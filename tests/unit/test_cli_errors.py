@@ -1,9 +1,9 @@
 """Bad input to every ``swarm`` command: one ``error:`` line, exit 2 (1 for runtime failures),
 no traceback, and ``swarm --help`` without the heavy imports.
 
-Cheap cases call :func:`swarm.cli.main` in-process (it exits like the console script); the ones
-that need a real peer (port in use, unreachable coordinator/peer) run ``python -m swarm.cli`` with
-short timeouts.
+Cheap cases call :func:`swarm.shell.cli.main` in-process (it exits like the console script); the
+ones that need a real peer (port in use, unreachable coordinator/peer) run
+``python -m swarm.shell.cli`` with short timeouts.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from protocol.identity import Identity
-from swarm import cli
+from swarm.shell import cli
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "ed25519:t7zy4sqvttem4rnbowlxlyiss2gwzxrfog4wrcldgyk5uymcbbva"
@@ -69,7 +69,7 @@ def run_cli(
 def run_sub(*argv: str, timeout: float = 30, cwd: Path | None = None) -> tuple[int, str, str]:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "swarm.cli", *argv],
+        [sys.executable, "-m", "swarm.shell.cli", *argv],
         capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO, env=env,
     )  # fmt: skip
     return proc.returncode, proc.stdout, proc.stderr
@@ -95,7 +95,7 @@ def test_usage_errors_are_one_line(run_cli: Runner, argv: list[str], needle: str
 
 def test_help_is_fast_and_light() -> None:
     code = (
-        "import sys, time\nt = time.monotonic()\nfrom swarm import cli\n"
+        "import sys, time\nt = time.monotonic()\nfrom swarm.shell import cli\n"
         "try:\n    cli.main(['--help'])\nexcept SystemExit as e:\n    rc = e.code\n"
         "heavy = [m for m in ('torch', 'hivemind', 'transformers', 'numpy') if m in sys.modules]\n"
         "print('RESULT', rc, heavy, time.monotonic() - t)\n"
@@ -181,7 +181,7 @@ def test_coordinator_launch_port_in_use(tmp_path: Path) -> None:
     port = _closed_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     first = subprocess.Popen(
-        [sys.executable, "-m", "swarm.cli", "coordinator", "launch", "--port", str(port),
+        [sys.executable, "-m", "swarm.shell.cli", "coordinator", "launch", "--port", str(port),
          "--state-dir", str(tmp_path / "c1")],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=tmp_path,
         start_new_session=True,

@@ -1,5 +1,5 @@
 """docs/configuration.md is the configs' key reference (issue 36, item 15): generated from the
-pydantic models by ``python -m swarm.config_reference --write``; it must equal what the code
+pydantic models by ``python -m swarm.shell.config_reference --write``; it must equal what the code
 renders now, name every key of every model, and every key of the checked-in example files."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from coordinator.config import CoordinatorConfig
 from node.config import NodeConfig
-from swarm.config_reference import DOC_PATH, render
+from swarm.shell.config_reference import DOC_PATH, render
 from trainer.config import TrainerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_page_is_what_the_configs_render() -> None:
     assert DOC_PATH == ROOT / "docs" / "configuration.md"
     assert DOC_PATH.read_text() == render(), (
-        "docs/configuration.md is out of date: run .venv/bin/python -m swarm.config_reference "
-        "--write"
+        "docs/configuration.md is out of date: run .venv/bin/python -m "
+        "swarm.shell.config_reference --write"
     )
 
 
@@ -73,14 +73,14 @@ def test_every_key_of_the_example_files_is_documented() -> None:
 def test_check_mode_fails_on_a_stale_page(tmp_path: Path) -> None:
     """``--check`` (what a contributor runs after changing a config) tells a stale page apart."""
     ok = subprocess.run(
-        [sys.executable, "-m", "swarm.config_reference", "--check"],
+        [sys.executable, "-m", "swarm.shell.config_reference", "--check"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert ok.returncode == 0, ok.stderr
     page = render()
     stale = page.replace("| `lr` |", "| `learning_rate` |")
     assert stale != page
-    from swarm import config_reference
+    from swarm.shell import config_reference
 
     original = config_reference.DOC_PATH
     try:

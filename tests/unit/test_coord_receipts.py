@@ -129,7 +129,7 @@ async def test_swarm_audit_command_line(tmp_path: Path) -> None:
     prompt = h.core.task.problem(lease.prompts[0]).prompt_id
     h.core.close()
     cmd = [
-        sys.executable, "-m", "swarm.cli", "audit", "--db", str(h.cfg.db_path),
+        sys.executable, "-m", "swarm.shell.cli", "audit", "--db", str(h.cfg.db_path),
         "--receipt", "L00000002", "--coordinator-key", key.fingerprint,
     ]  # fmt: skip
     bad = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)

@@ -10,9 +10,9 @@ import pytest
 from rich.console import Console
 
 from policy.testing import build_tiny_chat_model
-from swarm.demo import Demo
-from swarm.demo_options import DemoOptions, parse_trainer_settings
-from swarm.demo_report import LiveView, heldout_line, heldout_summary
+from swarm.shell.demo import Demo
+from swarm.shell.demo_options import DemoOptions, parse_trainer_settings
+from swarm.shell.demo_report import LiveView, heldout_line, heldout_summary
 from trainer.config import TrainerConfig
 
 STATUS = {

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from swarm.demo_report import monitor_line
+from swarm.shell.demo_report import monitor_line
 
 STATUS = {
     "trainer_ess_frac": 0.93,
@@ -31,9 +31,9 @@ def test_the_monitor_line_names_the_step_move_and_the_learning_rate_factor() -> 
 
 
 def test_the_live_view_has_the_two_columns(tmp_path: Path) -> None:
-    from swarm.demo import Demo
-    from swarm.demo_options import DemoOptions
-    from swarm.demo_report import LiveView
+    from swarm.shell.demo import Demo
+    from swarm.shell.demo_options import DemoOptions
+    from swarm.shell.demo_report import LiveView
 
     demo = Demo(DemoOptions(nodes=1, run_dir=tmp_path / "run", live=False))
     demo.curve = []

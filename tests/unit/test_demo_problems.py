@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from swarm.demo import Demo, DemoError
-from swarm.demo_options import DemoOptions
-from swarm.demo_report import LiveView
+from swarm.shell.demo import Demo, DemoError
+from swarm.shell.demo_options import DemoOptions
+from swarm.shell.demo_report import LiveView
 
 PROBLEM = (
     "stopped taking leases after 3 identical failures: generation failed: ValueError: prompt of "
@@ -54,7 +54,7 @@ def test_swarm_inspect_shows_node_problems_as_plain_text() -> None:
     read as rich markup (a hostile node could otherwise restyle or hide the table)."""
     from rich.console import Console
 
-    from swarm.inspect import render
+    from swarm.shell.inspect import render
 
     view = {
         "nodes": [],
@@ -120,7 +120,7 @@ def test_the_embedded_demo_trains_with_the_kl_adaptive_learning_rate(tmp_path: P
 
 def test_trainer_settings_from_the_command_line_reach_the_trainer(tmp_path: Path) -> None:
     """``swarm demo --trainer-set KEY=VALUE``: TOML values (bool, float, string, bare word)."""
-    from swarm.demo_options import parse_trainer_settings
+    from swarm.shell.demo_options import parse_trainer_settings
     from trainer.config import TrainerConfig
 
     settings = parse_trainer_settings(

@@ -19,7 +19,7 @@ from swarm.display import (
     fmt_number,
     short_ids,
 )
-from swarm.inspect import render
+from swarm.shell.inspect import render
 
 B32 = "abcdefghijklmnopqrstuvwxyz234567"
 

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from policy.importer import MARKER, ModelImportError, model_fingerprint, resolve_model
 from policy.model import ModelSpec, load_tokenizer, model_stop_ids
 from policy.testing import build_tiny_chat_model
-from swarm import cli
+from swarm.shell import cli
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from swarm.cli import app
+from swarm.shell.cli import app
 
 EXAMPLE_POOL = Path(__file__).resolve().parents[2] / "coordinator" / "pool.example.json"
 runner = CliRunner()

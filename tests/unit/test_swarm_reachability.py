@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from protocol.codec import decode, encode
 from protocol.identity import Identity
-from swarm.inspect import _advert_row
 from swarm.memtransport import InMemoryNetwork
 from swarm.reachability import (
     DIALBACK_RPC,
@@ -14,6 +13,7 @@ from swarm.reachability import (
     ReachabilityMonitor,
     measure_reachability,
 )
+from swarm.shell.inspect import _advert_row
 from swarm.testing import sample_advert
 
 

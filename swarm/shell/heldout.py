@@ -4,8 +4,9 @@ Three packages meet here, so neither role imports the other's internals: the tas
 verifier are the coordinator's (:func:`coordinator.tasks.heldout_problems`, the task's
 ``exact``), the protocol and decoding loop are the sampling contract's
 (:mod:`policy.evaluation`, :mod:`policy.prompts`), and the trainer process runs it on its own
-weights (:mod:`trainer.evaluation`). :func:`build_evaluator` is what ``swarm trainer run`` calls
-(like the CLI, this package composes the roles).
+weights (:mod:`trainer.evaluation`). ``swarm trainer run`` hands :func:`start_evaluation` to the
+trainer (:data:`trainer.main.StartEvaluation`), which calls it once set up: like the CLI, the shell
+composes the roles, so the trainer imports neither the coordinator nor the shell.
 
 The prompts are rendered the way the coordinator renders a lease's (the same
 :class:`~policy.prompts.PromptRenderer`: the template the coordinator reports on ``rswarm/status``
@@ -21,7 +22,7 @@ from policy.evaluation import EvalItem, HeldOutEvaluator
 from policy.model import ModelSpec, load_tokenizer
 from policy.prompts import PromptRenderer, PromptTemplate
 
-__all__ = ["build_evaluator"]
+__all__ = ["build_evaluator", "start_evaluation"]
 
 
 def build_evaluator(

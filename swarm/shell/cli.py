@@ -121,8 +121,8 @@ def demo(
     ] = None,
 ) -> None:
     """Start a real local swarm on 127.0.0.1 and train the embedded default (or --model)."""
-    from swarm.demo import run_demo
-    from swarm.demo_options import DemoOptions, parse_trainer_settings
+    from swarm.shell.demo import run_demo
+    from swarm.shell.demo_options import DemoOptions, parse_trainer_settings
 
     try:
         opts = DemoOptions(
@@ -258,6 +258,7 @@ def trainer_run(
     ] = None,
 ) -> None:
     """Consume verified rollouts, train with GRPO, publish checkpoints every kappa steps."""
+    from swarm.shell.heldout import start_evaluation
     from trainer.main import run_from_cli
 
     raise typer.Exit(
@@ -268,6 +269,7 @@ def trainer_run(
             state_dir=state_dir,
             max_steps=max_steps,
             nproc=nproc,
+            start_evaluation=start_evaluation,
         )
     )
 
@@ -317,7 +319,7 @@ def inspect(
     ] = 20.0,
 ) -> None:
     """Join the DHT as a client and show nodes, versions, intake and capacity."""
-    from swarm.inspect import run_inspect
+    from swarm.shell.inspect import run_inspect
 
     raise typer.Exit(
         run_inspect(

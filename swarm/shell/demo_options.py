@@ -3,7 +3,7 @@
 :class:`DemoOptions` is validated on construction (a wrong flag is a one-line ``ValueError``);
 a flag left ``None`` takes the profile's value (``embedded``, or ``pretrained`` with ``--model``).
 :func:`parse_trainer_settings` turns ``--trainer-set KEY=VALUE`` into trainer config entries,
-refusing the keys the demo derives from its own flags. The orchestrator is :mod:`swarm.demo`.
+refusing the keys the demo derives from its own flags. The orchestrator is :mod:`swarm.shell.demo`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """docs/configuration.md, generated from the typed configs: every TOML key of the coordinator, the
 trainer and the node, with its type, range, default and the field's description.
 
-    python -m swarm.config_reference            print the page
-    python -m swarm.config_reference --write    rewrite docs/configuration.md
-    python -m swarm.config_reference --check    exit 1 (saying so) when the page is out of date
+    python -m swarm.shell.config_reference          print the page
+    python -m swarm.shell.config_reference --write  rewrite docs/configuration.md
+    python -m swarm.shell.config_reference --check  exit 1 (saying so) when the page is stale
 
 ``tests/unit/test_config_reference.py`` fails when the page and the configs differ. The configs
 import neither torch nor hivemind, so neither does this module.
@@ -24,15 +24,15 @@ from pydantic.fields import FieldInfo
 
 __all__ = ["DOC_PATH", "render"]
 
-DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 _INTRO = """\
 # Configuration reference
 
 Every key of the three TOML files, generated from the typed configs (pydantic models with
 `extra="forbid"`: an unknown key is refused at load, naming it) by
-`python -m swarm.config_reference --write`; `tests/unit/test_config_reference.py` fails when this
-page and the code differ. The checked-in examples (`coordinator/coordinator.example.toml`,
+`python -m swarm.shell.config_reference --write`; `tests/unit/test_config_reference.py` fails when
+this page and the code differ. The checked-in examples (`coordinator/coordinator.example.toml`,
 `trainer/trainer.example.toml`, `node/node.example.toml`) show typical values; command-line flags
 (`swarm ... --help`) override some keys. A key left out takes its default; "unset" means the
 setting is off or derived, as its description says.
@@ -209,13 +209,13 @@ def main(argv: list[str]) -> int:
     if argv == ["--check"]:
         if DOC_PATH.read_text() != text:
             print(
-                f"{DOC_PATH} is out of date: run python -m swarm.config_reference --write",
+                f"{DOC_PATH} is out of date: run python -m swarm.shell.config_reference --write",
                 file=sys.stderr,
             )
             return 1
         return 0
     if argv:
-        print("usage: python -m swarm.config_reference [--write | --check]", file=sys.stderr)
+        print("usage: python -m swarm.shell.config_reference [--write | --check]", file=sys.stderr)
         return 2
     sys.stdout.write(text)
     return 0

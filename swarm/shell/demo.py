@@ -9,8 +9,8 @@ stops everything on Ctrl-C, on reaching the target, or at the time limit.
 
 Run folder (``runs/demo-TIME``): ``coordinator/`` ``trainer/`` ``node-*/`` state, ``logs/*.log``,
 ``curve.jsonl`` (one row per learner step seen on ``/status``), ``demo.png`` and ``summary.md``.
-The flags and profiles are :mod:`swarm.demo_options`, the live view and report
-:mod:`swarm.demo_report`.
+The flags and profiles are :mod:`swarm.shell.demo_options`, the live view and report
+:mod:`swarm.shell.demo_report`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from swarm.demo_options import BYZANTINE_MODES, DemoOptions, toml_value
 from swarm.files import atomic_write_text
+from swarm.shell.demo_options import BYZANTINE_MODES, DemoOptions, toml_value
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class Demo:
         )
 
     def _spawn(self, name: str, args: list[str]) -> Process:
-        argv = [sys.executable, "-m", "swarm.cli", *args]
+        argv = [sys.executable, "-m", "swarm.shell.cli", *args]
         proc = Process(name, argv, self.logs / f"{name}.log")
         self.procs.append(proc)
         log.info("started %s (pid %d)", name, proc.pid)
@@ -376,7 +376,7 @@ class Demo:
 
     # --- report ----------------------------------------------------------------------------------
     def summary(self, reason: str) -> str:
-        from swarm.demo_report import summarise
+        from swarm.shell.demo_report import summarise
 
         return summarise(self, reason)
 
@@ -387,7 +387,7 @@ class DemoError(RuntimeError):
 
 def run_demo(opts: DemoOptions) -> int:
     """Run the demo; 0 when the target was reached (or max steps done), 1 otherwise."""
-    from swarm.demo_report import LiveView
+    from swarm.shell.demo_report import LiveView
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     demo = Demo(opts)

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 
 class DemoOptions(Protocol):
-    """The options of a demo run that the report shows (``swarm.demo.DemoOptions``)."""
+    """The options of a demo run that the report shows (``swarm.shell.demo.DemoOptions``)."""
 
     target: float
     nodes: int | None
@@ -18,8 +18,8 @@ class DemoOptions(Protocol):
 
 
 class Demo(Protocol):
-    """What the report reads of a running demo (``swarm.demo.Demo``; a protocol, so this module
-    does not import the demo that imports it)."""
+    """What the report reads of a running demo (``swarm.shell.demo.Demo``; a protocol, so this
+    module does not import the demo that imports it)."""
 
     @property
     def opts(self) -> DemoOptions: ...
