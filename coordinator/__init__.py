@@ -30,12 +30,17 @@ Modules (transport-independent core; the network service is built on :class:`cor
 
 The network process on top of it:
 
-- :mod:`coordinator.service`    ``CoordinatorService``: the core on libp2p (RPC handlers, DHT
-                                records, holding published versions, upkeep)
-- :mod:`coordinator.holding`    ``VersionHolding`` (a mixin of the service): every published
-                                version fetched in full, T_bcast, the spot-check models
-- :mod:`coordinator.learner_link` ``LearnerLink`` (a mixin of the service): the trainer's
-                                handlers (publish, fetch) and the learner figures they carry
+- :mod:`coordinator.service`    ``CoordinatorService``: composes the parts below around the core
+                                on libp2p, in one ``start`` that reads top to bottom
+- :mod:`coordinator.holding`    ``VersionHolder``: every published version fetched in full;
+                                ``TBcastEstimate``; ``SpotCheckModels``: the spot-check models
+- :mod:`coordinator.learner_link` ``LearnerLink``: the trainer's handlers (publish, fetch) and
+                                the learner figures they carry
+- :mod:`coordinator.node_rpc`   ``NodeHandlers``: the nodes' handlers (register, heartbeat,
+                                lease, submit, release)
+- :mod:`coordinator.status_board` ``StatusBoard``: the ``/status`` document served, its ticks,
+                                ``rswarm/status``
+- :mod:`coordinator.upkeep`     ``Upkeep``: the tick and the DHT records
 - :mod:`coordinator.status`     the ``/status`` document, its wire form, the trainer gauges
 - :mod:`coordinator.node_view`  per-node figures of ``/status`` (hardware, versions held, strikes)
 - :mod:`coordinator.dissemination` ``HolderCensus``: which nodes hold each recent version (DHT)

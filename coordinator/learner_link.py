@@ -1,12 +1,13 @@
 """The trainer's side of the coordinator service: publications, the rollout feed, its figures.
 
-:class:`LearnerLink` is a mixin of :class:`coordinator.service.CoordinatorService`, which sets the
-state declared below in its ``__init__``. Only the configured trainer key may call these handlers
-(:meth:`LearnerLink._open_trainer`, checked before the signature). ``rswarm/publish`` signs the
-trainer's manifest, records it and starts holding the version (:mod:`coordinator.holding`);
-``rswarm/fetch`` long-polls accepted rollouts (at most ``FETCH_WAIT_CAP_S``) and takes the
-learner's figures that ride on it: T_train and its variability, B, κ for the capacity rule, and
-the step/cursor pairs of the receipt log.
+:class:`LearnerLink` owns the learner's handlers and what they keep (the trainer's gauges, the
+event that wakes a waiting fetch). Only the configured trainer key may call them
+(:meth:`LearnerLink._open_trainer`, checked before the signature). ``rswarm/publish`` refuses a
+LoRA version over another base than the coordinator's (the coordinator could not spot-check it),
+signs the trainer's manifest, records it and hands it to the version holder
+(:class:`coordinator.holding.VersionHolder`); ``rswarm/fetch`` long-polls accepted rollouts (at
+most ``FETCH_WAIT_CAP_S``) and takes the learner's figures that ride on it: T_train and its
+variability, B, κ for the capacity rule, and the step/cursor pairs of the receipt log.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
 from coordinator.core import Coordinator
 from coordinator.errors import Rejection
-from coordinator.history import StatusHistory
+from coordinator.holding import TBcastEstimate
 from coordinator.status import TrainerGauges, count_of, positive_of
 from protocol.codec import decode, encode
 from protocol.envelope import open_envelope
@@ -34,7 +36,6 @@ from protocol.messages import (
     PublishVersion,
     SignedEnvelope,
 )
-from swarm.broadcast import BroadcastNode
 
 M = TypeVar("M", bound=msgspec.Struct)
 
@@ -43,82 +44,101 @@ FETCH_WAIT_CAP_S = 30.0
 MAX_LEARNER_BATCH = 1 << 24
 
 
+class VersionSink(Protocol):
+    """Where a signed publication goes (:meth:`coordinator.holding.VersionHolder.hold`)."""
+
+    def hold(self, env: SignedEnvelope, manifest: Manifest, seeder: str) -> None: ...
+
+
 class LearnerLink:
-    """The trainer's handlers, as a mixin of :class:`~coordinator.service.CoordinatorService`
-    (which sets every attribute below in its ``__init__``)."""
+    """The trainer's handlers (``rswarm/publish``, ``rswarm/fetch``).
 
-    core: Coordinator | None
-    broadcast: BroadcastNode | None
-    identity: Identity
-    trainer_fingerprint: str | None
-    trainer_stats: dict[str, Any]
-    history: StatusHistory
-    _new_rollouts: asyncio.Event
-    _trainer_gauges: TrainerGauges | None
-    _seeders: dict[int, str]
-    _version_tasks: dict[int, asyncio.Task[None]]
+    ``core`` records versions, serves rollouts and takes the learner's figures; ``signer`` (the
+    coordinator key) signs manifests; ``trainer_fingerprint`` is the only key allowed to call
+    (None: no trainer configured, every call refused); ``holder`` fetches each published version;
+    ``t_bcast`` takes the trainer's publication time; ``on_report`` each report of the trainer
+    (the figures riding on a fetch: /status and its history show them);
+    ``on_published`` is told each new version (the service refreshes /status and the DHT);
+    ``check_version`` refuses a manifest the coordinator cannot serve (blocking, run in a worker
+    thread, LoRA versions only); ``clock`` is Unix time."""
 
-    if TYPE_CHECKING:  # defined by the service and coordinator.holding
+    def __init__(
+        self,
+        core: Coordinator,
+        *,
+        signer: Identity,
+        trainer_fingerprint: str | None,
+        holder: VersionSink,
+        t_bcast: TBcastEstimate,
+        on_report: Callable[[dict[str, Any]], None],
+        on_published: Callable[[int], None],
+        check_version: Callable[[Manifest], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._core = core
+        self._signer = signer
+        self._trainer_fingerprint = trainer_fingerprint
+        self._holder = holder
+        self._t_bcast = t_bcast
+        self._on_report = on_report
+        self._on_published = on_published
+        self._check_version = check_version
+        self._clock = clock
+        self._gauges: TrainerGauges | None = None
+        self._new_rollouts = asyncio.Event()
 
-        def _show_published(self, version: int) -> None: ...
-
-        async def _hold_version(self, version: int, seeder: str | None) -> None: ...
-
-        def _update_t_bcast(self) -> None: ...
+    def rollouts_accepted(self) -> None:
+        """New rollouts were stored: a waiting fetch looks again."""
+        self._new_rollouts.set()
 
     def _open_trainer(self, request: bytes, type_: type[M]) -> M:
         env = decode(request, SignedEnvelope)
-        assert self.core is not None
         # Who signed is checked before the signature: any other signer is refused without
         # costing a verification or a slot in the replay window.
-        if self.trainer_fingerprint is None:
+        if self._trainer_fingerprint is None:
             raise Rejection(
                 ReasonCode.UNKNOWN_NODE,
                 "no trainer key configured: set network.trainer_key (or --trainer-key)",
             )
-        if fingerprint_of(env.signer) != self.trainer_fingerprint:
+        if fingerprint_of(env.signer) != self._trainer_fingerprint:
             raise Rejection(ReasonCode.UNKNOWN_NODE, "signer is not the configured trainer key")
-        return open_envelope(env, type_, now=time.time(), replay=self.core.replay)
+        return open_envelope(env, type_, now=self._clock(), replay=self._core.replay)
 
-    async def _on_publish(self, caller: str, request: bytes) -> bytes:
+    async def on_publish(self, caller: str, request: bytes) -> bytes:
         """Sign the trainer's manifest, record it, and fetch the chunks from the trainer."""
-        assert self.core is not None and self.broadcast is not None
         msg = self._open_trainer(request, PublishVersion)
         manifest = decode(msg.manifest, Manifest)
-        check_manifest(manifest, now=time.time())
-        stored = self.core.store.get_version(manifest.version)
+        check_manifest(manifest, now=self._clock())
+        stored = self._core.store.get_version(manifest.version)
         if stored is not None:  # a retry whose first answer was lost: same bytes, same answer
             stored_env = decode(stored, SignedEnvelope)
             if decode(stored_env.payload, Manifest).root_hash == manifest.root_hash:
                 return encode(ManifestResponse(manifest=stored_env))
-        env = sign_manifest(manifest, self.identity, time.time())
-        self.core.publish_version(env)
+        if manifest.lora is not None and self._check_version is not None:
+            await asyncio.to_thread(self._check_version, manifest)
+        env = sign_manifest(manifest, self._signer, self._clock())
+        self._core.publish_version(env)
         # Serve the signed manifest at once (nodes ask us first); chunks follow from the trainer.
-        self.broadcast.store.put_manifest(env, manifest)
-        self._seeders[manifest.version] = caller
-        self._version_tasks[manifest.version] = asyncio.create_task(
-            self._hold_version(manifest.version, caller), name=f"hold-v{manifest.version}"
-        )
-        self._show_published(manifest.version)
+        self._holder.hold(env, manifest, caller)
+        self._on_published(manifest.version)
         return encode(ManifestResponse(manifest=env))
 
-    async def _on_fetch(self, caller: str, request: bytes) -> bytes:
-        assert self.core is not None
+    async def on_fetch(self, caller: str, request: bytes) -> bytes:
         msg = self._open_trainer(request, FetchRollouts)
         if msg.trainer_stats:
-            self.trainer_stats = dict(msg.trainer_stats)
-            self.history.record_trainer(self.trainer_stats)
-            self._learner_figures(self.trainer_stats)
+            stats = dict(msg.trainer_stats)
+            self._on_report(stats)
+            self._learner_figures(stats)
             # receipts (ledger): which learner step consumed which rollouts, the last step's time
-            step_s = positive_of(self.trainer_stats.get("step_time_s")) or 0.0
-            step, cursor = self.trainer_stats.get("step"), self.trainer_stats.get("rollout_cursor")
+            step_s = positive_of(stats.get("step_time_s")) or 0.0
+            step, cursor = stats.get("step"), stats.get("rollout_cursor")
             if count_of(step) > 0:
-                self.core.learner_report(count_of(step), count_of(cursor), step_s)
-            self._export_trainer_gauges()
+                self._core.learner_report(count_of(step), count_of(cursor), step_s)
+            self._export_trainer_gauges(stats)
         deadline = time.monotonic() + min(msg.wait_s, FETCH_WAIT_CAP_S)
         while True:
             self._new_rollouts.clear()
-            batch = self.core.fetch_rollouts(
+            batch = self._core.fetch_rollouts(
                 msg.after_seq, msg.max_rollouts, msg.min_policy_version
             )
             left = deadline - time.monotonic()
@@ -130,26 +150,25 @@ class LearnerLink:
     def _learner_figures(self, stats: dict[str, Any]) -> None:
         """The capacity rule's learner inputs, as the trainer measured them: T_train (its smoothed
         step time; the last step's from an older trainer), B, κ, and its publication time."""
-        assert self.core is not None
+        core = self._core
         t_train = positive_of(stats.get("t_train_s", stats.get("step_time_s")))
         if t_train is not None:
-            self.core.t_train_s = t_train
+            core.t_train_s = t_train
         cv = stats.get("t_train_cv")
         if isinstance(cv, int | float) and not isinstance(cv, bool) and 0 <= cv < 10:
-            self.core.t_train_cv = float(cv)
+            core.t_train_cv = float(cv)
         batch, kappa = _count(stats.get("batch_rollouts")), _count(stats.get("kappa"))
         if batch is not None:
-            self.core.batch_rollouts = batch
+            core.batch_rollouts = batch
         if kappa is not None:
-            self.core.kappa = kappa
-        self._update_t_bcast()
+            core.kappa = kappa
+        self._t_bcast.prepared(positive_of(stats.get("publish_prepare_s")))
 
-    def _export_trainer_gauges(self) -> None:
+    def _export_trainer_gauges(self, stats: dict[str, Any]) -> None:
         """Learner figures on /metrics: one gauge per scalar, the staleness histogram by label."""
-        assert self.core is not None
-        if self._trainer_gauges is None:
-            self._trainer_gauges = TrainerGauges(self.core.registry)
-        self._trainer_gauges.export(self.trainer_stats)
+        if self._gauges is None:
+            self._gauges = TrainerGauges(self._core.registry)
+        self._gauges.export(stats)
 
 
 def _count(value: Any) -> int | None:

@@ -131,7 +131,7 @@ class Learner:
             w.stats.book("steps", env.now, 1.0)
             self.steps_in_window += int(in_window)
             self.version += 1
-            w.core.t_train_s = step  # CoordinatorService._on_fetch: the trainer's step_time_s
+            w.core.t_train_s = step  # LearnerLink.on_fetch: the trainer's step_time_s
             if self.version - self.published >= self.kappa:
                 self.published = self.version
                 env.process(self._publish(self.version))

@@ -10,8 +10,8 @@ calls the methods the network service would call, when the service would call th
 * ``tick`` every second (``coordinator.service.TICK_S``);
 * ``publish_version`` from the learner, then — once the coordinator has downloaded the version
   (``bytes / coordinator link``) — the version becomes servable and ``t_bcast_s`` takes the same
-  running mean as :meth:`CoordinatorService._hold_version`; ``t_train_s`` follows the learner's
-  last step as in :meth:`CoordinatorService._on_fetch`.
+  running mean as :meth:`TBcastEstimate.held`; ``t_train_s`` follows the learner's
+  last step as in :meth:`LearnerLink.on_fetch`.
 
 ``submit`` runs when the intake has verified the submission: it waits for a free intake worker
 (``verification.workers``) and for the verification time the measured figures give
@@ -324,12 +324,12 @@ class World:
         hold = nbytes / self.diss.coordinator_bps
         yield self.env.timeout(hold)
         self.servable.add(version)
-        # CoordinatorService._hold_version: t_bcast ← 0.7·t_bcast + 0.3·elapsed
+        # TBcastEstimate.held: t_bcast ← 0.7·t_bcast + 0.3·elapsed
         self.core.t_bcast_s = 0.7 * self.core.t_bcast_s + 0.3 * hold
 
     def ticks(self) -> Gen:
         """The service's upkeep every second: the core's tick (a re-plan when one is due) and the
-        status document (``CoordinatorService._refresh_snapshot``), charged to the core."""
+        status document (``StatusBoard.refresh``), charged to the core."""
         while True:
             yield self.env.timeout(TICK_S)
             planned = self.core._planned_at

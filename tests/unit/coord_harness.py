@@ -4,8 +4,7 @@ registered nodes and honest submissions for the embedded reverse task."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core import Coordinator
@@ -29,9 +28,6 @@ from protocol.messages import (
     pack_tokens,
     unpack_tokens,
 )
-
-if TYPE_CHECKING:
-    from coordinator.service import CoordinatorService
 
 TOK = CharTokenizer()
 
@@ -247,17 +243,3 @@ def sampled(
         dtype=dtype,
         timings=Timings(started_at=0.0, finished_at=1.0, generate_s=1.0),
     )
-
-
-def service(h: Harness, tmp_path: Path, **network: Any) -> CoordinatorService:
-    """A CoordinatorService around the harness core, without starting libp2p (its network
-    handlers called directly)."""
-    from coordinator.service import CoordinatorService  # hivemind: only the tests that need it
-
-    cfg = CoordinatorConfig.model_validate(
-        {**h.cfg.model_dump(), "network": {**h.cfg.network.model_dump(), **network}}
-    )
-    svc = CoordinatorService(cfg, tmp_path / "svc")
-    svc.core = h.core
-    svc.peer = SimpleNamespace(peer_id="coord")  # type: ignore[assignment]
-    return svc

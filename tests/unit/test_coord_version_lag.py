@@ -8,11 +8,11 @@ import asyncio
 import itertools
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import msgspec
 import pytest
-from coord_harness import FakeClock, Harness, service
+from coord_harness import FakeClock, Harness
+from service_parts import Downloads, board, holder, nodes, published
 
 from coordinator.errors import Rejection
 from coordinator.throughput import LeaseLag
@@ -66,23 +66,18 @@ async def test_a_lease_request_waits_for_a_version_on_its_way(tmp_path: Path) ->
     node = h.node()
     h.publish(1)
     h.publish(2)
-    svc = service(h, tmp_path)
-
-    async def download() -> None:
-        await asyncio.sleep(0.2)
-        held.add(2)
-        svc._wake_lease_waiters()
-
-    svc._version_tasks[2] = asyncio.create_task(download())
+    versions = holder(h, tmp_path, Downloads(held, delay=0.2))
+    desk = nodes(h, versions)
+    versions.hold(*published(h, 2), "trainer")  # v2 on its way from the trainer
     req = LeaseRequest(peer_id="peer", policy_version=None, max_prompts=1)
     t0 = time.monotonic()
-    out = decode(await svc._on_lease("peer", encode(seal(node, req, now=h.clock()))))
+    out = decode(await desk.on_lease("peer", encode(seal(node, req, now=h.clock()))))
     assert isinstance(out, Lease) and out.policy_version == 2
     assert 0.15 <= time.monotonic() - t0 < 1.5
     # nothing on its way: the standby comes at once, as before
     h.publish(3)
     held.clear()
-    out = decode(await svc._on_lease("peer", encode(seal(node, req, now=h.clock()))))
+    out = decode(await desk.on_lease("peer", encode(seal(node, req, now=h.clock()))))
     assert isinstance(out, Standby) and "no policy version" in out.reason
 
 
@@ -107,51 +102,47 @@ async def test_a_banned_node_is_refused_at_once_while_a_version_is_on_its_way(
 ) -> None:
     """The wait is for nodes the coordinator would lease to: a banned one hears so first."""
     h = Harness(tmp_path, clock=FakeClock(time.time()))
-    h.core.servable = set[int]().__contains__
+    held: set[int] = set()
+    h.core.servable = held.__contains__
     node = h.node()
     h.publish(1)
     h.core.store.put_ban(node.public_key, 1, h.clock() + 600.0, "test")
-    svc = service(h, tmp_path)
-    svc._version_tasks[1] = asyncio.create_task(asyncio.sleep(5.0))
+    versions = holder(h, tmp_path, Downloads(held, delay=5.0))
+    versions.hold(*published(h, 1), "trainer")
+    assert versions.fetching(1)
     req = LeaseRequest(peer_id="peer", policy_version=None, max_prompts=1)
     t0 = time.monotonic()
     with pytest.raises(Rejection) as e:
-        await svc._on_lease("peer", encode(seal(node, req, now=h.clock())))
+        await nodes(h, versions).on_lease("peer", encode(seal(node, req, now=h.clock())))
     assert e.value.code is ReasonCode.BANNED
     assert time.monotonic() - t0 < 1.0
-    svc._version_tasks[1].cancel()
+    versions.stop()
 
 
-async def test_a_publication_refreshes_the_dht_records_but_not_the_plan_figures(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_publication_refreshes_the_dht_records_but_not_the_plan_figures() -> None:
     """The upkeep's tick (replanning, the /status snapshot) keeps its own clock: publications
     (several a second in the demos) refresh the DHT records at once but do not trigger a tick,
     which read the per-lease figures always right after a publication (a biased sample)."""
-    from coordinator.service import TICK_S
+    from coordinator.upkeep import TICK_S, Upkeep
 
-    h = Harness(tmp_path, clock=FakeClock(time.time()))
-    svc = service(h, tmp_path)
     ticks: list[float] = []
     records: list[float] = []
 
     async def publish_records() -> None:
         records.append(time.monotonic())
 
-    monkeypatch.setattr(svc.core, "tick", lambda: ticks.append(time.monotonic()))
-    monkeypatch.setattr(svc, "_refresh_snapshot", lambda: None)
-    monkeypatch.setattr(svc, "_publish_records", publish_records)
-    task = asyncio.create_task(svc._upkeep_loop())
+    upkeep = Upkeep(tick=lambda: ticks.append(time.monotonic()), publish_records=publish_records)
+    upkeep.start()
     try:
         for _ in range(6):  # six publications within ~0.6 s
             await asyncio.sleep(0.1)
-            svc._records_soon.set()
+            upkeep.records_soon()
         await asyncio.sleep(0.1)
         assert len(records) >= 6  # the first pass, then one per publication
         while len(ticks) < 2:
             await asyncio.sleep(0.05)
     finally:
-        task.cancel()
+        await upkeep.stop()
     assert all(b - a >= 0.9 * TICK_S for a, b in itertools.pairwise(ticks)), ticks
 
 
@@ -159,15 +150,14 @@ def test_a_publication_shows_in_status_at_once_and_only_its_version(tmp_path: Pa
     """/status names a new version before the next tick (an operator, or a restarted trainer's
     check, reads it right after publishing), while its figures keep the tick's clock."""
     h = Harness(tmp_path, clock=FakeClock(time.time()))
-    svc = service(h, tmp_path)
     served: list[dict[str, object]] = []
-    svc.http = SimpleNamespace(set_status=served.append)  # type: ignore[assignment]
-    svc._refresh_snapshot()
+    status = board(h, served.append)
+    status.refresh()
     before = served[-1]
     assert before["policy_version"] is None
-    svc._show_published(3)
+    status.show_published(3)
     after = served[-1]
-    assert after["policy_version"] == 3 and svc._records_soon.is_set()
+    assert after["policy_version"] == 3
     moved = ("policy_version", "status_seq")
     assert {k: v for k, v in after.items() if k not in moved} == {
         k: v for k, v in before.items() if k not in moved
@@ -176,5 +166,5 @@ def test_a_publication_shows_in_status_at_once_and_only_its_version(tmp_path: Pa
     assert after["uptime_s"] == before["uptime_s"]
     assert after["status_seq"] == before["status_seq"] + 1
     assert before["policy_version"] is None  # the tick's document (in its history) untouched
-    svc._show_published(2)  # a late, older announcement does not move it back
+    status.show_published(2)  # a late, older announcement does not move it back
     assert served[-1]["policy_version"] == 3

@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import msgspec
 import pytest
-from coord_harness import TOK, Harness, advert, service, submission
+import service_parts
+from coord_harness import TOK, Harness, advert, submission
 
 from coordinator.errors import Rejection
 from protocol import rpc
@@ -171,7 +171,6 @@ def test_status_cost_does_not_grow_with_the_square_of_the_swarm(
     for _ in range(3):
         lease = h.lease(node)
         h.core.release(node.public_key, lease.lease_id, lease.epoch)
-    svc = service(h, tmp_path)
     calls = 0
     nodes = h.core.store.nodes
 
@@ -185,20 +184,26 @@ def test_status_cost_does_not_grow_with_the_square_of_the_swarm(
 
     monkeypatch.setattr(h.core.store, "nodes", counting)
     monkeypatch.setattr(h.core.store, "leases", whole_history)
-    status = svc.status()
+    status = service_parts.board(h).document()
     assert len(status["node_states"]) == 30 and set(status["node_states"].values()) == {"active"}
     assert status["leases"] == {"released": 3}
     assert calls <= 4  # was one full scan per registered node
 
 
+class NeverReached:
+    """A version sink that fails the test if a publication reaches it."""
+
+    def hold(self, env: SignedEnvelope, manifest: Any, seeder: str) -> None:
+        raise AssertionError("a refused publication reached the version holder")
+
+
 async def test_trainer_rpcs_refuse_other_signers_before_verifying(tmp_path: Path) -> None:
     h = Harness(tmp_path)
     trainer, stranger = Identity.generate(), Identity.generate()
-    svc = service(h, tmp_path, trainer_key=trainer.fingerprint)
-    svc.broadcast = SimpleNamespace()  # type: ignore[assignment]  # never reached
+    learner = service_parts.learner(h, NeverReached(), trainer=trainer)
     fetch = FetchRollouts(after_seq=0, max_rollouts=1, min_policy_version=None, wait_s=0.0)
     publish = PublishVersion(manifest=b"\x80", source="x")
-    for handler, msg in ((svc._on_fetch, fetch), (svc._on_publish, publish)):
+    for handler, msg in ((learner.on_fetch, fetch), (learner.on_publish, publish)):
         with pytest.raises(Rejection) as e:
             await handler("peer", encode(seal(stranger, msg, now=time.time())))
         assert e.value.code is ReasonCode.UNKNOWN_NODE
@@ -206,11 +211,18 @@ async def test_trainer_rpcs_refuse_other_signers_before_verifying(tmp_path: Path
 
 
 async def test_request_size_limits_follow_the_message_type(tmp_path: Path) -> None:
+    from coordinator.service import register_handlers, rpc_table
+
     h = Harness(tmp_path)
-    svc = service(h, tmp_path)
+    versions = service_parts.holder(h, tmp_path, service_parts.Downloads(set()))
+    handlers = rpc_table(
+        service_parts.nodes(h, versions),
+        service_parts.learner(h, versions),
+        service_parts.board(h),
+    )
     net = InMemoryNetwork()
     server, caller = net.endpoint("coord"), net.endpoint("x")
-    await svc.register_handlers(server)
+    await register_handlers(server, handlers)
     big = b"\x80" * (2 * DEFAULT_LIMITS.control_frame)
     for method in (rpc.STATUS, rpc.HEARTBEAT, rpc.REGISTER, rpc.LEASE, rpc.FETCH, rpc.RELEASE):
         with pytest.raises(RemoteError) as e:  # refused before a byte reaches the handler

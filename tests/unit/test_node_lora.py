@@ -9,7 +9,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from coord_harness import config as coord_config
 from test_node_checkpoints import FAST
 from test_trainer_recipe import make_rollouts
 
-from coordinator.holding import VersionHolding
+from coordinator.holding import SpotCheckModels, model_spec
 from coordinator.logprobs import InProcessLogprobVerifier
 from node.backends.base import GenerationRequest, SamplingConfig
 from node.backends.hf import HFBackend
@@ -136,15 +135,9 @@ def trained_versions(tmp: Path, n: int) -> tuple[Trainer, list[AdapterState]]:
     return tr, states
 
 
-def _holding(tmp: Path, broadcast: BroadcastNode) -> Any:
-    """The coordinator's spot-check model loader (VersionHolding._load_model) over ``broadcast``."""
-
-    class Holding(VersionHolding):
-        def __init__(self) -> None:
-            self.config = coord_config(tmp / "coord")
-            self.broadcast = broadcast
-
-    return Holding()
+def _holding(tmp: Path, broadcast: BroadcastNode) -> SpotCheckModels:
+    """The coordinator's spot-check models (SpotCheckModels.load) over ``broadcast``'s chunks."""
+    return SpotCheckModels(broadcast.store, model_spec(coord_config(tmp / "coord")))
 
 
 async def test_lora_version_is_signed_loaded_sampled_and_rescored_alike(
@@ -187,7 +180,7 @@ async def test_lora_version_is_signed_loaded_sampled_and_rescored_alike(
     # the coordinator's spot check loads v1 as base + the same adapter and accepts the node
     holding = _holding(tmp_path, swarm.node)
     verifier = InProcessLogprobVerifier(
-        holding._load_model, coord_config(tmp_path / "c").intake.tolerances, cache_size=2
+        holding.load, coord_config(tmp_path / "c").intake.tolerances, cache_size=2
     )
     seeds = [sample_seed(r.seed, j) for r in REQUESTS for j in range(r.n)]
     verdict = await verifier.check(
@@ -249,7 +242,7 @@ async def test_an_adapter_over_another_base_is_refused_with_one_line(
     from coordinator.logprobs import VerifierUnavailable
 
     with pytest.raises(VerifierUnavailable, match="LoRA adapter over base"):
-        await asyncio.to_thread(_holding(tmp_path, swarm.node)._load_model, 1)
+        await asyncio.to_thread(_holding(tmp_path, swarm.node).load, 1)
 
 
 async def test_a_signed_adapter_that_does_not_fit_the_base_is_refused_and_changes_nothing(

@@ -13,7 +13,8 @@ import hashlib
 import hmac
 from pathlib import Path
 
-from coord_harness import FakeClock, Harness, service, submission
+from coord_harness import FakeClock, Harness, submission
+from service_parts import board
 
 from coordinator.leases import SEED_LABEL
 from coordinator.node_view import OPERATOR_ONLY_FIELDS
@@ -43,9 +44,9 @@ async def test_the_p2p_status_answer_hides_how_closely_nodes_are_watched(tmp_pat
     assert full["nodes_flagged"] == [node.fingerprint]
     # the document any peer reads over rswarm/status has none of them
     assert not OPERATOR_ONLY_FIELDS & set(wire_status(full))
-    svc = service(h, tmp_path)
-    svc.status = lambda: full  # type: ignore[method-assign]  # the service's own document
-    answer = decode(await svc._on_status("peer", encode(StatusRequest())), StatusResponse)
+    status = board(h)  # the service's own document: the same fields and the same flags
+    assert set(status.document()) >= OPERATOR_ONLY_FIELDS
+    answer = decode(await status.on_status("peer", encode(StatusRequest())), StatusResponse)
     assert not OPERATOR_ONLY_FIELDS & set(answer.status)
     assert node.fingerprint in answer.status["node_states"]  # the rest is still served
 
