@@ -8,10 +8,10 @@ the task verifier, the log-prob spot check when the lease is drawn, SQLite commi
 ``synchronous=FULL``, verdict stored).
 
 Submissions are realistic: leases of 8 prompts x 8 samples (G = 8, max 8 new tokens) of the
-embedded reverse3 task, sampled by the ``hf`` backend on the policy weights, so log-probs are
-honest and the spot check passes (every submission must be acknowledged). The reverse3 task has
-only 64 distinct prompts, so each is sampled once up front and every lease reuses the group of
-its prompts.
+embedded reverse3 task, sampled by the ``hf`` backend on the policy weights at the lease's seeds
+(the node's own :func:`node.rollouts.lease_requests` and :func:`node.rollouts.build_submission`),
+so log-probs are honest and the seed and spot checks pass (every submission must be
+acknowledged). Sampling is node-side work, done before the timed part.
 
 Two coordinators (own temp SQLite files) run interleaved rounds: spot check off (fraction 0) and
 at the default fraction (0.1 of leases, up to 8 samples re-scored in fp32 at the claimed version).
@@ -45,9 +45,8 @@ from coordinator.core import Coordinator
 from coordinator.logprobs import InProcessLogprobVerifier
 from coordinator.store import Store
 from coordinator.tasks import make_task
-from node.backends import GenerationRequest, SamplingConfig
 from node.backends.hf import HFBackend
-from node.rollouts import wire_samples
+from node.rollouts import build_submission, lease_requests, to_sampling_config
 from policy.model import CharTokenizer, ModelSpec, build_model
 from protocol.codec import decode, encode
 from protocol.envelope import seal
@@ -57,14 +56,11 @@ from protocol.messages import (
     Ack,
     CapabilityAdvert,
     CpuInfo,
-    GroupResult,
     Lease,
     LeaseRequest,
     RolloutSubmission,
-    Sample,
     SignedEnvelope,
     Timings,
-    unpack_tokens,
 )
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -107,22 +103,6 @@ def advert(ident: Identity) -> CapabilityAdvert:
     )
 
 
-def sample_all_prompts(model: Any) -> dict[tuple[int, ...], list[Sample]]:
-    """One honest group of G samples for each of the task's 64 distinct prompts."""
-    letters = "abcd"
-    texts = ["".join(t) for t in itertools.product(letters, repeat=3)]
-    ids = [TOK.encode_prompt(t) for t in texts]
-    backend = HFBackend(model=model, device="cpu")
-    sampling = SamplingConfig(max_new_tokens=MAX_NEW)
-    reqs = [GenerationRequest(p, G, seed=i) for i, p in enumerate(ids)]
-    outs = backend.generate(reqs, sampling)
-    eos = set(backend.eos_token_ids)
-    return {
-        tuple(p): wire_samples(req, group, eos)
-        for p, req, group in zip(ids, reqs, outs, strict=True)
-    }
-
-
 @dataclass
 class Bench:
     """One coordinator core with a temp database and the node identities that feed it."""
@@ -131,7 +111,7 @@ class Bench:
     core: Coordinator
     verifier: InProcessLogprobVerifier
     nodes: list[Identity]
-    groups: dict[tuple[int, ...], list[Sample]]
+    backend: HFBackend
     latencies: list[float] = field(default_factory=list)
     submissions: int = 0
     rollouts: int = 0
@@ -155,19 +135,16 @@ class Bench:
         return out
 
     def submission(self, lease: Lease) -> RolloutSubmission:
-        groups = [
-            GroupResult(
-                prompt_id=p.prompt_id, samples=self.groups[tuple(unpack_tokens(p.token_ids))]
-            )
-            for p in lease.prompts
-        ]
-        return RolloutSubmission(
-            lease_id=lease.lease_id,
-            epoch=lease.epoch,
-            policy_version=lease.policy_version,
+        """The honest submission of ``lease``, sampled at its seeds as a node would."""
+        requests = lease_requests(lease)
+        outs = self.backend.generate(requests, to_sampling_config(lease))
+        return build_submission(
+            lease,
+            requests,
+            outs,
+            set(self.backend.eos_token_ids),
             backend="hf",
             dtype="float32",
-            groups=groups,
             timings=Timings(started_at=0.0, finished_at=1.0, generate_s=1.0),
         )
 
@@ -192,9 +169,7 @@ class Bench:
         self.cpu_s += time.process_time() - cpu0
 
 
-def make_bench(
-    name: str, tmp: Path, fraction: float, model: Any, groups: dict[tuple[int, ...], list[Sample]]
-) -> Bench:
+def make_bench(name: str, tmp: Path, fraction: float, model: Any) -> Bench:
     cfg = config(tmp / f"{name}.sqlite", fraction)
     publisher = Identity.generate()
     verifier = InProcessLogprobVerifier(
@@ -223,7 +198,7 @@ def make_bench(
     nodes = [Identity.generate() for _ in range(4)]
     for node in nodes:
         core.register(node.public_key, advert(node))
-    return Bench(name, core, verifier, nodes, groups)
+    return Bench(name, core, verifier, nodes, HFBackend(model=model, device="cpu"))
 
 
 def render(benches: list[Bench], fractions: dict[str, float]) -> str:
@@ -262,10 +237,9 @@ def render(benches: list[Bench], fractions: dict[str, float]) -> str:
 
 async def amain(args: argparse.Namespace) -> str:
     model = build_model(ModelSpec(), seed=VERSION)
-    groups = sample_all_prompts(model)
     fractions = {"off": 0.0, "default": CoordinatorConfig().intake.spot_check_fraction}
     with tempfile.TemporaryDirectory() as tmp:
-        benches = [make_bench(n, Path(tmp), f, model, groups) for n, f in fractions.items()]
+        benches = [make_bench(n, Path(tmp), f, model) for n, f in fractions.items()]
         # Warm up: SQLite pages, the thread pool, and the verifier's model cache.
         for b in benches:
             await b.run(b.prepare(2))
