@@ -4,9 +4,14 @@ Modules (transport-independent core; the network service is built on :class:`cor
 
 - :mod:`coordinator.core`       ``Coordinator``: register / heartbeat / request_lease / submit /
                                 release / fetch_rollouts / publish_version / status / tick
-- :mod:`coordinator.submissions` ``SubmissionDesk`` (a mixin of it): submit, verdicts stored by
-                                digest, replayed submissions, fetch_rollouts
-- :mod:`coordinator.activation` ``ActiveSet`` (a mixin of it): liveness, the plan, the active set
+- :mod:`coordinator.submissions` ``SubmissionDesk``: the submission pipeline (load, check,
+                                decide, record in one transaction), replayed submissions
+- :mod:`coordinator.pipeline`   its pure steps over the one-read ``SubmissionContext``
+- :mod:`coordinator.feed`       ``RolloutFeed``: fetch_rollouts and the learner's reports
+- :mod:`coordinator.activation` ``ActiveSet`` (the plan, the active set), ``LearnerFigures``
+- :mod:`coordinator.liveness`   ``Liveness``: last_seen buffered and flushed in one commit
+- :mod:`coordinator.admission`  ``Admission``: a known node with no ban in force
+- :mod:`coordinator.slots`      ``PromptSlots``: a lease's prompts as issued
 - :mod:`coordinator.config`     ``CoordinatorConfig`` (pydantic, TOML via ``load_config``)
 - :mod:`coordinator.errors`     ``Rejection`` / ``IntakeRejection`` (wire reason codes),
                                 ``ConfigError``, ``StoreError``
