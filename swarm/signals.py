@@ -1,8 +1,9 @@
 """Process-wide signal plumbing shared by the ``swarm`` entry points (no heavy imports).
 
 The coordinator, node and trainer entry points call :func:`install_fork_signal_reset` before they
-start a swarm peer; ``swarm.cli.main`` calls it too. It lives here, not in :mod:`swarm.cli`, so the
-entry points do not import the CLI that imports them (no import cycle).
+start a swarm peer; ``swarm.shell.cli.main`` calls it too. It lives here, in the peer layer, not in
+:mod:`swarm.shell.cli`, so the entry points do not import the CLI that imports them (no import
+cycle, and no role imports the shell: tests/unit/test_layering.py).
 
 Stopping (docs/operations.md, "Stopping"): every process exits within :data:`STOP_BOUND_S` of
 SIGINT/SIGTERM and leaves no process of its own behind. The entry points call

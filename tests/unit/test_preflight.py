@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from policy.testing import build_tiny_chat_model
-from swarm import cli
+from swarm.shell import cli
 from trainer.config import TrainerConfig
 from trainer.contract import ContractError, adopt_contract
 
