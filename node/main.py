@@ -394,8 +394,6 @@ DRAIN_S = 8.0
 async def _work_until_drained(worker: NodeWorker, stop: asyncio.Event) -> None:
     """Until the work loop ends; after a stop, at most ``DRAIN_S`` more, then the loop (its task
     ``node-work``) is cancelled: the lease in hand is left to expire at its deadline."""
-    from swarm.tasks import cancel_and_wait
-
     work = asyncio.ensure_future(worker.wait())
     waiter = asyncio.ensure_future(stop.wait())
     try:
@@ -407,10 +405,7 @@ async def _work_until_drained(worker: NodeWorker, stop: asyncio.Event) -> None:
     if not work.done():
         log.warning("the lease in hand was not handed back within %.0f s; leaving it to its "
                     "deadline", DRAIN_S)  # fmt: skip
-        loop = [t for t in asyncio.all_tasks() if t.get_name() == "node-work"]
-        await cancel_and_wait(loop)
-        # stop() awaits the work task to drain it: it is over (cancelled), so it must not
-        worker._tasks.pop("work", None)
+        await worker.abandon_work()  # stop() then no longer waits to drain it
         with contextlib.suppress(asyncio.CancelledError):
             await work
         return

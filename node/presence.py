@@ -1,12 +1,20 @@
 """How a node stays known to the swarm: its advert, registration, heartbeats, reachability.
 
-:class:`SwarmPresence` is a mixin of :class:`node.worker.NodeWorker`, which sets the state
-declared below in its ``__init__`` and runs the loops as named tasks: ``advert`` re-announces the
-signed capability advert in the DHT (at once when the loaded version or the reachability
-changes); ``heartbeat`` sends liveness every ``heartbeat_interval_s``, re-registers after
-``unknown_node`` and starts fetching a newly published version before a lease asks for it;
-``reachability`` has the coordinator dial back (a node others cannot dial stays download-only);
-``status`` logs one line at a steady interval.
+Each piece owns its state and receives what it uses (:class:`node.worker.NodeWorker` wires them):
+
+* :class:`AdvertBuilder` -- the capability advert, fresh on every call (probe results, backend,
+  throughput, loaded version, the reachability last measured);
+* :class:`Registrar`     -- registers with the coordinator (with retries at start-up, again after
+  ``unknown_node``) and keeps the heartbeat interval (configured, else the coordinator's);
+* :class:`Prefetcher`    -- starts fetching a newly published version before a lease asks for it
+  (and so relays it);
+* :class:`AdvertLoop`    -- re-announces the signed advert in the DHT every ``advert_period_s``,
+  at once after :meth:`AdvertLoop.mark_dirty` (the loaded version or the reachability changed);
+* :class:`Presence`      -- ``async start()`` / ``stop()`` of the named tasks ``heartbeat``
+  (liveness every interval; re-registers after ``unknown_node``; offers the coordinator's current
+  version to the prefetcher), ``status`` (one log line at a steady interval) and, on a real
+  network, ``advert`` and ``reachability`` (the coordinator dials back; a node others cannot dial
+  stays download-only).
 """
 
 from __future__ import annotations
@@ -15,99 +23,139 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from node.backends.base import InferenceBackend
-from node.checkpoints import CheckpointError, CheckpointManager
-from node.client import CoordinatorClient, CoordinatorError, Rejected
-from node.config import NodeConfig
-from node.failures import FailureTracker
-from node.status import NodeStats, make_advert
+from node.checkpoints import CheckpointError
+from node.client import CoordinatorError, CoordinatorUnavailable, Rejected
+from node.status import make_advert
 from protocol.errors import ReasonCode
-from protocol.identity import Identity, short_fingerprint
-from protocol.messages import CapabilityAdvert, Heartbeat, Lease
+from protocol.identity import short_fingerprint
+from protocol.messages import Heartbeat
+from swarm.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
+    from node.backends.base import InferenceBackend
+    from node.checkpoints import CheckpointManager
+    from node.client import CoordinatorClient
+    from node.config import NodeConfig
+    from node.failures import FailureTracker
     from node.probe import Capability
+    from node.status import NodeStats
+    from protocol.identity import Identity
+    from protocol.messages import CapabilityAdvert, Lease
+    from protocol.schema import Reachability
     from swarm.dht import SwarmPeer
     from swarm.reachability import ReachabilityMonitor
-    from swarm.transport import Transport
+
+__all__ = [
+    "AdvertBuilder",
+    "AdvertLoop",
+    "Prefetcher",
+    "Presence",
+    "Registrar",
+    "node_state",
+    "status_line",
+]
 
 log = logging.getLogger(__name__)
 
+Sleep = Callable[[float], Awaitable[None]]
 
-class SwarmPresence:
-    """Advert, registration, heartbeats, reachability and the status line, as a mixin of
-    :class:`~node.worker.NodeWorker` (which sets every attribute below in its ``__init__``)."""
 
-    config: NodeConfig
-    backend: InferenceBackend
-    identity: Identity
-    capability: Capability | None
-    clock: Callable[[], float]
-    stats: NodeStats
-    peer: SwarmPeer | None
-    _transport: Transport | None
-    _advert_dirty: asyncio.Event
-    _prefetch: asyncio.Task[None] | None
-    _current: Lease | None
-    _hb_seq: int
-    active: bool
-    heartbeat_interval_s: float
-    coordinator_peer_id: str
-    broadcast: Any
-    reachability: ReachabilityMonitor | None
-    checkpoints: CheckpointManager | None
-    client: CoordinatorClient | None
-    failures: FailureTracker
+def node_state(failures: FailureTracker, *, stopping: bool, active: bool) -> str:
+    """``failed`` (gave up taking leases), ``stopping``, ``active`` or ``standby``."""
+    if failures.gave_up:
+        return "failed"
+    if stopping:
+        return "stopping"
+    return "active" if active else "standby"
 
-    if TYPE_CHECKING:  # defined by the worker (node.worker)
 
-        @property
-        def peer_id(self) -> str: ...
+def status_line(
+    stats: NodeStats,
+    loaded_version: int | None,
+    state: str,
+    reachability: Reachability,
+    problem: str | None,
+) -> str:
+    """The node's one-line status (logged by the ``status`` task and on stop)."""
+    s = stats
+    tps = f"{s.tokens_per_s:.0f}" if s.tokens_per_s is not None else "-"
+    v = loaded_version
+    return (
+        f"status: {state} v={'-' if v is None else v} leases={s.leases_done} "
+        f"tok/s={tps} accepted={s.leases_accepted} rejected={s.leases_rejected} "
+        f"released={s.leases_released} reach={reachability}"
+        + (f" problem: {problem}" if problem else "")
+    )
 
-        @property
-        def stopping(self) -> bool: ...
 
-    def build_advert(self) -> CapabilityAdvert:
-        """This node's capability advert with current throughput and loaded version."""
+class AdvertBuilder:
+    """This node's capability advert with current throughput, loaded version and reachability.
+
+    :attr:`peer_id` is "-" until the worker knows its transport; :attr:`reachability` is set by
+    whoever measures it (the worker's dial-back callback)."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        identity: Identity,
+        backend: InferenceBackend,
+        capability: Capability | None,
+        stats: NodeStats,
+        clock: Callable[[], float],
+    ) -> None:
+        self._config = config
+        self._identity = identity
+        self._backend = backend
+        self._capability = capability
+        self._stats = stats
+        self._clock = clock
+        self.peer_id = "-"
+        self.reachability: Reachability = "unknown"
+
+    def __call__(self) -> CapabilityAdvert:
         return make_advert(
-            self.config,
-            self.identity,
-            self.backend,
-            self.capability,
+            self._config,
+            self._identity,
+            self._backend,
+            self._capability,
             peer_id=self.peer_id,
-            tokens_per_s=self.stats.tokens_per_s,
-            now=self.clock(),
-            reachability=self.reachability.state if self.reachability else "unknown",
+            tokens_per_s=self._stats.tokens_per_s,
+            now=self._clock(),
+            reachability=self.reachability,
         )
 
-    async def _register_with_retries(self, budget_s: float) -> None:
-        """Register, retrying transient failures (a dropped stream) until ``budget_s`` is spent;
-        a refusal (``Rejected``) or the last failure propagates."""
-        from node.client import CoordinatorUnavailable
 
-        deadline = time.monotonic() + budget_s
-        delay = 0.2
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                await self._register(timeout=max(left, 0.5))
-                return
-            except CoordinatorUnavailable as exc:
-                if time.monotonic() + delay >= deadline:
-                    raise
-                log.warning("registration failed (%s); retrying in %.1f s", exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+class Registrar:
+    """Registration with the coordinator; owns the heartbeat interval it learns (unless
+    ``heartbeat_interval_s`` is configured)."""
 
-    async def _register(self, *, timeout: float | None = None) -> None:
-        assert self.client is not None
-        ack = await self.client.register(self.build_advert(), timeout=timeout)
-        if self.config.heartbeat_interval_s is None:
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        advert: Callable[[], CapabilityAdvert],
+        *,
+        heartbeat_interval_s: float | None,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        self._client = client
+        self._advert = advert
+        self._configured = heartbeat_interval_s
+        self._clock = clock
+        self._monotonic = monotonic
+        self._sleep = sleep
+        #: seconds between heartbeats: the configured value, else the coordinator's (register)
+        self.heartbeat_interval_s = heartbeat_interval_s or 10.0
+
+    async def register(self, *, timeout: float | None = None) -> None:
+        ack = await self._client.register(self._advert(), timeout=timeout)
+        if self._configured is None:
             self.heartbeat_interval_s = ack.heartbeat_interval_s
-        skew = ack.server_time - self.clock()
+        skew = ack.server_time - self._clock()
         if abs(skew) > 30:
             log.warning("clock differs from the coordinator's by %+.0f s; enable NTP", skew)
         log.info(
@@ -116,127 +164,211 @@ class SwarmPresence:
             ack.current_policy_version,
         )
 
-    async def _advert_loop(self) -> None:
-        from swarm.adverts import AdvertAnnouncer
-        from swarm.errors import DhtError
-
-        assert self.peer is not None
-        announcer = AdvertAnnouncer(
-            self.peer,
-            self.identity,
-            self.build_advert,
-            period=self.config.advert_period_s,
-            clock=self.clock,
-        )
+    async def register_with_retries(self, budget_s: float) -> None:
+        """Register, retrying transient failures (a dropped stream) until ``budget_s`` is spent;
+        a refusal (``Rejected``) or the last failure propagates."""
+        deadline = self._monotonic() + budget_s
+        delay = 0.2
         while True:
+            left = deadline - self._monotonic()
             try:
-                if not await announcer.announce_once():
-                    log.warning("advert was not accepted by any DHT peer; will retry")
-            except DhtError as exc:
-                log.warning("advert announcement failed: %s", exc)
-            self._advert_dirty.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._advert_dirty.wait(), self.config.advert_period_s)
+                await self.register(timeout=max(left, 0.5))
+                return
+            except CoordinatorUnavailable as exc:
+                if self._monotonic() + delay >= deadline:
+                    raise
+                log.warning("registration failed (%s); retrying in %.1f s", exc, delay)
+                await self._sleep(delay)
+                delay = min(delay * 2, 2.0)
 
-    async def _reachability_loop(self) -> None:
-        """Measure (dial-back by the coordinator) whether other peers can dial this node; only
-        then does it announce the chunks it holds (a NATed node stays download-only)."""
-        from swarm.reachability import ReachabilityMonitor
-
-        peer = self.peer
-        assert peer is not None and self._transport is not None
-
-        def changed(state: str) -> None:
-            self.broadcast.dialable = state == "public"
-            self._advert_dirty.set()
-
-        self.reachability = ReachabilityMonitor(
-            self._transport,
-            peer.visible_maddrs,
-            lambda: self.coordinator_peer_id,
-            on_change=changed,
-            interval=self.config.reachability_interval_s,
-        )
-        await self.reachability.run()
-
-    # ------------------------------------------------------------------ heartbeat, status
-    async def _heartbeat_loop(self) -> None:
-        assert self.client is not None
-        while True:
-            await asyncio.sleep(self.heartbeat_interval_s)
-            self._hb_seq += 1
-            hb = Heartbeat(
-                peer_id=self.peer_id,
-                seq=self._hb_seq,
-                policy_version=self.backend.loaded_version,
-                active_leases=[self._current.lease_id] if self._current else [],
-                tokens_per_s=self.stats.tokens_per_s,
-            )
-            try:
-                ack = await self.client.heartbeat(hb)
-                self.active = ack.active
-                self._maybe_prefetch(ack.current_policy_version)
-            except Rejected as exc:
-                if exc.code is ReasonCode.UNKNOWN_NODE:
-                    await self._reregister()
-                elif exc.code is ReasonCode.BANNED:  # said once by the work loop; not every beat
-                    log.debug("heartbeat refused: %s", exc)
-                else:
-                    log.warning("heartbeat refused: %s", exc)
-            except CoordinatorError as exc:
-                self.stats.coordinator_errors += 1
-                log.debug("heartbeat failed: %s", exc)
-
-    def _maybe_prefetch(self, version: int | None) -> None:
-        """Start fetching a newly published version before a lease asks for it (and relay it)."""
-        loaded = self.backend.loaded_version
-        busy = self._prefetch is not None and not self._prefetch.done()
-        if version is None or busy or self.stopping or self.checkpoints is None:
-            return
-        if loaded is not None and version <= loaded:
-            return
-        self._prefetch = asyncio.create_task(self._run_prefetch(version), name="node-prefetch")
-
-    async def _run_prefetch(self, version: int) -> None:
-        assert self.checkpoints is not None
-        try:
-            await self.checkpoints.prefetch(version)
-        except CheckpointError as exc:
-            log.debug("prefetch of v%d failed (a lease will retry): %s", version, exc)
-
-    async def _reregister(self) -> None:
+    async def reregister(self) -> None:
+        """After ``unknown_node`` (the coordinator restarted): register again; failures logged."""
         log.warning("coordinator does not know this node (restarted?); registering again")
         try:
-            await self._register()
+            await self.register()
         except CoordinatorError as exc:
             log.warning("re-registration failed: %s", exc)
 
-    def _status_line(self) -> str:
-        s = self.stats
-        tps = f"{s.tokens_per_s:.0f}" if s.tokens_per_s is not None else "-"
-        v = self.backend.loaded_version
-        state = "stopping" if self.stopping else ("active" if self.active else "standby")
-        if self.failures.gave_up:
-            state = "failed"
-        problem = self.failures.problem
-        return (
-            f"status: {state} v={'-' if v is None else v} leases={s.leases_done} "
-            f"tok/s={tps} accepted={s.leases_accepted} rejected={s.leases_rejected} "
-            f"released={s.leases_released} "
-            f"reach={self.reachability.state if self.reachability else 'unknown'}"
-            + (f" problem: {problem}" if problem else "")
+
+class Prefetcher:
+    """Fetches a newly published version in the background (one at a time), so a lease finds it
+    loaded and the node relays it to others meanwhile."""
+
+    def __init__(
+        self, checkpoints: CheckpointManager, backend: InferenceBackend, stopping: asyncio.Event
+    ) -> None:
+        self._checkpoints = checkpoints
+        self._backend = backend
+        self._stopping = stopping
+        self._task: asyncio.Task[None] | None = None
+
+    def offer(self, version: int | None) -> None:
+        """Start fetching ``version`` unless it is not newer than the loaded one, a fetch runs,
+        or the node is stopping."""
+        loaded = self._backend.loaded_version
+        busy = self._task is not None and not self._task.done()
+        if version is None or busy or self._stopping.is_set():
+            return
+        if loaded is not None and version <= loaded:
+            return
+        self._task = asyncio.create_task(self._run(version), name="node-prefetch")
+
+    async def _run(self, version: int) -> None:
+        try:
+            await self._checkpoints.prefetch(version)
+        except CheckpointError as exc:
+            log.debug("prefetch of v%d failed (a lease will retry): %s", version, exc)
+
+    async def stop(self, timeout: float) -> None:
+        if self._task is not None:
+            await cancel_and_wait([self._task], timeout=timeout)
+            self._task = None
+
+
+class AdvertLoop:
+    """Re-announces the signed advert in the DHT (``swarm.adverts.AdvertAnnouncer``) every
+    ``period`` seconds, and at once after :meth:`mark_dirty`."""
+
+    def __init__(
+        self,
+        peer: SwarmPeer,
+        identity: Identity,
+        advert: Callable[[], CapabilityAdvert],
+        *,
+        period: float,
+        clock: Callable[[], float],
+    ) -> None:
+        from swarm.adverts import AdvertAnnouncer
+
+        self._announcer = AdvertAnnouncer(peer, identity, advert, period=period, clock=clock)
+        self._period = period
+        self._dirty = asyncio.Event()
+
+    def mark_dirty(self) -> None:
+        """The advert changed (loaded version, reachability): announce it now."""
+        self._dirty.set()
+
+    async def run(self) -> None:
+        from swarm.errors import DhtError
+
+        while True:
+            try:
+                if not await self._announcer.announce_once():
+                    log.warning("advert was not accepted by any DHT peer; will retry")
+            except DhtError as exc:
+                log.warning("advert announcement failed: %s", exc)
+            self._dirty.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dirty.wait(), self._period)
+
+
+class Presence:
+    """The node's liveness towards the coordinator and the swarm (see the module docstring).
+
+    Reads the loaded version from ``backend``, throughput from ``stats``, the lease in hand from
+    ``lease_in_hand``, the reachability from ``advert``; owns :attr:`active` (the coordinator's
+    last word: active or standby) and :attr:`heartbeats_sent`."""
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        registrar: Registrar,
+        advert: AdvertBuilder,
+        prefetcher: Prefetcher,
+        *,
+        backend: InferenceBackend,
+        stats: NodeStats,
+        failures: FailureTracker,
+        lease_in_hand: Callable[[], Lease | None],
+        stopping: asyncio.Event,
+        status_interval_s: float,
+        advert_loop: AdvertLoop | None = None,
+        reachability: ReachabilityMonitor | None = None,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        self._client = client
+        self._registrar = registrar
+        self._advert = advert
+        self._prefetcher = prefetcher
+        self._backend = backend
+        self._stats = stats
+        self._failures = failures
+        self._lease_in_hand = lease_in_hand
+        self._stopping = stopping
+        self._status_interval_s = status_interval_s
+        self._advert_loop = advert_loop
+        self._reachability = reachability
+        self._sleep = sleep
+        self._tasks: list[asyncio.Task[None]] = []
+        #: the coordinator's answer to the last heartbeat: active (True) or standby
+        self.active = True
+        #: heartbeats sent so far (the sequence number of the last one)
+        self.heartbeats_sent = 0
+
+    async def start(self) -> None:
+        """Start the tasks ``node-heartbeat``, ``node-status`` (and ``node-advert``,
+        ``node-reachability`` when an advert loop and a reachability monitor were given)."""
+        self._spawn("heartbeat", self._heartbeat_loop())
+        self._spawn("status", self._status_loop())
+        if self._advert_loop is not None:
+            self._spawn("advert", self._advert_loop.run())
+        if self._reachability is not None:
+            self._spawn("reachability", self._reachability.run())
+
+    async def stop(self, timeout: float) -> None:
+        """Cancel the tasks, each waited for at most ``timeout`` seconds."""
+        while self._tasks:
+            await cancel_and_wait([self._tasks.pop(0)], timeout=timeout)
+
+    def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        self._tasks.append(asyncio.create_task(coro, name=f"node-{name}"))
+
+    def state(self) -> str:
+        """``failed`` (gave up taking leases), ``stopping``, ``active`` or ``standby``."""
+        return node_state(self._failures, stopping=self._stopping.is_set(), active=self.active)
+
+    def status_line(self) -> str:
+        """The line the ``status`` task logs."""
+        return status_line(
+            self._stats,
+            self._backend.loaded_version,
+            self.state(),
+            self._advert.reachability,
+            self._failures.problem,
         )
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await self._sleep(self._registrar.heartbeat_interval_s)
+            await self.beat()
+
+    async def beat(self) -> None:
+        """Send one heartbeat and act on the answer (one step of the ``heartbeat`` task)."""
+        self.heartbeats_sent += 1
+        lease = self._lease_in_hand()
+        hb = Heartbeat(
+            peer_id=self._advert.peer_id,
+            seq=self.heartbeats_sent,
+            policy_version=self._backend.loaded_version,
+            active_leases=[lease.lease_id] if lease else [],
+            tokens_per_s=self._stats.tokens_per_s,
+        )
+        try:
+            ack = await self._client.heartbeat(hb)
+            self.active = ack.active
+            self._prefetcher.offer(ack.current_policy_version)
+        except Rejected as exc:
+            if exc.code is ReasonCode.UNKNOWN_NODE:
+                await self._registrar.reregister()
+            elif exc.code is ReasonCode.BANNED:  # said once by the work loop; not every beat
+                log.debug("heartbeat refused: %s", exc)
+            else:
+                log.warning("heartbeat refused: %s", exc)
+        except CoordinatorError as exc:
+            self._stats.coordinator_errors += 1
+            log.debug("heartbeat failed: %s", exc)
 
     async def _status_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.config.status_interval_s)
-            log.info("%s", self._status_line())
-
-    def statistics(self) -> dict[str, Any]:
-        """Snapshot of the counters plus the loaded version."""
-        out = dict(vars(self.stats))
-        out["policy_version"] = self.backend.loaded_version
-        out["active"] = self.active
-        out["problem"] = self.failures.problem
-        out["failed"] = self.failures.gave_up
-        return out
+            await self._sleep(self._status_interval_s)
+            log.info("%s", self.status_line())

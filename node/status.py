@@ -108,3 +108,13 @@ class NodeStats:
     tokens_per_s: float | None = None  # EWMA of generation throughput
     last_reject: str | None = None  # "code: detail" of the latest Reject
     last_reject_at: float | None = None  # when it came, Unix seconds
+
+    def record_generation(self, tokens: int, seconds: float) -> None:
+        """Count one lease's generation: ``tokens`` completion tokens in ``seconds``."""
+        self.tokens_generated += tokens
+        self.generate_s += seconds
+        if seconds > 0:
+            rate = tokens / seconds
+            self.tokens_per_s = (
+                rate if self.tokens_per_s is None else 0.7 * self.tokens_per_s + 0.3 * rate
+            )

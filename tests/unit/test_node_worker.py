@@ -443,7 +443,7 @@ async def test_identical_generation_failures_stop_the_node_taking_leases(swarm: 
     await until(lambda: w.failures.gave_up, "the node to give up")
     await asyncio.sleep(0.5)  # a node that kept going would have taken many more leases by now
     assert backend.attempts == 3 and w.stats.leases_released == 3
-    line = w._status_line()
+    line = w.status_line()
     assert "status: failed" in line and "stopped taking leases after 3 identical failures" in line
     assert POSITIONS in line
     assert w.statistics()["failed"] is True
@@ -453,8 +453,10 @@ async def test_identical_generation_failures_stop_the_node_taking_leases(swarm: 
         problem.startswith("stopped taking leases after 3 identical failures")
         and POSITIONS in problem
     )
-    beats = w._hb_seq
-    await until(lambda: w._hb_seq > beats, "heartbeats to go on")  # still up and visible
+    presence = w.presence  # still up and visible: heartbeats go on
+    assert presence is not None
+    beats = presence.heartbeats_sent
+    await until(lambda: presence.heartbeats_sent > beats, "heartbeats to go on")
 
 
 async def test_a_failure_that_goes_away_does_not_stop_the_node(swarm: Swarm) -> None:
