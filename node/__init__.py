@@ -4,10 +4,13 @@ Modules:
 
 * :mod:`node.config`      -- :class:`NodeConfig` (pydantic, TOML + CLI overrides; no torch import)
 * :mod:`node.main`        -- ``swarm node run``: preflight, ``--dry-run``, signals, exit codes
-* :mod:`node.worker`      -- :class:`NodeWorker`: join the DHT, advertise, register, heartbeat;
-                             lease -> load version -> generate -> sign and submit, with back-off
-* :mod:`node.presence`    -- :class:`SwarmPresence` (a mixin of the worker): advert, registration,
-                             heartbeats and the prefetch they start, reachability, status line
+* :mod:`node.worker`      -- :class:`NodeWorker`: composes the pieces below in ``start()`` (peer,
+                             checkpoints, client, registration, presence, work loop) and stops them
+* :mod:`node.work`        -- :class:`WorkLoop`: lease -> load version -> generate -> sign and
+                             submit, with back-off; the lease in hand and what the node is doing
+* :mod:`node.presence`    -- advert builder, registrar, prefetcher, DHT advert loop and
+                             :class:`Presence` (heartbeats, status line, reachability tasks)
+* :mod:`node.generation`  -- :class:`GenerationThread`: ``backend.generate`` on its own thread
 * :mod:`node.rollouts`    -- pure lease -> generation requests -> wire samples -> submission helpers
                              (prompt seeds, local lease limits, sampling config, finish reasons)
 * :mod:`node.status`      -- the capability advert (``make_advert``), ``NodeStats`` counters,
