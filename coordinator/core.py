@@ -42,23 +42,23 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry, Gauge
 
 from coordinator.activation import ActiveSet, LearnerFigures
-from coordinator.admission import Admission
+from coordinator.admission import Admission, admission_refusal
 from coordinator.audits import RewardAudits
 from coordinator.capacity import NodeCapacity, Plan
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import Rejection
 from coordinator.feed import RolloutFeed
 from coordinator.intake import Intake, IntakeMetrics
-from coordinator.leases import LeaseManager
+from coordinator.leases import LeaseManager, newest_servable
 from coordinator.ledger import Ledger
 from coordinator.liveness import Liveness
 from coordinator.logprobs import LogprobVerifier
 from coordinator.problems import Task
 from coordinator.receipts import ReceiptLog
-from coordinator.reputation import Reputation
+from coordinator.reputation import Reputation, ban_in_force
 from coordinator.retention import Retention
 from coordinator.slots import PromptSlots
-from coordinator.store import NodeRecord, Store
+from coordinator.store import NodeRecord, SenderContext, Store
 from coordinator.submissions import SubmissionDesk
 from coordinator.throughput import LeaseLag, ThroughputBook
 from coordinator.trust import Trust
@@ -452,20 +452,31 @@ class Coordinator:
         log.info("node table full (%d): forgot %s, gone the longest", cap, fingerprint_of(victim))
 
     def heartbeat(self, node_key: bytes, hb: Heartbeat) -> HeartbeatAck:
-        self._admit(node_key)
+        sender = self._sender(node_key)
         now = self.clock()
         self.liveness.saw(node_key, now)
         return HeartbeatAck(
             server_time=now,
-            current_policy_version=self.lease_version(),
+            current_policy_version=newest_servable(sender.recent_versions, self.servable),
             active=self.is_active(node_key),
         )
 
+    def _sender(self, node_key: bytes) -> SenderContext:
+        """Load what a heartbeat or lease request reads (one read) and admit the sender."""
+        sender = self.store.load_sender(node_key, self.config.staleness_bound + 1)
+        now = self.clock()
+        refusal = admission_refusal(node_key, sender.node, ban_in_force(sender.ban, now), now)
+        if refusal is not None:
+            raise refusal
+        return sender
+
     # --- leases ----------------------------------------------------------------------------------
     def request_lease(self, node_key: bytes, req: LeaseRequest) -> Lease | Standby:
-        node = self._admit(node_key)
+        sender = self._sender(node_key)
+        node = sender.node
+        assert node is not None  # admitted
         self.liveness.saw(node_key, self.clock())
-        version = self.lease_version()
+        version = newest_servable(sender.recent_versions, self.servable)
         if version is None:
             return Standby(retry_after_s=1.0, reason="no policy version available yet")
         if not self.is_active(node_key):
@@ -517,11 +528,8 @@ class Coordinator:
 
         A version published but not yet (or never) held — the trainer died while seeding it —
         is skipped: a node leased on it could not load it and would release lease after lease."""
-        latest = self.store.latest_version()
-        if latest is None or self.servable is None or self.servable(latest):
-            return latest
-        usable = self.store.versions()[-(self.config.staleness_bound + 1) :]
-        return next((v for v in reversed(usable) if self.servable(v)), None)
+        recent = self.store.recent_versions(self.config.staleness_bound + 1)
+        return newest_servable(recent, self.servable)
 
     def release(self, node_key: bytes, lease_id: str, epoch: int, reason: str = "") -> list[int]:
         """A node gives a lease back; its prompts are reassignable at once. A reason other than

@@ -98,6 +98,14 @@ def open_prompts_of(lease: LeaseRecord, states: Mapping[int, tuple[str, str]]) -
     return undone_prompts(lease, states)[0]
 
 
+def newest_servable(recent: Sequence[int], servable: Callable[[int], bool] | None) -> int | None:
+    """The version new leases name: the newest of ``recent`` (the newest published versions,
+    newest first, at most S + 1 of them) that is ``servable``; any when ``servable`` is None."""
+    if servable is None:
+        return recent[0] if recent else None
+    return next((v for v in recent if servable(v)), None)
+
+
 class LeaseManager:
     """Issues, expires, releases and closes leases; all state in ``store``."""
 

@@ -38,7 +38,8 @@ from coordinator.records import (
 )
 
 __all__ = [
-    "ACK", "LeaseRecord", "NodeRecord", "RolloutRow", "Store", "SubmissionContext", "Verdict",
+    "ACK", "LeaseRecord", "NodeRecord", "RolloutRow", "SenderContext", "Store", "SubmissionContext",
+    "Verdict",
 ]  # fmt: skip
 
 #: One node's row of the ``trust`` table (:mod:`coordinator.trust` owns the table): clean_checks,
@@ -79,6 +80,19 @@ class SubmissionContext:
     @property
     def latest_version(self) -> int | None:
         return self.versions[-1] if self.versions else None
+
+
+@dataclass(frozen=True)
+class SenderContext:
+    """What a heartbeat or a lease request reads before it answers, loaded in one read
+    (:meth:`Store.load_sender`)."""
+
+    #: the sender's registration; None: not registered
+    node: NodeRecord | None
+    #: the sender's ban on record ``(bans so far, banned_until, reason)``; None: never banned
+    ban: tuple[int, float, str] | None
+    #: the newest published versions, newest first (at most the ``depth`` asked for)
+    recent_versions: tuple[int, ...]
 
 
 SCHEMA = """
@@ -260,6 +274,14 @@ class Store:
                 trust=trust,
                 has_record=False if trust is not None else self.has_record(node_key),
                 originals=originals,
+            )
+
+    def load_sender(self, node_key: bytes, depth: int) -> SenderContext:
+        """The sender's row, its ban and the ``depth`` newest versions (:class:`SenderContext`),
+        read under the connection lock."""
+        with self._lock:
+            return SenderContext(
+                self.get_node(node_key), self.get_ban(node_key), self.recent_versions(depth)
             )
 
     def trust_row(self, node_key: bytes) -> TrustRow | None:
@@ -676,6 +698,11 @@ class Store:
     def latest_version(self) -> int | None:
         value = self._all("SELECT MAX(version) FROM versions")[0][0]
         return None if value is None else int(value)
+
+    def recent_versions(self, n: int) -> tuple[int, ...]:
+        """The ``n`` newest published versions, newest first (an index walk, not the history)."""
+        sql = "SELECT version FROM versions ORDER BY version DESC LIMIT ?"
+        return tuple(int(r[0]) for r in self._all(sql, (max(0, n),)))
 
     def versions(self) -> list[int]:
         return [int(r[0]) for r in self._all("SELECT version FROM versions ORDER BY version")]

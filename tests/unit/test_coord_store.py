@@ -3,6 +3,7 @@ activation on top of it."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from pathlib import Path
 
@@ -73,3 +74,42 @@ async def test_activation_standby_and_measured_throughput(tmp_path: Path) -> Non
     status = h.core.status()
     assert status["policy_version"] == 1 and status["rollouts_accepted"] == 4
     assert status["leases"] == {"completed": 1} and len(status["plan_standby"]) == 1
+
+
+def test_one_read_loads_what_the_submission_checks_need(tmp_path: Path) -> None:
+    """Store.load_submission reads what the pipeline's pure checks use (coordinator.pipeline),
+    the same values as the separate reads it replaces."""
+    h = Harness(tmp_path)
+    for v in (1, 2, 3):
+        h.publish(v)
+    node = h.node()
+    lease = h.lease(node)
+    store, key = h.store, node.public_key
+    ctx = store.load_submission(key, lease.lease_id, b"d" * 32)
+    assert ctx.node == store.get_node(key) and ctx.lease == store.get_lease(lease.lease_id)
+    assert ctx.ban is None and ctx.verdict is None and ctx.verdicts == 0
+    assert ctx.versions == (1, 2, 3) and ctx.latest_version == 3
+    assert ctx.prompt_states == store.prompt_states(ctx.lease.prompts)  # type: ignore[union-attr]
+    assert set(ctx.prompt_states.values()) == {("leased", lease.lease_id)}
+    assert ctx.trust is None and not ctx.has_record and ctx.originals == {}
+    assert isinstance(asyncio.run(h.core.submit(key, submission(lease))), Ack)
+    done = store.load_submission(key, lease.lease_id, b"d" * 32)
+    assert done.trust is not None and done.trust[4] == 1  # one clean lease
+    assert {s for s, _ in done.prompt_states.values()} == {"done"}
+    # a strike, no trust row yet for another node: a suspect from its record
+    other = h.node().public_key
+    h.core.reputation.strike(other, "schema", "test", h.clock())
+    assert store.load_submission(other, "L-none", b"").has_record
+
+
+def test_one_read_loads_the_sender_and_the_newest_versions(tmp_path: Path) -> None:
+    h = Harness(tmp_path)  # staleness_bound 2: a lease names one of the 3 newest versions
+    for v in (1, 2, 3, 4, 5):
+        h.publish(v)
+    key = h.node().public_key
+    sender = h.store.load_sender(key, 3)
+    assert sender.node == h.store.get_node(key) and sender.ban is None
+    assert sender.recent_versions == (5, 4, 3)
+    h.store.put_ban(key, 1, h.clock() + 60, "test")
+    assert h.store.load_sender(key, 3).ban == (1, h.clock() + 60, "test")
+    assert h.store.load_sender(b"x" * 32, 3).node is None

@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 
+from coordinator.admission import admission_refusal
 from coordinator.errors import IntakeRejection
 from coordinator.intake import Intake, IntakeContext, PromptSlot, expected_seed
+from coordinator.leases import newest_servable
 from coordinator.pipeline import (
     MAX_VERDICTS_PER_LEASE,
     Proceed,
@@ -30,6 +32,7 @@ from coordinator.pipeline import (
     trust_of,
 )
 from coordinator.records import ACK, LeaseRecord, NodeRecord, Verdict
+from coordinator.reputation import ban_in_force
 from coordinator.store import SubmissionContext
 from coordinator.tasks import ReverseTask
 from policy.model import CharTokenizer
@@ -290,3 +293,22 @@ def test_the_decision_counts_samples_prompts_and_skipped_groups() -> None:
     assert out.verdict == Verdict(
         ACK, "2 samples of 1 prompts accepted; 1 groups were already completed elsewhere", 2, 1
     )
+
+
+# --- heartbeats and lease requests: one read (Store.load_sender), then pure rules ----------------
+def test_leases_name_the_newest_servable_version_of_the_loaded_ones() -> None:
+    recent = (5, 4, 3)  # the S + 1 newest, newest first
+    assert newest_servable(recent, None) == 5
+    assert newest_servable(recent, {3, 4}.__contains__) == 4  # v5 not held yet
+    assert newest_servable(recent, {1, 2}.__contains__) is None  # nothing within S is held
+    assert newest_servable((), None) is None
+
+
+def test_a_sender_is_admitted_on_the_loaded_rows_and_the_given_time() -> None:
+    assert admission_refusal(NODE, node(), None, NOW) is None
+    refusal = admission_refusal(NODE, None, None, NOW)
+    assert refusal is not None and refusal.code is ReasonCode.UNKNOWN_NODE
+    ban = ban_in_force((1, NOW + 5.0, "why"), NOW)
+    refusal = admission_refusal(NODE, node(), ban, NOW)
+    assert refusal is not None and refusal.code is ReasonCode.BANNED
+    assert ban_in_force((1, NOW + 5.0, "why"), NOW + 5.0) is None  # over at its end
