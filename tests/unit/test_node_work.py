@@ -1,0 +1,147 @@
+"""node.work.WorkLoop built on its own (no NodeWorker, no heartbeats), against the real coordinator
+core of test_node_worker on the in-memory transport, with the fake backend."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from test_node_worker import MemCoordinator, node_config, until
+
+from node.backends.fake import FakeBackend
+from node.checkpoints import CheckpointManager
+from node.client import CoordinatorClient
+from node.failures import FailureTracker
+from node.generation import GenerationThread
+from node.presence import AdvertBuilder, Registrar
+from node.status import Backoff, NodeStats
+from node.work import WorkLoop
+from protocol.identity import Identity
+from swarm.broadcast import BroadcastNode
+from swarm.chunks import ChunkStore
+from swarm.holders import MemoryHolderDirectory
+from swarm.memtransport import InMemoryNetwork
+
+
+class Loop:
+    """A WorkLoop and what it receives; ``loaded`` counts ``on_version_loaded`` calls."""
+
+    def __init__(self, tmp: Path, coord: MemCoordinator, net: InMemoryNetwork) -> None:
+        self.config = node_config(coord, tmp / "node")
+        (tmp / "node").mkdir()
+        self.tmp = tmp
+        self.identity = Identity.generate()
+        self.backend = FakeBackend()
+        self.stats = NodeStats()
+        self.stopping = asyncio.Event()
+        self.transport = net.endpoint("node-1")
+        self.client = CoordinatorClient(self.transport, "coord", self.identity)
+        advert = AdvertBuilder(
+            self.config, self.identity, self.backend, None, self.stats, lambda: 1000.0
+        )
+        advert.peer_id = self.transport.peer_id
+        self.registrar = Registrar(self.client, advert, heartbeat_interval_s=1.0)
+        self.generation = GenerationThread(self.backend)
+        self.loaded = 0
+        self.broadcast: BroadcastNode | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    def _version_loaded(self) -> None:
+        self.loaded += 1
+
+    async def start(self, dirs: MemoryHolderDirectory) -> WorkLoop:
+        self.broadcast = BroadcastNode(
+            self.transport, ChunkStore(self.tmp / "chunks", keep_versions=3), dirs, bytes(32)
+        )
+        await self.broadcast.start()
+        checkpoints = CheckpointManager(
+            self.broadcast,
+            self.backend,
+            state_dir=self.tmp / "node",
+            coordinator_fingerprint=self.config.coordinator_key or "",
+            seeds=lambda: ["coord"],
+        )
+        rng = random.Random(0)
+        self.work = WorkLoop(
+            self.client,
+            checkpoints,
+            self.generation,
+            self.registrar,
+            config=self.config,
+            backend=self.backend,
+            stats=self.stats,
+            failures=FailureTracker(3, 0.02, 0.1, rng),
+            backoff=Backoff(0.02, 0.1, rng),
+            stopping=self.stopping,
+            peer_id=self.transport.peer_id,
+            on_version_loaded=self._version_loaded,
+            tokenizer=None,
+            rng=rng,
+            clock=lambda: 1000.0,
+        )
+        self.task = asyncio.create_task(self.work.run(), name="node-work")
+        return self.work
+
+    async def close(self) -> None:
+        self.stopping.set()
+        if self.task is not None:
+            await asyncio.wait_for(self.task, 10)
+        self.generation.shutdown()
+        if self.broadcast is not None:
+            await self.broadcast.stop()
+
+
+@pytest.fixture
+async def world(tmp_path: Path) -> AsyncIterator[tuple[MemCoordinator, Loop]]:
+    net, dirs = InMemoryNetwork(), MemoryHolderDirectory()
+    coord = MemCoordinator(net, dirs, tmp_path)
+    await coord.start()
+    loop = Loop(tmp_path, coord, net)
+    await loop.start(dirs)
+    yield coord, loop
+    await loop.close()
+    assert coord.broadcast is not None
+    await coord.broadcast.stop()
+    coord.core.close()
+
+
+async def test_an_unregistered_node_registers_on_unknown_node_and_works(
+    world: tuple[MemCoordinator, Loop],
+) -> None:
+    """Nobody registered this node: the first lease request is refused (unknown_node), the loop
+    registers it through the registrar, and leases are then generated and accepted."""
+    coord, loop = world
+    await coord.publish(1)
+    await until(lambda: loop.stats.leases_accepted >= 2, "two accepted leases")
+    assert loop.stats.leases_rejected == 0 and loop.stats.tokens_generated > 0
+    assert loop.backend.loaded_version == 1 and loop.loaded >= 1
+    assert [s.policy_version for s in coord.submissions[:2]] == [1, 1]
+
+
+async def test_a_stop_while_generating_releases_the_lease_in_hand(
+    world: tuple[MemCoordinator, Loop],
+) -> None:
+    coord, loop = world
+    gate = asyncio.Event()
+    real = loop.backend.generate
+
+    def generate(*args: object) -> object:  # a long generation: waits for the test
+        asyncio.run_coroutine_threadsafe(gate.wait(), main).result(10)
+        return real(*args)  # type: ignore[arg-type]
+
+    main = asyncio.get_running_loop()
+    loop.backend.generate = generate  # type: ignore[method-assign]
+    await coord.publish(1)
+    await until(lambda: loop.generation.in_flight, "a generation in flight")
+    lease = loop.work.lease
+    assert lease is not None and loop.work.phase.startswith("generating")
+    loop.stopping.set()
+    assert loop.task is not None
+    await asyncio.wait_for(loop.task, 10)
+    gate.set()
+    assert coord.lease_states()[lease.lease_id] == "released"
+    assert loop.stats.leases_released == 1 and coord.submissions == []
+    assert loop.work.lease is None
