@@ -12,6 +12,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
 from test_node_worker import Swarm, until
 
 from protocol.messages import Heartbeat, HeartbeatAck
@@ -51,6 +52,37 @@ async def test_stop_ends_a_heartbeat_that_swallowed_one_cancellation(tmp_path: P
         assert stopping in done, "stop() hung on a task that swallowed its cancellation"
         assert calls["swallowed"] == 1 and beating.done()
     finally:
+        if swarm.coord.broadcast is not None:
+            await swarm.coord.broadcast.stop()
+        swarm.coord.core.close()
+
+
+async def test_a_lease_not_handed_back_within_the_drain_time_is_abandoned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``swarm node run`` after a signal: a submission the coordinator holds (frozen, not gone)
+    is given ``DRAIN_S``; then the work loop is cancelled and ``stop()`` no longer waits for it."""
+    import node.main
+
+    monkeypatch.setattr(node.main, "DRAIN_S", 0.2)
+    swarm = Swarm(tmp_path)
+    await swarm.coord.start()
+    swarm.coord.submit_gate = asyncio.Event()  # never set: the verdict never comes
+    try:
+        await swarm.coord.publish(1)
+        w = swarm.worker()
+        await w.start()
+        await swarm.coord.submit_entered.wait()
+        stop = asyncio.Event()
+        stop.set()
+        w.request_stop()
+        await asyncio.wait_for(node.main._work_until_drained(w, stop), 5)
+        work = next((t for t in asyncio.all_tasks() if t.get_name() == "node-work"), None)
+        assert work is None  # cancelled and ended
+        await asyncio.wait_for(w.stop(), 5)  # does not wait for the abandoned submission
+        assert w.stats.leases_done == 0 and w.stats.leases_released == 0
+    finally:
+        swarm.coord.submit_gate.set()
         if swarm.coord.broadcast is not None:
             await swarm.coord.broadcast.stop()
         swarm.coord.core.close()
