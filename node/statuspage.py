@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from node.presence import node_state
 from swarm.display import describe_hardware
 from swarm.tasks import cancel_and_wait
 from swarm.web.server import ReadOnlyHttpServer, Response, WebApp, json_response
@@ -47,9 +48,8 @@ def node_status(worker: NodeWorker, started_at: float, now: float) -> dict[str, 
     broadcast = worker.broadcast
     store = broadcast.store if broadcast is not None else None
     held = [v for v in store.versions() if store.is_complete(v)] if store is not None else []
-    state = "stopping" if worker.stopping else ("active" if worker.active else "standby")
-    if worker.failures.gave_up:
-        state = "failed"  # stopped taking leases after identical generation failures
+    # "failed": stopped taking leases after identical generation failures (node.failures)
+    state = node_state(worker.failures, stopping=worker.stopping, active=worker.active)
     return {
         "fingerprint": worker.identity.fingerprint,
         "peer_id": worker.peer_id,
