@@ -1,13 +1,14 @@
 """The trainer's side of the coordinator service: publications, the rollout feed, its figures.
 
-:class:`LearnerLink` owns the learner's handlers and what they keep (the trainer's gauges, the
-event that wakes a waiting fetch). Only the configured trainer key may call them
-(:meth:`LearnerLink._open_trainer`, checked before the signature). ``rswarm/publish`` refuses a
-LoRA version over another base than the coordinator's (the coordinator could not spot-check it),
-signs the trainer's manifest, records it and hands it to the version holder
-(:class:`coordinator.holding.VersionHolder`); ``rswarm/fetch`` long-polls accepted rollouts (at
-most ``FETCH_WAIT_CAP_S``) and takes the learner's figures that ride on it: T_train and its
-variability, B, κ for the capacity rule, and the step/cursor pairs of the receipt log.
+:class:`LearnerLink` owns the learner's handlers and the trainer's gauges; a waiting fetch wakes
+on the event the node handlers set when a submission stores rollouts. Only the configured trainer
+key may call them (:meth:`LearnerLink._open_trainer`, checked before the signature).
+``rswarm/publish`` refuses a LoRA version over another base than the coordinator's (the
+coordinator could not spot-check it), signs the trainer's manifest, records it and hands it to
+the version holder (:class:`coordinator.holding.VersionHolder`); ``rswarm/fetch`` long-polls
+accepted rollouts (at most ``FETCH_WAIT_CAP_S``) and takes the learner's figures that ride on
+it: T_train and its variability, B, κ for the capacity rule, and the step/cursor pairs of the
+receipt log.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ class LearnerLink:
     ``core`` records versions, serves rollouts and takes the learner's figures; ``signer`` (the
     coordinator key) signs manifests; ``trainer_fingerprint`` is the only key allowed to call
     (None: no trainer configured, every call refused); ``holder`` fetches each published version;
-    ``t_bcast`` takes the trainer's publication time; ``on_report`` each report of the trainer
-    (the figures riding on a fetch: /status and its history show them);
+    ``t_bcast`` takes the trainer's publication time; ``rollouts_stored`` is set when a
+    submission stored rollouts (a waiting fetch looks again); ``on_report`` takes each report of
+    the trainer (the figures riding on a fetch: /status and its history show them);
     ``on_published`` is told each new version (the service refreshes /status and the DHT);
     ``check_version`` refuses a manifest the coordinator cannot serve (blocking, run in a worker
     thread, LoRA versions only); ``clock`` is Unix time."""
@@ -70,6 +72,7 @@ class LearnerLink:
         trainer_fingerprint: str | None,
         holder: VersionSink,
         t_bcast: TBcastEstimate,
+        rollouts_stored: asyncio.Event,
         on_report: Callable[[dict[str, Any]], None],
         on_published: Callable[[int], None],
         check_version: Callable[[Manifest], None] | None = None,
@@ -85,11 +88,7 @@ class LearnerLink:
         self._check_version = check_version
         self._clock = clock
         self._gauges: TrainerGauges | None = None
-        self._new_rollouts = asyncio.Event()
-
-    def rollouts_accepted(self) -> None:
-        """New rollouts were stored: a waiting fetch looks again."""
-        self._new_rollouts.set()
+        self._rollouts_stored = rollouts_stored
 
     def _open_trainer(self, request: bytes, type_: type[M]) -> M:
         env = decode(request, SignedEnvelope)
@@ -137,7 +136,7 @@ class LearnerLink:
             self._export_trainer_gauges(stats)
         deadline = time.monotonic() + min(msg.wait_s, FETCH_WAIT_CAP_S)
         while True:
-            self._new_rollouts.clear()
+            self._rollouts_stored.clear()
             batch = self._core.fetch_rollouts(
                 msg.after_seq, msg.max_rollouts, msg.min_policy_version
             )
@@ -145,7 +144,7 @@ class LearnerLink:
             if batch.rollouts or left <= 0:
                 return encode(batch)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._new_rollouts.wait(), left)
+                await asyncio.wait_for(self._rollouts_stored.wait(), left)
 
     def _learner_figures(self, stats: dict[str, Any]) -> None:
         """The capacity rule's learner inputs, as the trainer measured them: T_train (its smoothed

@@ -188,7 +188,11 @@ class CoordinatorService:
         running.push_async_callback(_quietly(broadcast.stop))
         await broadcast.start()
         # the versions held (fetched from the trainer, T_bcast, spot-check models preloaded)
-        t_bcast = TBcastEstimate(apply=lambda seconds: setattr(core, "t_bcast_s", seconds))
+
+        def plan_t_bcast(seconds: float) -> None:
+            core.t_bcast_s = seconds
+
+        t_bcast = TBcastEstimate(apply=plan_t_bcast)
         holder = VersionHolder(
             chunks=chunks,
             downloader=broadcast,
@@ -207,7 +211,8 @@ class CoordinatorService:
         dialback = DialbackServer(transport, host=cfg.network.host)
         running.push_async_callback(_quietly(dialback.stop))
         await dialback.start()
-        nodes = NodeHandlers(core, versions=holder, on_rollouts=lambda: learner.rollouts_accepted())
+        rollouts_stored = asyncio.Event()  # set by a submission, waited on by the learner's fetch
+        nodes = NodeHandlers(core, versions=holder, on_rollouts=rollouts_stored.set)
 
         def reachability(fingerprint: str) -> str | None:
             peer_id = nodes.peer_of(fingerprint)
@@ -263,6 +268,7 @@ class CoordinatorService:
             trainer_fingerprint=self.trainer_fingerprint,
             holder=holder,
             t_bcast=t_bcast,
+            rollouts_stored=rollouts_stored,
             on_report=board.trainer_report,
             on_published=published,
             check_version=models.check_lora_base,

@@ -116,6 +116,7 @@ def learner(
         trainer_fingerprint=trainer.fingerprint if trainer is not None else None,
         holder=sink,
         t_bcast=t_bcast or TBcastEstimate(apply=lambda seconds: None),
+        rollouts_stored=asyncio.Event(),
         on_report=on_report,
         on_published=on_published,
         check_version=check_version,
