@@ -1,6 +1,6 @@
 """What the dashboard draws over time: a bounded, in-memory history of the swarm and the learner.
 
-Two series, both fed by :class:`~coordinator.service.CoordinatorService`:
+Two series, both fed by :class:`~coordinator.status_board.StatusBoard`:
 
 * **steps** -- one row per learner step, from the figures the trainer sends with each fetch
   (:meth:`StatusHistory.record_trainer`; a step reported twice is kept once): every finite number
