@@ -76,7 +76,12 @@ def config(db: Path, fraction: float) -> CoordinatorConfig:
             "db_path": str(db),
             "group_size": G,
             "sampling": {"max_new_tokens": MAX_NEW},
-            "leases": {"max_prompts_per_lease": PROMPTS, "target_lease_s": 1000.0},
+            # a round's leases are all issued before it is timed: no per-node cap on them
+            "leases": {
+                "max_prompts_per_lease": PROMPTS,
+                "target_lease_s": 1000.0,
+                "max_active_per_node": 1_000_000,
+            },
             # a fixed check rate (the adaptive one is measured in the demo), no reward audits
             "intake": {"spot_check_fraction": fraction, "new_node_check_rate": fraction},
             "reward_audit": {"fraction": 0.0},
@@ -123,6 +128,13 @@ class Bench:
 
     def prepare(self, n: int) -> list[bytes]:
         """``n`` freshly leased, sealed submissions (node-side work, not timed)."""
+        return [
+            encode(seal(node, self.submission(lease), now=time.time()))
+            for node, lease in self.lease(n)
+        ]
+
+    def lease(self, n: int) -> list[tuple[Identity, Lease]]:
+        """``n`` leases, round-robin over the nodes (all held until the round is timed)."""
         out = []
         for _ in range(n):
             node = self.nodes[next(self._turn) % len(self.nodes)]
@@ -130,8 +142,9 @@ class Bench:
                 node.public_key,
                 LeaseRequest(peer_id="bench", policy_version=VERSION, max_prompts=PROMPTS),
             )
-            assert isinstance(lease, Lease) and len(lease.prompts) == PROMPTS, lease
-            out.append(encode(seal(node, self.submission(lease), now=time.time())))
+            if not isinstance(lease, Lease) or len(lease.prompts) != PROMPTS:
+                raise SystemExit(f"{self.name}: no lease of {PROMPTS} prompts: {lease}")
+            out.append((node, lease))
         return out
 
     def submission(self, lease: Lease) -> RolloutSubmission:
