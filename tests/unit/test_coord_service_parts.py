@@ -4,6 +4,7 @@ and the status board (no libp2p, no HTTP socket)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -225,3 +226,60 @@ def test_the_status_board_shows_each_nodes_measured_reachability(tmp_path: Path)
         public.fingerprint: "public",
         unmeasured.fingerprint: "unknown",
     }
+
+
+async def test_a_publication_is_held_from_the_trainers_seed_and_then_leased(
+    tmp_path: Path,
+) -> None:
+    """The learner link, the version holder and a real broadcast node over an in-memory network:
+    the trainer proposes v1, seeds it only after the answer (as it does), and the coordinator
+    holds it, leases name it and T_bcast is measured; nothing is faked but the network."""
+    from coordinator.holding import VersionHolder
+    from swarm.broadcast import BroadcastNode, DownloadConfig
+    from swarm.holders import MemoryHolderDirectory
+    from swarm.memtransport import InMemoryNetwork
+
+    h = Harness(tmp_path, clock=FakeClock(time.time()))
+    net, directory, key = InMemoryNetwork(), MemoryHolderDirectory(), h.publisher.public_key
+    fast = DownloadConfig(seed_backoff=0.01, holders_refresh=0.05)
+    seed = BroadcastNode(
+        net.endpoint("trainer-peer"), ChunkStore(tmp_path / "t", keep_versions=3), directory, key
+    )
+    chunks = ChunkStore(tmp_path / "coord", keep_versions=3)
+    ours = BroadcastNode(net.endpoint("coord"), chunks, directory, key, config=fast)
+    h.core.servable = chunks.is_complete  # as the service wires it
+    applied: list[float] = []
+    t_bcast = TBcastEstimate(apply=applied.append)
+    versions = VersionHolder(
+        chunks=chunks, downloader=ours, published=h.core.store, models=None,
+        staleness_bound=h.cfg.staleness_bound, spot_checks=False,
+        lease_version=h.core.lease_version, on_held=t_bcast.held,
+    )  # fmt: skip
+    trainer = Identity.generate()
+    link = learner(h, versions, trainer=trainer, t_bcast=t_bcast)
+    await seed.start()
+    await ours.start()
+    try:
+        now = h.clock()
+        files = {"model.safetensors": bytes(range(256)) * 64}
+        manifest, parts = build_manifest(
+            files, version=1, parent_version=None, model_config_hash="ab", tokenizer_hash="cd",
+            created_at=now, expires_at=now + 3600, chunk_size=4096,
+        )  # fmt: skip
+        proposal = PublishVersion(manifest=encode(manifest), source="test")
+        answer = decode(
+            await link.on_publish("trainer-peer", encode(seal(trainer, proposal, now=now)))
+        )
+        assert isinstance(answer, ManifestResponse) and answer.manifest is not None
+        assert h.core.lease_version() is None  # published, not held yet: no lease names it
+        await asyncio.sleep(0.05)
+        await seed.seed_version(answer.manifest, parts)  # the trainer seeds after our answer
+        await versions.until_leasable(10.0)
+        assert h.core.lease_version() == 1 and versions.holds(1)
+        assert chunks.load_files(1) == files
+        assert len(applied) == 1 and applied[0] >= 0.05  # publish -> held, seeding waited for
+        assert versions.seeder_of(1) == "trainer-peer"
+    finally:
+        versions.stop()
+        await ours.stop()
+        await seed.stop()
