@@ -11,6 +11,7 @@ translated to :class:`~coordinator.errors.StoreError` in :meth:`Store._guard`, t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import sqlite3
@@ -274,6 +275,27 @@ class Store:
                 trust=trust,
                 has_record=False if trust is not None else self.has_record(node_key),
                 originals=originals,
+            )
+
+    def reload_submission(self, ctx: SubmissionContext, digest: bytes) -> SubmissionContext:
+        """``ctx`` with what the write step re-checks and records read again (the sender's row
+        and trust, the lease, the verdict for ``digest``, the prompt states); the rest (ban,
+        versions, verdict count, audit map: what the screen and the checks used) is kept. Call
+        inside the write transaction."""
+        if ctx.lease is None:
+            raise ValueError("reload_submission: the context has no lease to re-read")
+        with self._lock:
+            key, lease_id = ctx.lease.node_key, ctx.lease.lease_id
+            lease = self.get_lease(lease_id)
+            trust = self.trust_row(key)
+            return dataclasses.replace(
+                ctx,
+                node=self.get_node(key),
+                lease=lease,
+                verdict=self.get_verdict(lease_id, digest),
+                prompt_states=self.prompt_states(lease.prompts if lease is not None else ()),
+                trust=trust,
+                has_record=False if trust is not None else self.has_record(key),
             )
 
     def load_sender(self, node_key: bytes, depth: int) -> SenderContext:

@@ -44,7 +44,7 @@ from coordinator.pipeline import (
 from coordinator.receipts import ReceiptLog
 from coordinator.reputation import Reputation
 from coordinator.slots import PromptSlots
-from coordinator.store import ACK, LeaseRecord, RolloutRow, Store, Verdict
+from coordinator.store import ACK, LeaseRecord, RolloutRow, Store, SubmissionContext, Verdict
 from coordinator.throughput import ThroughputBook
 from coordinator.trust import Trust
 from protocol.codec import decode, encode
@@ -140,7 +140,7 @@ class SubmissionDesk:
                 self.leases.close_unfulfillable(lease)
             return refused
         fault_point("submit.before_commit")
-        return self._record_accept(node_key, sub, digest, accepted, check.report)
+        return self._record_accept(node_key, sub, digest, accepted, check.report, ctx)
 
     def _record_accept(
         self,
@@ -149,12 +149,13 @@ class SubmissionDesk:
         digest: bytes,
         accepted: list[AcceptedSample],
         report: CheckReport,
+        loaded: SubmissionContext,
     ) -> Ack | Reject:
         """Decide and record in one transaction (the context re-read under the write lock)."""
         now = self.clock()
         with self.store.transaction():
             self.leases.expire_due()  # a release or an expiry may have landed meanwhile
-            ctx = self.store.load_submission(node_key, sub.lease_id, digest)
+            ctx = self.store.reload_submission(loaded, digest)
             again = recheck(ctx, node_key, sub, [a.prompt_index for a in accepted])
             if isinstance(again, Replay):  # an identical submission won the race
                 return _message(again.ref, again.verdict)

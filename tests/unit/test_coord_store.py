@@ -96,6 +96,13 @@ def test_one_read_loads_what_the_submission_checks_need(tmp_path: Path) -> None:
     done = store.load_submission(key, lease.lease_id, b"d" * 32)
     assert done.trust is not None and done.trust[4] == 1  # one clean lease
     assert {s for s, _ in done.prompt_states.values()} == {"done"}
+    assert done.lease is not None and done.lease.state == "completed"
+    # the write step's re-read: what changed meanwhile is read again, the rest kept as loaded
+    again = store.reload_submission(ctx, b"d" * 32)
+    assert (again.lease, again.prompt_states, again.trust) == (
+        done.lease, done.prompt_states, done.trust,
+    )  # fmt: skip
+    assert again.versions == ctx.versions and again.verdicts == ctx.verdicts
     # a strike, no trust row yet for another node: a suspect from its record
     other = h.node().public_key
     h.core.reputation.strike(other, "schema", "test", h.clock())
