@@ -12,7 +12,7 @@ Everything here is a function of its arguments: a :class:`~coordinator.store.Sub
 (the one read), the submission, the injected time. No store access, no clock. :func:`screen`
 answers before any check runs (sender not admitted, lease not held, a stored verdict to replay,
 a verdict flood, nothing left open); :func:`intake_context` is what checks 3–7 read;
-:func:`recheck` repeats the lease checks on the context re-read inside the write transaction (a
+:func:`recheck` repeats the lease checks on what the write transaction re-read (a
 release or an expiry may have landed while the checks ran) and :func:`decide` builds the verdict
 of an accepted submission.
 """
@@ -170,7 +170,7 @@ def intake_context(
 def recheck(
     ctx: SubmissionContext, node_key: bytes, sub: RolloutSubmission, accepted_prompts: Sequence[int]
 ) -> Replay | Refusal | Proceed:
-    """The lease checks again on the context re-read inside the write transaction: an identical
+    """The lease checks again on the context re-read in the write transaction: an identical
     submission may have won the race, the lease may have been released or expired, and prompts
     may have been completed elsewhere meanwhile. ``Proceed.open_prompts`` holds the prompts of
     ``accepted_prompts`` still open (never empty)."""

@@ -9,7 +9,8 @@ in its constructor. :meth:`SubmissionDesk.submit` runs in one direction:
    verdict for the same bytes, the per-lease verdict limit, prompts still open;
 3. **check** (:meth:`coordinator.intake.Intake.verify`, checks 3–7) on an
    :class:`~coordinator.intake.IntakeContext` built from the loaded context;
-4. **decide** and **record**: one transaction re-reads the context, repeats the lease checks
+4. **decide** and **record**: one transaction re-reads what may have changed while the checks
+   awaited (:meth:`~coordinator.store.Store.reload_submission`), repeats the lease checks
    (:func:`coordinator.pipeline.recheck`) and records the accepted samples, the lease's
    progress, the node's throughput, trust, the verdict and its receipt; a refusal records the
    verdict (lease-bound ones), the strike or ban, trust and a banned node's withdrawal.
@@ -151,7 +152,8 @@ class SubmissionDesk:
         report: CheckReport,
         loaded: SubmissionContext,
     ) -> Ack | Reject:
-        """Decide and record in one transaction (the context re-read under the write lock)."""
+        """Decide and record in one transaction (what may have changed re-read under the write
+        lock: :meth:`Store.reload_submission`)."""
         now = self.clock()
         with self.store.transaction():
             self.leases.expire_due()  # a release or an expiry may have landed meanwhile
