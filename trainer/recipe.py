@@ -17,7 +17,8 @@ newer.
 
 Where rollouts come from and versions go: :mod:`trainer.sources`; the checkpoint directories and
 ``published.json`` on disk: :mod:`trainer.checkpoints`. One learner step: :mod:`trainer.step`;
-saving and loading checkpoints: :mod:`trainer.resume`.
+saving and loading checkpoints: :mod:`trainer.resume`; the counters both advance:
+:mod:`trainer.progress`. :meth:`Trainer._compose` wires them together.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from trainer.filtering import GroupFilter
 from trainer.metrics import IdleClock, MetricsWriter
 from trainer.monitors import GradSpikeGuard, monitor_from_config
 from trainer.pipeline import PublicationSlot, RolloutFeed
-from trainer.resume import CheckpointState
+from trainer.progress import LearnerProgress, PendingRollouts, StepTiming
+from trainer.resume import CheckpointStore
 from trainer.sources import Publisher, RolloutSource, VersionNotNewer
 from trainer.step import LearnerStep
 
@@ -51,9 +53,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Trainer(LearnerStep, CheckpointState):
-    """The learner. Build with :meth:`setup`; drive with :meth:`run` or :meth:`train_step`
-    (:mod:`trainer.step`); checkpoints: :mod:`trainer.resume`."""
+class Trainer:
+    """The learner. Build with :meth:`setup`; drive with :meth:`run` or :meth:`train_step`.
+
+    It composes, in :meth:`_compose`, a :class:`~trainer.step.LearnerStep` (:attr:`learner`) and
+    a :class:`~trainer.resume.CheckpointStore` (:attr:`checkpoints`) from the parts it holds:
+    the model, optimizer, engine and ranks, the monitors, and the counters of
+    :mod:`trainer.progress` that both advance (:attr:`progress`, :attr:`pending`,
+    :attr:`timing`). The counters are also read here as attributes (``step``, ``version``, …)."""
 
     def __init__(
         self,
@@ -67,15 +74,12 @@ class Trainer(LearnerStep, CheckpointState):
         stop_token_ids: Collection[int] | None = None,
         engine: Engine | None = None,
     ) -> None:
-        self.config = config
+        self._config = config
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         #: the leases' stop set: a completion is trained up to its first stop token
         self.stop_token_ids = frozenset(stop_token_ids or ()) | {eos_token_id}
-        #: temperature/top-p/top-k of the leases: π_θ and π_prox come from the same processed
-        #: distribution as the nodes' μ (trainer/loss.py processed_log_softmax)
-        self.processing = config.processing
         self.dist = dist or DistContext()
         #: how the model runs: one process, or FSDP2 over the ranks (see :mod:`trainer.engine`).
         self.engine = engine or Engine(self.dist)
@@ -83,7 +87,7 @@ class Trainer(LearnerStep, CheckpointState):
             _inject_lora(model, config)
         #: the base model's fingerprint a LoRA version names (computed at the first publication)
         self._lora_base: str | None = None
-        self.optimizer = torch.optim.AdamW(
+        self._optimizer: torch.optim.Optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=config.lr,
             weight_decay=config.weight_decay,
@@ -91,48 +95,190 @@ class Trainer(LearnerStep, CheckpointState):
         )
         self.out_dir = Path(config.out_dir)
         self.metrics = metrics
-        #: optimizer steps (learner steps) done.
-        self.step = 0
-        #: version of the current weights.
-        self.version = 0
-        #: last version handed to a publisher (None: nothing published yet).
-        self.published_version: int | None = None
+        #: step, version, published version, the KL-adaptive factor, rollbacks, publication times
+        self.progress = LearnerProgress()
+        #: rollouts fetched and not yet trained on; the resumable cursor
+        self.pending = PendingRollouts()
+        #: T_train and its variability
+        self.timing = StepTiming()
         #: publish the current weights when :meth:`run` starts (see :meth:`sync_published`).
         self._publish_first = False
         self._stop_requested = False
         self._feed: RolloutFeed | None = None
         #: a step is running in the worker thread (the feed then fetches for the next version)
         self._training = False
-        #: highest rollout ``seq`` fetched; see :attr:`cursor` for the resumable one.
-        self._fetched = 0
-        self._pending: dict[str, list[Rollout]] = {}
-        self._dropped_at_fetch = 0
-        #: rewards of the rollouts of uniform-reward groups left out (``filter_groups``), not yet
-        #: reported: the step's reward figures cover what it consumed, not only what it trained on
-        self._uniform_rewards: list[float] = []
-        #: rollouts consumed per step (trained + left out as uniform), moving average (weight
-        #: 0.2): B as the coordinator's capacity plan needs it when ``filter_groups`` is on
-        self._consumed: float | None = None
         self.idle = IdleClock(window_s=config.idle_window_s)
-        #: T_train: exponential moving average of the time in train_step (weight 0.2 per step)
-        self.t_train_s: float | None = None
-        #: running mean of the squared step time (same weight): T_train's variability
-        self._t_train_sq: float | None = None
-        #: seconds the last publication took (weights copied -> the publisher returned)
-        self.publish_s: float | None = None
-        #: publications deferred because the previous one was still in flight
-        self.publish_deferred = 0
         #: rolling stability checks; each step's record carries its ``stability_warning``.
         self.monitor = monitor_from_config(config)
-        self.spike_guard = GradSpikeGuard(config.grad_spike_factor)
-        #: learner steps undone because they moved the policy more than ``max_step_kl``
-        self.rollbacks = 0
-        #: learning-rate factor (× lr) of the KL-adaptive schedule (``target_step_kl``; 1 when off)
-        self.lr_factor = 1.0
+        self._spike_guard = GradSpikeGuard(config.grad_spike_factor)
         #: called with each step's metrics record (after it is written), e.g. to report upstream.
         self.on_step: list[Callable[[dict[str, Any]], None]] = []
         #: the held-out evaluation (``eval_every``; trainer/evaluation.py), built by :meth:`setup`
         self.evaluation: EvalRunner | None = None
+        self._compose()
+
+    def _compose(self) -> None:
+        """Build the learner step and the checkpoint store from this trainer's parts. Called by
+        ``__init__``, again when a part they receive is replaced (``config``, ``optimizer``,
+        ``spike_guard``), and by :meth:`run` (a fresh idle clock, rank 0's stop set); the
+        counters they advance are the same objects throughout."""
+        #: one learner step (trainer/step.py)
+        self.learner = LearnerStep(
+            self._config,
+            self.model,
+            self._optimizer,
+            engine=self.engine,
+            dist=self.dist,
+            pad_token_id=self.pad_token_id,
+            stop_token_ids=self.stop_token_ids,
+            progress=self.progress,
+            pending=self.pending,
+            timing=self.timing,
+            idle=self.idle,
+            monitor=self.monitor,
+            spike_guard=self._spike_guard,
+            metrics=self.metrics,
+            on_step=self.on_step,
+        )
+        #: saving, finding and loading checkpoints (trainer/resume.py)
+        self.checkpoints = CheckpointStore(
+            self._config,
+            self.model,
+            self._optimizer,
+            engine=self.engine,
+            dist=self.dist,
+            progress=self.progress,
+            pending=self.pending,
+            spike_guard=self._spike_guard,
+        )
+
+    # --------------------------------------------------------- parts and counters
+    @property
+    def config(self) -> TrainerConfig:
+        return self._config
+
+    @config.setter
+    def config(self, value: TrainerConfig) -> None:
+        self._config = value
+        self._compose()
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, value: torch.optim.Optimizer) -> None:
+        self._optimizer = value
+        self._compose()
+
+    @property
+    def spike_guard(self) -> GradSpikeGuard:
+        return self._spike_guard
+
+    @spike_guard.setter
+    def spike_guard(self, value: GradSpikeGuard) -> None:
+        self._spike_guard = value
+        self._compose()
+
+    @property
+    def processing(self) -> dict[str, Any]:
+        """Temperature/top-p/top-k of the leases (the config's)."""
+        return self._config.processing
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps (learner steps) done."""
+        return self.progress.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.progress.step = value
+
+    @property
+    def version(self) -> int:
+        """Version of the current weights."""
+        return self.progress.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.progress.version = value
+
+    @property
+    def published_version(self) -> int | None:
+        """Last version handed to a publisher (None: nothing published yet)."""
+        return self.progress.published_version
+
+    @published_version.setter
+    def published_version(self, value: int | None) -> None:
+        self.progress.published_version = value
+
+    @property
+    def lr_factor(self) -> float:
+        """Learning-rate factor of the KL-adaptive schedule."""
+        return self.progress.lr_factor
+
+    @lr_factor.setter
+    def lr_factor(self, value: float) -> None:
+        self.progress.lr_factor = value
+
+    @property
+    def rollbacks(self) -> int:
+        """Learner steps undone (``max_step_kl``)."""
+        return self.progress.rollbacks
+
+    @property
+    def publish_s(self) -> float | None:
+        """Seconds the last publication took."""
+        return self.progress.publish_s
+
+    @publish_s.setter
+    def publish_s(self, value: float | None) -> None:
+        self.progress.publish_s = value
+
+    @property
+    def publish_deferred(self) -> int:
+        """Publications deferred because the previous one was still in flight."""
+        return self.progress.publish_deferred
+
+    @publish_deferred.setter
+    def publish_deferred(self, value: int) -> None:
+        self.progress.publish_deferred = value
+
+    @property
+    def t_train_s(self) -> float | None:
+        """T_train: moving average of the time in :meth:`train_step`."""
+        return self.timing.t_train_s
+
+    @property
+    def t_train_cv(self) -> float | None:
+        """Coefficient of variation of the step time (:class:`~trainer.progress.StepTiming`)."""
+        return self.timing.t_train_cv
+
+    @property
+    def cursor(self) -> int:
+        """Resumable cursor: every rollout with ``seq ≤ cursor`` was trained on or dropped."""
+        return self.pending.cursor
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # --------------------------------------------------------- the step and checkpoints
+    def train_step(self, rollouts: Sequence[Rollout]) -> dict[str, Any]:
+        """One learner step (:meth:`trainer.step.LearnerStep.train_step`)."""
+        return self.learner.train_step(rollouts)
+
+    def save_checkpoint(self, path: Path | None = None) -> Path:
+        """Save a checkpoint (:meth:`trainer.resume.CheckpointStore.save_checkpoint`)."""
+        return self.checkpoints.save_checkpoint(path)
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore a checkpoint (:meth:`trainer.resume.CheckpointStore.load_checkpoint`)."""
+        self.checkpoints.load_checkpoint(path)
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest intact checkpoint (:meth:`.CheckpointStore.latest_checkpoint`)."""
+        return self.checkpoints.latest_checkpoint()
 
     # ------------------------------------------------------------------ setup
     @classmethod
@@ -250,13 +396,14 @@ class Trainer(LearnerStep, CheckpointState):
             first, self.version, self.published_version, self.stop_token_ids = self.dist.share(
                 (first, self.version, self.published_version, self.stop_token_ids)
             )
+        self._compose()  # the step gets this run's idle clock (and rank 0's stop set)
         leader = self.dist.is_leader
         feed: RolloutFeed | None = None
         if leader:
             batch_size = cfg.batch_prompts * cfg.group_size
             feed = RolloutFeed(
                 source,
-                after=self._fetched,
+                after=self.pending.fetched,
                 page=batch_size,
                 capacity=batch_size * cfg.prefetch_batches,
                 admissible=lambda r: not self._too_stale(r),
@@ -268,6 +415,7 @@ class Trainer(LearnerStep, CheckpointState):
             )
             if cfg.trace_rollouts:
                 feed.fetched_at = {}
+            self.pending.fetched_at = feed.fetched_at  # the step's trace pops what it trained
         self._feed = feed
         slot = PublicationSlot()
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-step")
@@ -306,6 +454,7 @@ class Trainer(LearnerStep, CheckpointState):
                 await self._settle_publication(publisher, slot)
         finally:
             self._feed = None
+            self.pending.fetched_at = None
             if feed is not None:
                 await feed.stop()
             executor.shutdown(wait=True)
@@ -432,11 +581,12 @@ class Trainer(LearnerStep, CheckpointState):
             if cfg.filter_groups
             else None
         )
+        pending = self.pending.groups
         while True:
             # A group that became too stale while incomplete will never be trained on.
-            for gid in [k for k, g in self._pending.items() if self._too_stale(g[0])]:
-                self._dropped_at_fetch += len(self._pending.pop(gid))
-            complete = [k for k, g in self._pending.items() if len(g) >= cfg.group_size]
+            for gid in [k for k, g in pending.items() if self._too_stale(g[0])]:
+                self.pending.dropped_at_fetch += len(pending.pop(gid))
+            complete = [k for k, g in pending.items() if len(g) >= cfg.group_size]
             if pick is None:
                 if len(complete) >= cfg.batch_prompts:
                     return self._pop_groups(complete[: cfg.batch_prompts])
@@ -447,17 +597,17 @@ class Trainer(LearnerStep, CheckpointState):
                     if pick.done:
                         break
                     if gid not in offered:
-                        pick.offer(gid, [r.reward for r in self._pending[gid][: cfg.group_size]])
+                        pick.offer(gid, [r.reward for r in pending[gid][: cfg.group_size]])
                 if pick.done:
                     train, drop = pick.chosen()
                     for gid in drop:
-                        group = self._pending.pop(gid)[: cfg.group_size]
-                        self._uniform_rewards.extend(float(r.reward) for r in group)
+                        group = pending.pop(gid)[: cfg.group_size]
+                        self.pending.uniform_rewards.extend(float(r.reward) for r in group)
                     return self._pop_groups(train)
                 need = pick.missing * cfg.group_size
             t0 = time.monotonic()
             items = await feed.take(need, cfg.fetch_timeout_s)
-            self._dropped_at_fetch += feed.take_dropped()
+            self.pending.dropped_at_fetch += feed.take_dropped()
             if items == [] and time.monotonic() - t0 >= cfg.fetch_timeout_s:
                 log.warning(
                     "waiting for rollouts: %d/%d complete groups after %.0f s",
@@ -468,16 +618,16 @@ class Trainer(LearnerStep, CheckpointState):
             if items is None or self._stop_requested:
                 return None
             for r in items:
-                self._fetched = max(self._fetched, r.seq)
+                self.pending.fetched = max(self.pending.fetched, r.seq)
                 if self._too_stale(r):
-                    self._dropped_at_fetch += 1
+                    self.pending.dropped_at_fetch += 1
                     continue
-                self._pending.setdefault(r.group_id, []).append(r)
+                pending.setdefault(r.group_id, []).append(r)
 
     def _pop_groups(self, group_ids: Sequence[str]) -> list[Rollout]:
         batch: list[Rollout] = []
         for gid in group_ids:
-            batch.extend(self._pending.pop(gid)[: self.config.group_size])
+            batch.extend(self.pending.groups.pop(gid)[: self.config.group_size])
         return batch
 
     def _too_stale(self, rollout: Rollout) -> bool:

@@ -1,11 +1,11 @@
-"""Checkpoints of the learner: save, find the newest intact one, load (a mixin of the trainer).
+"""Checkpoints of the learner: save, find the newest intact one, load.
 
-:class:`CheckpointState` is a mixin of :class:`trainer.recipe.Trainer`, which sets the state
-declared below in its ``__init__``. The directories, ``published.json``, checksums and pruning
-are :mod:`trainer.checkpoints`; sharded (several ranks) checkpoints are
-:mod:`trainer.dcp_checkpoint`.
+:class:`CheckpointStore` receives the model, optimizer, engine, ranks and the recipe's counters
+it saves and restores as constructor arguments; :class:`trainer.recipe.Trainer` builds it. The
+directories, ``published.json``, checksums and pruning are :mod:`trainer.checkpoints`; sharded
+(several ranks) checkpoints are :mod:`trainer.dcp_checkpoint`.
 
-Resuming falls back: :meth:`CheckpointState.latest_checkpoint` takes the newest complete
+Resuming falls back: :meth:`CheckpointStore.latest_checkpoint` takes the newest complete
 checkpoint whose files match the sizes and CRC-32s its ``state.json`` recorded; one that does not
 (a damaged or missing shard, a lost ``.metadata``) is skipped with a WARNING naming it and why,
 and the previous one is taken. Only when none is left does the trainer refuse to start (rather
@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from trainer.batch import Rollout
 from trainer.checkpoints import (
     CHECKPOINT_DIR,
     atomic_write_json,
@@ -44,36 +43,38 @@ from trainer.dcp_checkpoint import (
 from trainer.distributed import DistContext
 from trainer.engine import Engine
 from trainer.monitors import GradSpikeGuard
+from trainer.progress import LearnerProgress, PendingRollouts
 
 log = logging.getLogger(__name__)
 
 
-class CheckpointState:
-    """Checkpoint I/O and the resumable rollout cursor, as a mixin of
-    :class:`~trainer.recipe.Trainer` (which sets every attribute below in its ``__init__``)."""
+class CheckpointStore:
+    """Checkpoint I/O for the model and optimizer it is given, saving and restoring the recipe's
+    counters (:class:`~trainer.progress.LearnerProgress`, the rollout cursor of
+    :class:`~trainer.progress.PendingRollouts`, the spike guard's history) that it receives."""
 
-    config: TrainerConfig
-    model: torch.nn.Module
-    engine: Engine
-    dist: DistContext
-    optimizer: torch.optim.Optimizer
-    out_dir: Path
-    step: int
-    version: int
-    published_version: int | None
-    lr_factor: float
-    rollbacks: int
-    spike_guard: GradSpikeGuard
-    #: highest rollout ``seq`` fetched; see :attr:`cursor` for the resumable one.
-    _fetched: int
-    #: fetched rollouts waiting for their group to complete, by group id
-    _pending: dict[str, list[Rollout]]
-
-    @property
-    def cursor(self) -> int:
-        """Resumable cursor: every rollout with ``seq ≤ cursor`` was trained on or dropped."""
-        pending = [r.seq for g in self._pending.values() for r in g]
-        return min(pending) - 1 if pending else self._fetched
+    def __init__(
+        self,
+        config: TrainerConfig,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        engine: Engine,
+        dist: DistContext,
+        progress: LearnerProgress,
+        pending: PendingRollouts,
+        spike_guard: GradSpikeGuard,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.engine = engine
+        self.dist = dist
+        #: the run's directory: checkpoints under ``checkpoints/``, ``published.json``
+        self.out_dir = Path(config.out_dir)
+        self.progress = progress
+        self.pending = pending
+        self.spike_guard = spike_guard
 
     def latest_checkpoint(self) -> Path | None:
         """The newest complete checkpoint whose files are intact (a ``.tmp`` one left by a crash
@@ -132,7 +133,7 @@ class CheckpointState:
         from safetensors.torch import save_model
 
         root = self.out_dir / CHECKPOINT_DIR
-        final = path or root / f"step-{self.step:08d}"
+        final = path or root / f"step-{self.progress.step:08d}"
         tmp = final.with_name(final.name + ".tmp")
         leader = self.dist.is_leader
         if leader:
@@ -154,12 +155,12 @@ class CheckpointState:
             files = file_manifest([tmp / "model.safetensors", tmp / "optimizer.pt"], tmp)
         if leader:
             state = {
-                "step": self.step,
-                "version": self.version,
-                "published_version": self.published_version,
-                "cursor": self.cursor,
-                "lr_factor": self.lr_factor,
-                "rollbacks": self.rollbacks,
+                "step": self.progress.step,
+                "version": self.progress.version,
+                "published_version": self.progress.published_version,
+                "cursor": self.pending.cursor,
+                "lr_factor": self.progress.lr_factor,
+                "rollbacks": self.progress.rollbacks,
                 "grad_norms": self.spike_guard.history,
                 "world_size": self.dist.world_size,
                 "files": files,
@@ -196,20 +197,21 @@ class CheckpointState:
             group["lr"] = self.config.lr
             group["weight_decay"] = self.config.weight_decay
             group["betas"] = (self.config.adam_beta1, self.config.adam_beta2)
-        self.step = saved["step"]
+        self.progress.step = saved["step"]
         published = saved["published_version"]
         logged = read_published(self.out_dir)
         if logged is not None:
             published = logged if published is None else max(published, logged)
-        self.published_version = published
-        self.version = max(saved["version"], self.published_version or 0, self.version)
-        self._fetched = saved["cursor"]
+        self.progress.published_version = published
+        progress = self.progress
+        progress.version = max(saved["version"], progress.published_version or 0, progress.version)
+        self.pending.fetched = saved["cursor"]
         # the KL-adaptive schedule, the spike guard and the rollback count go on where they were
         # (checkpoints from before them: factor 1, no history, 0)
-        self.lr_factor = saved["lr_factor"]
-        self.rollbacks = saved["rollbacks"]
+        self.progress.lr_factor = saved["lr_factor"]
+        self.progress.rollbacks = saved["rollbacks"]
         self.spike_guard.restore(saved["grad_norms"])
-        self._pending.clear()
+        self.pending.groups.clear()
 
 
 def _saved_state(path: Path) -> dict[str, Any]:

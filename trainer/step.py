@@ -1,22 +1,23 @@
 """One learner step: :meth:`LearnerStep.train_step` and the passes it is made of.
 
-A mixin of :class:`trainer.recipe.Trainer`, which holds the state declared below (it builds all
-of it in ``__init__``). Read top to bottom: ``train_step`` computes the group advantages and
-admits Δ ≤ S; ``_local_minibatches`` splits the groups over minibatches (and ranks);
-``_proximal`` recomputes log π_prox before the first update; ``_weights`` turns π_prox and the
-nodes' log μ into behaviour weights (:func:`trainer.loss.behaviour_weights`); ``_update`` is one
-optimizer update over a minibatch's micro-batches; ``_step_kl`` measures the step's move for the
-rollback; ``_record`` is the step's metrics record.
+:class:`LearnerStep` receives everything it uses (model, optimizer, engine, the ranks, the
+monitors, the metrics writer and the recipe's counters, :mod:`trainer.progress`) as constructor
+arguments; :class:`trainer.recipe.Trainer` builds it. Read top to bottom: ``train_step``
+computes the group advantages and admits Δ ≤ S; ``_local_minibatches`` splits the groups over
+minibatches (and ranks); ``_proximal`` recomputes log π_prox before the first update;
+``_weights`` turns π_prox and the nodes' log μ into behaviour weights
+(:func:`trainer.loss.behaviour_weights`); ``_update`` is one optimizer update over a minibatch's
+micro-batches; ``_step_kl`` measures the step's move for the rollback; ``_record`` is the step's
+metrics record.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -43,7 +44,7 @@ from trainer.loss import (
 from trainer.metrics import IdleClock, MetricsWriter
 from trainer.microbatch import MicroBatch, plan_micro_batches
 from trainer.monitors import GradSpikeGuard, StabilityMonitor
-from trainer.pipeline import RolloutFeed
+from trainer.progress import LearnerProgress, PendingRollouts, StepTiming
 from trainer.rollback import StepSnapshot, kl_k3_sums
 
 log = logging.getLogger(__name__)
@@ -56,40 +57,50 @@ _WEIGHT_SUMS = (
 
 
 class LearnerStep:
-    """The learner step, as a mixin of :class:`~trainer.recipe.Trainer` (which sets every
-    attribute below in its ``__init__``)."""
+    """One learner step over the model and optimizer it is given. It owns no counters: the
+    recipe's :class:`~trainer.progress.LearnerProgress`, :class:`~trainer.progress.PendingRollouts`
+    and :class:`~trainer.progress.StepTiming` are handed in, and it advances them."""
 
-    config: TrainerConfig
-    model: torch.nn.Module
-    engine: Engine
-    dist: DistContext
-    optimizer: torch.optim.Optimizer
-    processing: dict[str, Any]
-    pad_token_id: int
-    stop_token_ids: frozenset[int]
-    metrics: MetricsWriter | None
-    monitor: StabilityMonitor
-    spike_guard: GradSpikeGuard
-    on_step: list[Callable[[dict[str, Any]], None]]
-    step: int
-    version: int
-    published_version: int | None
-    rollbacks: int
-    lr_factor: float
-    idle: IdleClock
-    t_train_s: float | None
-    _t_train_sq: float | None
-    publish_s: float | None
-    publish_deferred: int
-    _feed: RolloutFeed | None
-    _uniform_rewards: list[float]
-    _dropped_at_fetch: int
-    _consumed: float | None
-
-    if TYPE_CHECKING:  # defined by the trainer (trainer.resume.CheckpointState)
-
-        @property
-        def cursor(self) -> int: ...
+    def __init__(
+        self,
+        config: TrainerConfig,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        engine: Engine,
+        dist: DistContext,
+        pad_token_id: int,
+        stop_token_ids: frozenset[int],
+        progress: LearnerProgress,
+        pending: PendingRollouts,
+        timing: StepTiming,
+        idle: IdleClock,
+        monitor: StabilityMonitor,
+        spike_guard: GradSpikeGuard,
+        metrics: MetricsWriter | None = None,
+        on_step: Sequence[Callable[[dict[str, Any]], None]] = (),
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.engine = engine
+        self.dist = dist
+        self.pad_token_id = pad_token_id
+        #: the leases' stop set: a completion is trained up to its first stop token
+        self.stop_token_ids = stop_token_ids
+        #: temperature/top-p/top-k of the leases: π_θ and π_prox come from the same processed
+        #: distribution as the nodes' μ (trainer/loss.py processed_log_softmax)
+        self.processing = config.processing
+        self.progress = progress
+        self.pending = pending
+        self.timing = timing
+        self.idle = idle
+        self.monitor = monitor
+        self.spike_guard = spike_guard
+        self.metrics = metrics
+        #: called with each step's record (after it is written); the recipe's list, so that a
+        #: callback added later is called too
+        self.on_step = on_step
 
     def train_step(self, rollouts: Sequence[Rollout]) -> dict[str, Any]:
         """One learner step on ``rollouts`` (complete groups): advantages over each whole group,
@@ -107,7 +118,7 @@ class LearnerStep:
         adv = group_advantages(
             rewards, gidx, std_normalize=cfg.std_normalize, eps=cfg.adv_eps
         ).tolist()
-        staleness = [self.version - r.policy_version for r in flat]
+        staleness = [self.progress.version - r.policy_version for r in flat]
         admitted = admission_mask(torch.tensor(staleness), cfg.max_staleness).tolist()
 
         # Admitted samples, still grouped: a minibatch (and a rank's shard) holds whole groups.
@@ -137,32 +148,28 @@ class LearnerStep:
                 updates += self._update(mb, plan, p, w, sums)
         step_kl = None
         rolled_back = False
-        lr_factor = self.lr_factor  # the factor this step's updates used
+        lr_factor = self.progress.lr_factor  # the factor this step's updates used
         if snapshot is not None or cfg.target_step_kl is not None:
             step_kl = self._step_kl(minibatches, plans, prox)
             if snapshot is not None and cfg.max_step_kl is not None and step_kl > cfg.max_step_kl:
                 snapshot.restore(self.model, self.optimizer)
                 rolled_back = True
-                self.rollbacks += 1
+                self.progress.rollbacks += 1
                 log.warning(
                     "step %d moved the policy by %.3g nats/token (> max_step_kl %.3g): undone",
-                    self.step + 1, step_kl, cfg.max_step_kl,
+                    self.progress.step + 1, step_kl, cfg.max_step_kl,
                 )  # fmt: skip
 
-        self.step += 1
-        self.version += 1
+        self.progress.step += 1
+        self.progress.version += 1
         step_time = time.monotonic() - t0
         self.idle.add_busy(step_time)
         self.idle.mark()
-        self.t_train_s = (
-            step_time if self.t_train_s is None else 0.8 * self.t_train_s + 0.2 * step_time
-        )
-        sq = step_time * step_time
-        self._t_train_sq = sq if self._t_train_sq is None else 0.8 * self._t_train_sq + 0.2 * sq
+        self.timing.add_step(step_time)
         record = self._record(flat, staleness, admitted, sums, updates, step_time)
         record["step_kl"] = step_kl
         record["rolled_back"] = rolled_back
-        record["rollbacks"] = self.rollbacks
+        record["rollbacks"] = self.progress.rollbacks
         record["lr_factor"] = lr_factor
         self._adapt_lr(record, updates)
         if cfg.trace_rollouts:
@@ -186,8 +193,8 @@ class LearnerStep:
             signal, target = float(record["mismatch_kl"]), cfg.target_mismatch_kl
         else:
             return
-        self.lr_factor = next_lr_factor(
-            self.lr_factor, signal, target, change=cfg.adaptive_lr_change,
+        self.progress.lr_factor = next_lr_factor(
+            self.progress.lr_factor, signal, target, change=cfg.adaptive_lr_change,
             low=cfg.adaptive_lr_min, high=cfg.adaptive_lr_max,
         )  # fmt: skip
 
@@ -196,26 +203,16 @@ class LearnerStep:
         and ended (Unix time; its end is when the new version's weights exist) and, per rollout,
         ``[seq, policy_version, fetched_at]`` (fetched_at: when the feed received it, null if
         unknown)."""
-        stamps = self._feed.fetched_at if self._feed is not None else None
+        stamps = self.pending.fetched_at
         rows = []
         for r in flat:
             at = stamps.pop(r.seq, None) if stamps is not None else None
             rows.append([r.seq, r.policy_version, None if at is None else round(at, 4)])
         if stamps:  # forget the ones dropped before training (all below the resume cursor)
-            cursor = self.cursor  # (the feed adds stamps on the event loop meanwhile)
+            cursor = self.pending.cursor  # (the feed adds stamps on the event loop meanwhile)
             for seq in [s for s in list(stamps) if s <= cursor]:
                 stamps.pop(seq, None)
         return {"start": round(started_at, 4), "end": round(time.time(), 4), "rollouts": rows}
-
-    @property
-    def t_train_cv(self) -> float | None:
-        """Coefficient of variation of the step time (running, weight 0.2): on a shared machine
-        a step takes 0.3–0.8 s where T_train is 0.5, and a learner whose steps vary outruns its
-        rollouts after the short ones (docs/capacity.md, the fluid model)."""
-        if self.t_train_s is None or self._t_train_sq is None or self.t_train_s <= 0:
-            return None
-        var = max(0.0, self._t_train_sq - self.t_train_s * self.t_train_s)
-        return math.sqrt(var) / self.t_train_s
 
     def _local_minibatches(
         self, kept: list[list[tuple[Rollout, float, int]]]
@@ -226,7 +223,7 @@ class LearnerStep:
         row each of this rank's sequences has in the whole minibatch (the single-process
         batch's order: groups as in the part, samples as in the group)."""
         cfg = self.config
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.progress.step)
         order = torch.randperm(len(kept), generator=gen).tolist() if len(kept) > 1 else [0]
         order = order[: len(kept)]
         n_mb = min(cfg.minibatches, max(1, len(kept)))
@@ -466,7 +463,7 @@ class LearnerStep:
         if cfg.ess_lr_scaling or adaptive:
             # otherwise the optimizer's learning rate is left as it is
             for group in self.optimizer.param_groups:
-                group["lr"] = cfg.lr * self.lr_factor * scale
+                group["lr"] = cfg.lr * self.progress.lr_factor * scale
         sums["lr_scale"] += scale
         self.optimizer.step()
         return 1
@@ -494,24 +491,23 @@ class LearnerStep:
             "lr_scale", "skipped_updates",
         ]  # fmt: skip
         g = dict(zip(keys, self.dist.sum_floats([sums[k] for k in keys]), strict=True))
-        uniform, self._uniform_rewards = self._uniform_rewards, []
+        uniform, self.pending.uniform_rewards = self.pending.uniform_rewards, []
         # what the step consumed: its batch and the uniform groups left out (filter_groups), so
         # that the reward figures follow the policy, not the filter
         rewards = [float(r.reward) for r in flat] + uniform
         n = max(1, len(rewards))
         hist = Counter(staleness)
-        dropped = len(flat) - sum(admitted) + self._dropped_at_fetch
-        self._dropped_at_fetch = 0
+        dropped = len(flat) - sum(admitted) + self.pending.dropped_at_fetch
+        self.pending.dropped_at_fetch = 0
         consumed = len(rewards)
-        last = self._consumed
-        self._consumed = consumed if last is None else 0.8 * last + 0.2 * consumed
+        self.timing.add_consumed(consumed)
         batch_rollouts = self.config.batch_prompts * self.config.group_size
         tokens = max(1.0, g["tokens"])
         ess = effective_sample_size(g["w_sum"], g["w_sq_sum"])
         return {
-            "step": self.step,
-            "version": self.version,
-            "published_version": self.published_version,
+            "step": self.progress.step,
+            "version": self.progress.version,
+            "published_version": self.progress.published_version,
             "rollouts": len(flat),
             "admitted": int(sum(admitted)),
             "dropped_stale": dropped,
@@ -539,17 +535,17 @@ class LearnerStep:
             "skipped_updates": round(g["skipped_updates"]),
             "updates": updates,
             "step_time_s": step_time,
-            "t_train_s": self.t_train_s,
-            "t_train_cv": self.t_train_cv,
+            "t_train_s": self.timing.t_train_s,
+            "t_train_cv": self.timing.t_train_cv,
             # B, rollouts consumed per step (more than the batch when groups are filtered)
             "batch_rollouts": (
-                max(batch_rollouts, round(self._consumed))
+                max(batch_rollouts, round(self.timing.consumed or 0))
                 if self.config.filter_groups
                 else batch_rollouts
             ),
             "completion_tokens": int(g["tokens"]),
-            "publish_s": self.publish_s,
-            "publish_deferred": self.publish_deferred,
+            "publish_s": self.progress.publish_s,
+            "publish_deferred": self.progress.publish_deferred,
             **self._idle_figures(),
         }
 

@@ -151,9 +151,9 @@ def test_bf16_autocast_trains_with_fp32_logprobs(tmp_path: Path) -> None:
     assert all(r["updates"] == 2 for r in records)
     batch = _batch(_rollouts(3, 2)).to(tr.device)
     with torch.no_grad():
-        lp_bf16, _ = tr._forward(batch, entropy=False)
+        lp_bf16, _ = tr.learner._forward(batch, entropy=False)
         tr.engine.autocast_dtype = None
-        lp_fp32, _ = tr._forward(batch, entropy=False)
+        lp_fp32, _ = tr.learner._forward(batch, entropy=False)
     assert lp_bf16.dtype == torch.float32
     mask = batch.completion_mask
     assert 0 < float(((lp_bf16 - lp_fp32).abs() * mask).max()) < 0.1
