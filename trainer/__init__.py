@@ -10,10 +10,13 @@ Modules:
   entropy bonus, mismatch-KL and ESS statistics.
 - :mod:`trainer.recipe` — :class:`~trainer.recipe.Trainer`: ``setup``, ``run`` (the loop over
   a :class:`~trainer.sources.RolloutSource`), batches from the feed, publication.
-- :mod:`trainer.step` — :class:`~trainer.step.LearnerStep` (a mixin of the Trainer):
-  ``train_step`` and its passes (π_prox, behaviour weights, updates, step KL, the record).
-- :mod:`trainer.resume` — :class:`~trainer.resume.CheckpointState` (a mixin of the Trainer):
-  ``save_checkpoint`` / ``load_checkpoint`` / ``latest_checkpoint``, the resumable cursor.
+- :mod:`trainer.step` — :class:`~trainer.step.LearnerStep` (built by the Trainer, receives
+  what it uses): ``train_step`` and its passes (π_prox, behaviour weights, updates, step KL,
+  the record).
+- :mod:`trainer.resume` — :class:`~trainer.resume.CheckpointStore` (built by the Trainer):
+  ``save_checkpoint`` / ``load_checkpoint`` / ``latest_checkpoint``.
+- :mod:`trainer.progress` — the counters the Trainer hands its parts: steps and versions,
+  rollouts pending (the resumable cursor), T_train.
 - :mod:`trainer.sources` — the :class:`~trainer.sources.RolloutSource` and
   :class:`~trainer.sources.Publisher` protocols, :class:`~trainer.sources.VersionNotNewer`;
   in-process :class:`~trainer.sources.InProcessSource` and

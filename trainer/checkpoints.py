@@ -1,7 +1,7 @@
 """The trainer's files under ``out_dir``: its checkpoint directories and ``published.json``.
 
 ``out_dir/checkpoints/step-NNNNNNNN/`` is one checkpoint, written by
-:meth:`trainer.resume.CheckpointState.save_checkpoint` into ``step-NNNNNNNN.tmp``, every file
+:meth:`trainer.resume.CheckpointStore.save_checkpoint` into ``step-NNNNNNNN.tmp``, every file
 fsynced, and renamed into place when complete (:func:`install_checkpoint`), so a crash mid-save
 leaves a ``.tmp`` directory that is never taken for a checkpoint (:func:`complete_checkpoints`).
 Saving a step that already has a checkpoint (a stop right after a periodic save) never removes
@@ -47,7 +47,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
     """The checkpoints under ``root`` that a save finished (renamed into place), oldest first.
 
     A ``step-N.tmp`` directory is what a crash during
-    :meth:`~trainer.resume.CheckpointState.save_checkpoint` leaves behind and is never one; a
+    :meth:`~trainer.resume.CheckpointStore.save_checkpoint` leaves behind and is never one; a
     ``step-N.old`` (a crash while a re-save of step N replaced it) stands for step N while no
     complete ``step-N`` exists. Complete means renamed into place with its ``state.json``; whether
     its files are intact is :func:`checkpoint_problem`'s question."""

@@ -9,7 +9,7 @@ machines ``out_dir`` must be one shared filesystem.
 Loading reshards: DCP reads each rank's slices from whichever files hold them, so a checkpoint
 written by W ranks resumes on W' ranks, and in a single process (the model and optimizer are then
 plain tensors). The other way, a single-process checkpoint (``model.safetensors`` and
-``optimizer.pt``, see :meth:`trainer.resume.CheckpointState.save_checkpoint`) resumes on
+``optimizer.pt``, see :meth:`trainer.resume.CheckpointStore.save_checkpoint`) resumes on
 several ranks with :func:`load_full_checkpoint`: every rank reads the full tensors and keeps
 its slice.
 """
