@@ -22,7 +22,12 @@ from test_trainer_recipe import make_rollouts
 
 from trainer.config import TrainerConfig
 from trainer.dcp_checkpoint import CheckpointFormatError
+from trainer.distributed import DistContext
+from trainer.engine import Engine
+from trainer.monitors import GradSpikeGuard
+from trainer.progress import LearnerProgress, PendingRollouts
 from trainer.recipe import Trainer
+from trainer.resume import CheckpointStore
 from trainer.sources import InProcessSource, MemoryPublisher, VersionNotNewer
 
 torch.set_num_threads(1)
@@ -257,8 +262,15 @@ def test_saving_a_step_again_replaces_it_only_once_the_new_one_is_in_place(
 def test_state_json_and_the_rename_are_fsynced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tr = _trainer(tmp_path)
-    tr.train_step(make_rollouts(1, 4, 4, version=0))
+    # the checkpoint store alone, over a small module: writing it is what is checked here
+    cfg = TrainerConfig(out_dir=str(tmp_path / "run"))
+    model = torch.nn.Linear(3, 2)
+    dist = DistContext()
+    store = CheckpointStore(
+        cfg, model, torch.optim.AdamW(model.parameters()), engine=Engine(dist), dist=dist,
+        progress=LearnerProgress(step=1, version=1), pending=PendingRollouts(),
+        spike_guard=GradSpikeGuard(None),
+    )  # fmt: skip
     events: list[tuple[str, str]] = []
     real_fsync, real_replace = os.fsync, os.replace
 
@@ -272,7 +284,7 @@ def test_state_json_and_the_rename_are_fsynced(
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    final = tr.save_checkpoint()
+    final = store.save_checkpoint()
     tmp = f"{final}.tmp"
     synced = [p for op, p in events if op == "fsync"]
     assert any(p.startswith(f"{tmp}/.state.json.") for p in synced)  # the file, before its rename
