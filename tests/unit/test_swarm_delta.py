@@ -33,6 +33,7 @@ FAST = DownloadConfig(
     seed_backoff=0.01,
     busy_backoff=0.01,
     max_seed_failures=3,
+    seed_grace=2.0,  # give up on a seed after 3 failures over 2 s (default 30 s)
     manifest_timeout=2.0,
 )
 
