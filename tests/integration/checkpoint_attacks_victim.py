@@ -74,7 +74,9 @@ async def _amain(args: argparse.Namespace) -> int:
         store,
         DhtHolderDirectory(peer),
         bytes(32),  # replaced by the pinned key once resolved, as in NodeWorker
-        config=DownloadConfig(deadline=args.download_timeout),
+        # a node's settings, except that it gives up on a failing seed after 5 s of failures
+        # rather than 30 (seed_grace): the tests wait that long for each refused version
+        config=DownloadConfig(deadline=args.download_timeout, seed_grace=5.0),
     )
     await broadcast.start()
     seeds: list[str] = []
