@@ -11,26 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_node_worker import MemCoordinator, node_config, until
+from node_parts import NodeParts
+from test_node_worker import MemCoordinator, until
 
-from node.backends.fake import FakeBackend
-from node.checkpoints import CheckpointManager
-from node.client import CoordinatorClient
 from node.failures import FailureTracker
 from node.presence import (
-    AdvertBuilder,
     Prefetcher,
     Presence,
-    Registrar,
     node_state,
     status_line,
 )
 from node.status import NodeStats
 from protocol.codec import encode
-from protocol.identity import Identity
 from protocol.messages import Heartbeat, Lease, LeaseRequest
-from swarm.broadcast import BroadcastNode
-from swarm.chunks import ChunkStore
 from swarm.holders import MemoryHolderDirectory
 from swarm.memtransport import InMemoryNetwork
 
@@ -68,46 +61,21 @@ class Steps:
         self._go.put_nowait(None)
 
 
-class Parts:
+class Parts(NodeParts):
     """The pieces NodeWorker.start() wires, built here one by one."""
 
     def __init__(
         self, tmp: Path, coord: RecordingCoordinator, net: InMemoryNetwork, **kw: Any
     ) -> None:
-        self.tmp = tmp
-        self.coord = coord
-        self.config = node_config(coord, tmp / "node", status_interval_s=3600.0, **kw)
-        self.identity = Identity.generate()
-        self.backend = FakeBackend()
-        self.stats = NodeStats()
+        super().__init__(tmp, coord, net, status_interval_s=3600.0, **kw)
+        self.coord: RecordingCoordinator = coord
         self.failures = FailureTracker(3, 0.01, 0.1, random.Random(0))
-        self.stopping = asyncio.Event()
         self.lease: Lease | None = None
-        self.transport = net.endpoint("node-1")
-        self.client = CoordinatorClient(self.transport, "coord", self.identity)
-        self.advert = AdvertBuilder(
-            self.config, self.identity, self.backend, None, self.stats, lambda: 1000.0
-        )
-        self.advert.peer_id = self.transport.peer_id
-        self.registrar = Registrar(
-            self.client, self.advert, heartbeat_interval_s=self.config.heartbeat_interval_s
-        )
         self.steps = Steps()
-        self.broadcast: BroadcastNode | None = None
         self.presence: Presence | None = None
 
     async def start(self, dirs: MemoryHolderDirectory) -> Presence:
-        self.broadcast = BroadcastNode(
-            self.transport, ChunkStore(self.tmp / "chunks", keep_versions=3), dirs, bytes(32)
-        )
-        await self.broadcast.start()
-        checkpoints = CheckpointManager(
-            self.broadcast,
-            self.backend,
-            state_dir=self.tmp / "node",
-            coordinator_fingerprint=self.config.coordinator_key or "",
-            seeds=lambda: ["coord"],
-        )
+        checkpoints = await self.checkpoints(dirs)
         self.prefetcher = Prefetcher(checkpoints, self.backend, self.stopping)
         self.presence = Presence(
             self.client,
@@ -129,8 +97,7 @@ class Parts:
         if self.presence is not None:
             await self.presence.stop(5.0)
         await self.prefetcher.stop(5.0)
-        if self.broadcast is not None:
-            await self.broadcast.stop()
+        await self.stop_broadcast()
 
 
 @pytest.fixture

@@ -9,61 +9,32 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from test_node_worker import MemCoordinator, node_config, until
+from node_parts import NodeParts
+from test_node_worker import MemCoordinator, until
 
-from node.backends.fake import FakeBackend
-from node.checkpoints import CheckpointManager
-from node.client import CoordinatorClient
 from node.failures import FailureTracker
 from node.generation import GenerationThread
-from node.presence import AdvertBuilder, Registrar
-from node.status import Backoff, NodeStats
+from node.status import Backoff
 from node.work import WorkLoop
-from protocol.identity import Identity
-from swarm.broadcast import BroadcastNode
-from swarm.chunks import ChunkStore
 from swarm.holders import MemoryHolderDirectory
 from swarm.memtransport import InMemoryNetwork
 
 
-class Loop:
+class Loop(NodeParts):
     """A WorkLoop and what it receives; ``loaded`` counts ``on_version_loaded`` calls."""
 
     def __init__(self, tmp: Path, coord: MemCoordinator, net: InMemoryNetwork) -> None:
-        self.config = node_config(coord, tmp / "node")
+        super().__init__(tmp, coord, net, registrar_interval_s=1.0)
         (tmp / "node").mkdir()
-        self.tmp = tmp
-        self.identity = Identity.generate()
-        self.backend = FakeBackend()
-        self.stats = NodeStats()
-        self.stopping = asyncio.Event()
-        self.transport = net.endpoint("node-1")
-        self.client = CoordinatorClient(self.transport, "coord", self.identity)
-        advert = AdvertBuilder(
-            self.config, self.identity, self.backend, None, self.stats, lambda: 1000.0
-        )
-        advert.peer_id = self.transport.peer_id
-        self.registrar = Registrar(self.client, advert, heartbeat_interval_s=1.0)
         self.generation = GenerationThread(self.backend)
         self.loaded = 0
-        self.broadcast: BroadcastNode | None = None
         self.task: asyncio.Task[None] | None = None
 
     def _version_loaded(self) -> None:
         self.loaded += 1
 
     async def start(self, dirs: MemoryHolderDirectory) -> WorkLoop:
-        self.broadcast = BroadcastNode(
-            self.transport, ChunkStore(self.tmp / "chunks", keep_versions=3), dirs, bytes(32)
-        )
-        await self.broadcast.start()
-        checkpoints = CheckpointManager(
-            self.broadcast,
-            self.backend,
-            state_dir=self.tmp / "node",
-            coordinator_fingerprint=self.config.coordinator_key or "",
-            seeds=lambda: ["coord"],
-        )
+        checkpoints = await self.checkpoints(dirs)
         rng = random.Random(0)
         self.work = WorkLoop(
             self.client,
@@ -90,8 +61,7 @@ class Loop:
         if self.task is not None:
             await asyncio.wait_for(self.task, 10)
         self.generation.shutdown()
-        if self.broadcast is not None:
-            await self.broadcast.stop()
+        await self.stop_broadcast()
 
 
 @pytest.fixture
