@@ -6,8 +6,9 @@ receives what it reads: the store (live nodes' rows), the injected clock, the
 :class:`~coordinator.throughput.ThroughputBook` (measured figures) and the
 :class:`LearnerFigures` (B, T_train and its variability, κ, T_bcast) that the network service
 updates. :meth:`ActiveSet.replan` hands the planner (:func:`coordinator.capacity.plan_activation`,
-docs/capacity.md) those inputs and keeps the resulting plan; :meth:`ActiveSet.is_active` is what a
-lease request consults.
+docs/capacity.md) those inputs and keeps the resulting plan, with the verification rule of the
+:class:`~coordinator.verify_budget.VerificationBudget` beside the learner's when it has one;
+:meth:`ActiveSet.is_active` is what a lease request consults.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from coordinator.capacity import NodeCapacity, Plan, plan_activation
+from coordinator.capacity import NodeCapacity, Plan, plan_activation, with_verification
 from coordinator.config import CoordinatorConfig
 from coordinator.liveness import Liveness
 from coordinator.store import NodeRecord, Store
 from coordinator.throughput import NodeFigures, ThroughputBook
+from coordinator.verify_budget import PlannerRow, VerificationBudget
 
 
 @dataclass
@@ -79,6 +81,7 @@ class ActiveSet:
         throughput: ThroughputBook,
         learner: LearnerFigures,
         registry: CollectorRegistry,
+        verification: VerificationBudget | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -86,6 +89,8 @@ class ActiveSet:
         self.liveness = liveness
         self.throughput = throughput
         self.learner = learner
+        #: the verification budget whose demand each re-plan recomputes (None: no such rule)
+        self.verification = verification
         self.plan: Plan | None = None
         #: when the plan was made (clock seconds; -inf: never)
         self.planned_at = -math.inf
@@ -114,8 +119,8 @@ class ActiveSet:
             node.node_key, fig, node.price_per_hour, node.rollouts_per_s, node.reliability
         )
 
-    def _planner_inputs(self) -> tuple[int, list[NodeCapacity], float]:
-        """(live nodes, the measured ones' :class:`NodeCapacity`, t_gen) from bare rows
+    def _planner_inputs(self) -> tuple[list[PlannerRow], list[NodeCapacity], float]:
+        """(live nodes' rows, the measured ones' :class:`NodeCapacity`, t_gen) from bare rows
         (:meth:`Store.planner_rows`); a node's NodeCapacity is rebuilt only when its inputs
         changed (a completed lease, a price, its lease record), so a re-plan of 10,000 nodes
         does not construct 10,000 objects every 5 s."""
@@ -144,12 +149,13 @@ class ActiveSet:
             for key in [k for k in cache if k not in live]:
                 del cache[key]
         t_gen = self.config.group_size * self.config.sampling.max_new_tokens * fastest_gen
-        return len(rows), measured, t_gen
+        return rows, measured, t_gen
 
     def replan(self) -> Plan:
         """Recompute the active set (call when nodes join/leave or their μ changes)."""
         cap = self.config.capacity
-        alive, measured, t_gen = self._planner_inputs()
+        rows, measured, t_gen = self._planner_inputs()
+        alive = len(rows)
         figures = self.learner
         plan = plan_activation(
             measured,
@@ -162,6 +168,10 @@ class ActiveSet:
             staleness_bound=self.config.staleness_bound,
             t_gen=t_gen,
         )
+        budget = self.verification
+        if budget is not None:  # D <= (1 − h)·V beside the learner's rule (issue 35)
+            demand = budget.observe(rows, plan.standby if cap.activation else ())
+            plan = with_verification(plan, demand, budget.capacity(), budget.config.headroom)
         self.plan = plan
         self.planned_at = self.clock()
         self._standby = frozenset(plan.standby)

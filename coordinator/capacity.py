@@ -31,7 +31,12 @@ prune. Nodes without a price are free volunteers (always active).
 Public API (kept stable for ``swarm simulate`` and ``swarm coordinator plan``):
 :class:`NodeCapacity`, :class:`Pipeline`, :class:`Plan`, :func:`node_rate`, :func:`supply`,
 :func:`step_period`, :func:`predicted_idle`, :func:`required_rate`,
-:func:`admissible_fraction`, :func:`choose_active`, :func:`plan_activation`.
+:func:`admissible_fraction`, :func:`choose_active`, :func:`plan_activation`,
+:func:`verification_rule`, :func:`with_verification`.
+
+The verification rule (issue 35): the active nodes' re-scoring demand D = Σ_i rate_i·ρ_i·τ
+(check rate, rollouts/s, re-scored tokens per rollout) within (1 − h)·V, V the verifiers'
+measured throughput (:mod:`coordinator.verify_budget`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -442,6 +447,39 @@ class Plan:
     pool_idle: float = 0.0
     #: Predicted seconds per learner step with the active set.
     step_period: float = 0.0
+    #: The verification rule D <= (1 − h)·V (:func:`with_verification`): D the re-scoring
+    #: demand of the active set and V the verifiers' throughput (re-scored tokens/s; None:
+    #: unknown), and whether it holds (None: V unknown)
+    verify_demand: float | None = None
+    verify_capacity: float | None = None
+    verify_meets: bool | None = None
+
+
+def verification_rule(demand: float, capacity: float | None, headroom: float) -> bool | None:
+    """D <= (1 − h)·V: the verifiers keep up with the check rates of the active nodes with
+    ``headroom`` h to spare; None when V is unknown."""
+    if capacity is None:
+        return None
+    return demand <= (1.0 - headroom) * capacity + _EPS * max(1.0, capacity)
+
+
+def with_verification(plan: Plan, demand: float, capacity: float | None, headroom: float) -> Plan:
+    """``plan`` with the verification rule beside the learner's: its figures, and a clause in
+    the explanation (the active set is the learner's choice; the rule is what admission keeps,
+    :mod:`coordinator.verify_budget`)."""
+    meets = verification_rule(demand, capacity, headroom)
+    if capacity is None:
+        clause = f"; verification: demand {demand:.3g} re-scored tokens/s, verifiers not measured"
+    else:
+        state = "within" if meets else "OVER"
+        clause = (
+            f"; verification: demand {demand:.3g} re-scored tokens/s {state} (1 − {headroom:.0%})"
+            f" × V {capacity:.3g}"
+        )
+    return replace(
+        plan, verify_demand=demand, verify_capacity=capacity, verify_meets=meets,
+        explanation=plan.explanation + clause,
+    )  # fmt: skip
 
 
 def _meets(rate: float, target: float) -> bool:

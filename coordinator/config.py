@@ -337,6 +337,63 @@ class CapacitySection(_Section):
     )
 
 
+class VerificationBudgetSection(_Section):
+    """Verification as a budgeted resource (docs/capacity.md, "Verification as a resource of
+    the plan"): the verifiers' measured throughput V against the demand D of the nodes' check
+    rates, new identities admitted at the rate the spare budget absorbs, and leases whose
+    submission waits for its check kept from expiring."""
+
+    admission: bool = Field(
+        default=True,
+        description="Admit new node identities only while the spare verification budget "
+        "(1 − headroom)·V − D absorbs their probation; beyond it a registration is refused "
+        "swarm_full with retry_after_s, oldest first (admitted nodes are never evicted for it)",
+    )
+    headroom: float = Field(
+        default=0.2,
+        ge=0,
+        lt=1,
+        description="h in the rule D <= (1 − h)·V: share of the verifiers' throughput kept free",
+    )
+    assumed_tokens_per_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="V before any re-score was measured (re-scored tokens/s of all verifiers); "
+        "unset: no admission limit until the first re-scores are measured",
+    )
+    window_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Verifiers that answered within this many seconds count in V (when none "
+        "did, the last one that answered)",
+    )
+    throughput_ewma: float = Field(
+        default=0.3,
+        gt=0,
+        le=1,
+        description="Weight of a new re-score in a verifier's running mean of tokens/s",
+    )
+    admission_burst: int = Field(
+        default=8,
+        ge=1,
+        description="New identities the probation bucket holds at most (admitted at once when "
+        "the budget has been spare for a while)",
+    )
+    admission_retry_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="retry_after_s of a registration refused while the budget has no room "
+        "(seconds); a refused identity keeps its place in the queue this long past the time "
+        "it was told",
+    )
+    hold_verifying_leases: bool = Field(
+        default=True,
+        description="A lease whose submission arrived before its deadline does not expire "
+        "while that submission waits for verification (a node that stops answering still "
+        "loses its lease at the deadline)",
+    )
+
+
 class NetworkSection(_Section):
     """Where the coordinator listens and whom it trusts (used by ``coordinator.service``)."""
 
@@ -431,6 +488,9 @@ class CoordinatorConfig(_Section):
     )
     network: NetworkSection = Field(
         default_factory=lambda: NetworkSection(), description="Network and trust"
+    )
+    verification: VerificationBudgetSection = Field(
+        default_factory=lambda: VerificationBudgetSection(), description="Verification budget"
     )
 
     @property

@@ -62,6 +62,7 @@ from coordinator.store import NodeRecord, SenderContext, Store
 from coordinator.submissions import SubmissionDesk
 from coordinator.throughput import LeaseLag, ThroughputBook
 from coordinator.trust import Trust
+from coordinator.verify_budget import VerificationBudget
 from policy.model import Tokenizer
 from policy.prompts import PromptRenderer
 from protocol.codec import decode, encode
@@ -164,6 +165,13 @@ class Coordinator:
         #: bounded storage: consumed rollouts past the audit window are pruned on the tick
         self.retention = Retention(store, clock)
         self.admission = Admission(store, self.reputation, clock)
+        #: verification as a budget (issue 35): V, D, new identities admitted at the rate it
+        #: absorbs, leases whose submission waits for its check kept from expiring
+        self.budget = VerificationBudget(
+            config, trust=self.trust, clock=clock, lease_size=self.leases.lease_size,
+            checks_on=verifier is not None,
+        )  # fmt: skip
+        self.leases.verifying = self.budget.verifying.holds
 
         # --- soft state: liveness, measured figures, the plan ---
         self.liveness = Liveness(store)
@@ -182,6 +190,7 @@ class Coordinator:
             throughput=self.throughput,
             learner=self.learner,
             registry=self.registry,
+            verification=self.budget,
         )
         self._g_version = Gauge(
             "swarm_policy_version", "Latest published version", registry=self.registry
@@ -190,8 +199,9 @@ class Coordinator:
         # --- the submission pipeline and the trainer's feed ---
         self.metrics = IntakeMetrics(self.registry)
         self.intake = Intake(
-            task, tokenizer, verifier=verifier, secret=store.secret(), metrics=self.metrics
-        )
+            task, tokenizer, verifier=self.budget.metered(verifier), secret=store.secret(),
+            metrics=self.metrics,
+        )  # fmt: skip
         self.slots = PromptSlots(task, self.prompts, self.audits)
         self.desk = SubmissionDesk(
             config.intake,
@@ -226,9 +236,14 @@ class Coordinator:
         self.replan()
 
     # --- delegation: the submission pipeline, the trainer's feed, the active set ------------------
-    async def submit(self, node_key: bytes, sub: RolloutSubmission) -> Ack | Reject:
-        """Verify and store a submission (:meth:`SubmissionDesk.submit`)."""
-        return await self.desk.submit(node_key, sub)
+    async def submit(
+        self, node_key: bytes, sub: RolloutSubmission, arrived_at: float | None = None
+    ) -> Ack | Reject:
+        """Verify and store a submission (:meth:`SubmissionDesk.submit`). ``arrived_at``: when
+        its envelope was opened (default now); its lease does not expire while it is checked."""
+        at = self.clock() if arrived_at is None else arrived_at
+        with self.budget.verifying.waiting(sub.lease_id, node_key, at):
+            return await self.desk.submit(node_key, sub)
 
     def replayed_submission(self, env: SignedEnvelope) -> Ack | Reject | None:
         """The stored verdict of a re-sent envelope (:meth:`SubmissionDesk.replayed_submission`)."""
@@ -357,6 +372,7 @@ class Coordinator:
         old = self.store.get_node(node_key)
         if old is None:
             self._make_room(now)
+            self.budget.admit_new(node_key, advert.tokens_per_s or None, now)  # issue 35
         relabel = old is not None and (old.backend, old.dtype) != (advert.backend, advert.dtype)
         if relabel:
             assert old is not None

@@ -106,6 +106,10 @@ def newest_servable(recent: Sequence[int], servable: Callable[[int], bool] | Non
     return next((v for v in recent if servable(v)), None)
 
 
+def _never(lease: LeaseRecord) -> bool:
+    return False
+
+
 class LeaseManager:
     """Issues, expires, releases and closes leases; all state in ``store``."""
 
@@ -128,6 +132,10 @@ class LeaseManager:
         self.nonce: Callable[[int], str] = secrets.token_hex
         #: the coordinator's secret (kept in its state database): lease seeds are keyed with it
         self._secret = store.secret()
+        #: whether a due lease's expiry waits: a submission of it that arrived by the deadline is
+        #: queued for verification (the core sets :meth:`coordinator.verifying.VerifyingLeases.
+        #: holds`; issue 35)
+        self.verifying: Callable[[LeaseRecord], bool] = _never
 
     def seed_of(self, lease_id: str) -> int:
         """The lease's sampling seed, ``u64be(HMAC-SHA256(secret, SEED_LABEL + id)[:8]) >> 1``.
@@ -220,10 +228,11 @@ class LeaseManager:
         Runs on every lease request and submission: when nothing is due (the common case) it is
         one indexed read, without opening a write transaction."""
         now = self.clock()
-        if not self.store.due_leases(now):
+        held = self.verifying
+        if not [lease for lease in self.store.due_leases(now) if not held(lease)]:
             return []
         with self.store.transaction():
-            due = self.store.due_leases(now)
+            due = [lease for lease in self.store.due_leases(now) if not held(lease)]
             for lease in due:
                 self.store.close_lease(lease.lease_id, "expired", now)
                 self.store.requeue_prompts(self._held(lease))

@@ -107,9 +107,11 @@ class NodeHandlers:
                     return encode(stored)
             core.metrics.rejected.labels(reason=ReasonCode(exc.code).value).inc()
             raise
-        # spot checks need the weights here
-        await self._versions.wait_held(msg.policy_version, self._spot_check_wait_s)
-        verdict = await core.submit(node_key, msg)
+        arrived = core.clock()  # judged as of now: its lease waits for its check (issue 35)
+        with core.budget.verifying.waiting(msg.lease_id, node_key, arrived):
+            # spot checks need the weights here
+            await self._versions.wait_held(msg.policy_version, self._spot_check_wait_s)
+            verdict = await core.submit(node_key, msg, arrived)
         if not isinstance(verdict, Reject):
             self._on_rollouts()
         return encode(verdict)

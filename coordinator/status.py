@@ -27,6 +27,20 @@ from swarm.broadcast import BroadcastNode
 
 NEW = TrustState(0, False, None, None)
 
+#: The verification budget's figures (:meth:`coordinator.verify_budget.VerificationBudget.status`)
+#: stay on the operator's ``/status``: in a small swarm the demand D is a few nodes' check rates
+#: times their known rates, so a node could read its own check rate from it (issue 34).
+VERIFY_BUDGET_FIELDS = frozenset(
+    {
+        "verify_tokens_per_s", "verify_tokens_per_s_measured", "verify_verifiers",
+        "verify_demand_tokens_per_s", "verify_budget_tokens_per_s", "verify_budget_meets",
+        "verify_tokens_per_rollout", "admission_admitted", "admission_refused",
+        "admission_waiting", "leases_in_verification", "leases_held_for_verification",
+    }
+)  # fmt: skip
+#: Keys :func:`wire_status` leaves out of the unsigned ``rswarm/status`` answer.
+OPERATOR_ONLY = OPERATOR_ONLY_FIELDS | VERIFY_BUDGET_FIELDS
+
 
 #: Above this many registered nodes the per-tick document carries counts (``node_counts``), not
 #: the per-node maps: building them cost ~1 s of the event loop every tick at 10,000 nodes
@@ -73,6 +87,7 @@ def build_status(
             else [],
         }
     )
+    snap.update(core.budget.status())  # the verification budget (issue 35): operator only
     if registered <= node_maps_max:
         maps = node_maps(core, core.store.nodes(), census, now)
         snap.update(maps)
@@ -251,9 +266,10 @@ def wire_status(status: dict[str, Any]) -> dict[str, Any]:
     MAX_STATUS_KEYS keys of at most MAX_NAME_LEN characters per map). Keys beyond the limit are
     dropped, the last-added first: the trainer's report comes after the coordinator's figures.
     Any peer may call ``rswarm/status``: how closely each node is watched
-    (:data:`~coordinator.node_view.OPERATOR_ONLY_FIELDS`) stays on the operator's ``/status``."""
+    (:data:`~coordinator.node_view.OPERATOR_ONLY_FIELDS`) and the verification budget
+    (:data:`VERIFY_BUDGET_FIELDS`) stay on the operator's ``/status``."""
     out: dict[str, Any] = {}
-    public = [(k, v) for k, v in status.items() if k not in OPERATOR_ONLY_FIELDS]
+    public = [(k, v) for k, v in status.items() if k not in OPERATOR_ONLY]
     for key, value in public[:MAX_STATUS_KEYS]:
         name = str(key)[:MAX_NAME_LEN]
         if isinstance(value, dict):
