@@ -30,8 +30,8 @@ import hashlib
 import hmac
 import logging
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from coordinator.config import RewardAuditSection
 from coordinator.store import Store
@@ -78,6 +78,127 @@ class AuditFlag:
         )
 
 
+@dataclass(frozen=True)
+class AuditPair:
+    """One ``reward_pairs`` row: an audit copy's group beside its original's."""
+
+    prompt_index: int
+    node_a: bytes
+    node_b: bytes
+    version_a: int
+    version_b: int
+    mean_a: float
+    mean_b: float
+    at: float
+
+
+@dataclass(frozen=True)
+class AuditBook:
+    """What the audit step of one acceptance reads, loaded in the write transaction
+    (:meth:`RewardAudits.book`); empty when the lease has no audit copy."""
+
+    #: ``{audit index: (original's node, version, mean reward)}`` of the lease's audit copies
+    sources: Mapping[int, tuple[bytes, int, float]] = field(default_factory=dict)
+    #: every stored pair each node of ``looks`` is in
+    pairs: tuple[AuditPair, ...] = ()
+    #: ``{node: sign tests run so far}`` for the submitting node and the sources' nodes
+    looks: Mapping[bytes, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AuditWork:
+    """What an acceptance writes for the reward audit (:func:`audit_work`), in order."""
+
+    #: originals to re-issue as audit copies: ``(prompt index, its group's mean reward)``
+    reissues: tuple[tuple[int, float], ...] = ()
+    #: pairs to store
+    pairs: tuple[AuditPair, ...] = ()
+    #: ``(node, sign tests run)`` after each test that ran
+    looks: tuple[tuple[bytes, int], ...] = ()
+    #: nodes the tests flag
+    flags: tuple[AuditFlag, ...] = ()
+
+
+def audit_work(
+    book: AuditBook,
+    config: RewardAuditSection,
+    audited: Callable[[int], bool],
+    *,
+    node_key: bytes,
+    version: int,
+    rewards: Mapping[int, Sequence[float]],
+    now: float,
+) -> AuditWork:
+    """The audit step of accepted groups ``{prompt index: rewards}`` (pure): re-issue an
+    audited original, pair an audit copy with its original and run both nodes' scheduled sign
+    tests (module docstring) on the stored pairs plus the new ones."""
+    reissues: list[tuple[int, float]] = []
+    pairs = list(book.pairs)
+    new_pairs: list[AuditPair] = []
+    looks = dict(book.looks)
+    looked: list[tuple[bytes, int]] = []
+    flags: list[AuditFlag] = []
+    for index, group in sorted(rewards.items()):
+        mean = sum(group) / len(group) if group else 0.0
+        if index >= 0:
+            if config.fraction > 0 and audited(index):
+                reissues.append((index, mean))
+            continue
+        source = book.sources.get(index)
+        if source is None:
+            continue
+        other, other_version, other_mean = source
+        if all(p.prompt_index != index for p in pairs):  # INSERT OR IGNORE
+            pair = AuditPair(index, other, node_key, other_version, version, other_mean, mean, now)
+            pairs.append(pair)
+            new_pairs.append(pair)
+        for who in (other, node_key):
+            d = [x for x in differences(pairs, who, config.max_version_gap) if x != 0.0]
+            n_looks = looks.get(who, 0)
+            if len(d) < config.min_pairs * 2**n_looks:
+                continue
+            looks[who] = n_looks + 1
+            looked.append((who, n_looks + 1))
+            flag = sign_test(d, who, n_looks, config.alpha)
+            if flag is not None:
+                flags.append(flag)
+    return AuditWork(tuple(reissues), tuple(new_pairs), tuple(looked), tuple(flags))
+
+
+def differences(pairs: Sequence[AuditPair], node_key: bytes, max_gap: int) -> list[float]:
+    """``mean_X − mean_other`` of every comparable pair node ``X`` is in."""
+    return [
+        (p.mean_a - p.mean_b) if p.node_a == node_key else (p.mean_b - p.mean_a)
+        for p in pairs
+        if node_key in (p.node_a, p.node_b)
+        and p.node_a != p.node_b
+        and abs(p.version_a - p.version_b) <= max_gap
+    ]
+
+
+def sign_test(d: Sequence[float], node_key: bytes, looks: int, alpha: float) -> AuditFlag | None:
+    """The node's ``looks``-th sign test on its nonzero differences ``d``: a flag when
+    ``P(Binomial(n, ½) ≥ k) ≤ alpha / 2^(looks+1)``."""
+    higher = sum(1 for x in d if x > 0)
+    p = sign_test_p(len(d), higher)
+    level = alpha / 2.0 ** (looks + 1)
+    if p > level:
+        return None
+    flag = AuditFlag(node_key, len(d), higher, p, level)
+    log.warning("reward audit flags node %s: %s", node_key.hex()[:16], flag.detail)
+    return flag
+
+
+PAIR_SQL = (
+    "INSERT OR IGNORE INTO reward_pairs (prompt_index, node_a, node_b, version_a,"
+    " version_b, mean_a, mean_b, at) VALUES (?,?,?,?,?,?,?,?)"
+)
+LOOKS_SQL = (
+    "INSERT INTO audit_looks (node_key, looks) VALUES (?, ?) ON CONFLICT (node_key)"
+    " DO UPDATE SET looks = excluded.looks"
+)
+
+
 class RewardAudits:
     """Audit copies, reward pairs and the per-node sign test (tables in the coordinator store)."""
 
@@ -103,43 +224,56 @@ class RewardAudits:
         )
         return {int(a): int(o) for a, o in rows}
 
-    def after_accept(
-        self,
-        *,
-        lease_id: str,
-        node_key: bytes,
-        version: int,
-        rewards: Mapping[int, Sequence[float]],
-        now: float,
-    ) -> list[AuditFlag]:
-        """Record accepted groups (``{prompt index: rewards}``): maybe re-issue an original,
-        pair an audit copy with its original and test both nodes. Call inside the transaction
-        that stores the rollouts."""
-        flags: list[AuditFlag] = []
+    def book(self, node_key: bytes, prompts: Sequence[int]) -> AuditBook:
+        """What :func:`audit_work` reads for an acceptance by ``node_key`` of a lease with
+        ``prompts`` (call inside the write transaction): the audit copies' sources, and the
+        stored pairs and test counts of the nodes involved. Nothing is read for a lease without
+        audit copies."""
+        audit = [i for i in prompts if i < 0]
+        if not audit:
+            return AuditBook()
+        marks = ",".join("?" * len(audit))
+        rows = self.store.query(
+            "SELECT prompt_index, source_node, version, mean FROM audits"
+            f" WHERE prompt_index IN ({marks})",
+            audit,
+        )
+        sources = {int(i): (bytes(n), int(v), float(m)) for i, n, v, m in rows}
+        nodes = sorted({node_key, *(n for n, _, _ in sources.values())})
+        marks = ",".join("?" * len(nodes))
+        pairs = tuple(
+            AuditPair(int(i), bytes(a), bytes(b), int(va), int(vb), float(ma), float(mb), float(t))
+            for i, a, b, va, vb, ma, mb, t in self.store.query(
+                "SELECT prompt_index, node_a, node_b, version_a, version_b, mean_a, mean_b, at"
+                f" FROM reward_pairs WHERE node_a IN ({marks}) OR node_b IN ({marks})"
+                " ORDER BY at, prompt_index",
+                [*nodes, *nodes],
+            )
+        )
+        looks = {
+            bytes(k): int(n)
+            for k, n in self.store.query(
+                f"SELECT node_key, looks FROM audit_looks WHERE node_key IN ({marks})", nodes
+            )
+        }
+        return AuditBook(sources, pairs, looks)
+
+    def record(
+        self, work: AuditWork, *, lease_id: str, node_key: bytes, version: int, now: float
+    ) -> None:
+        """Write ``work`` (call inside the transaction that stores the rollouts): each re-issued
+        original gets the next audit index, then the pairs and the test counts."""
         with self.store.transaction():
-            for index, group in sorted(rewards.items()):
-                mean = sum(group) / len(group) if group else 0.0
-                if index >= 0:
-                    if self.config.fraction > 0 and self.audited(index):
-                        self._reissue(index, lease_id, node_key, version, mean, now)
-                    continue
-                rows = self.store.query(
-                    "SELECT source_node, version, mean FROM audits WHERE prompt_index = ?",
-                    (index,),
-                )
-                if not rows:
-                    continue
-                other, other_version, other_mean = bytes(rows[0][0]), int(rows[0][1]), rows[0][2]
+            for index, mean in work.reissues:
+                self._reissue(index, lease_id, node_key, version, mean, now)
+            for p in work.pairs:
                 self.store.execute(
-                    "INSERT OR IGNORE INTO reward_pairs (prompt_index, node_a, node_b, version_a,"
-                    " version_b, mean_a, mean_b, at) VALUES (?,?,?,?,?,?,?,?)",
-                    (index, other, node_key, other_version, version, float(other_mean), mean, now),
-                )
-                for who in (other, node_key):
-                    flag = self.test(who)
-                    if flag is not None:
-                        flags.append(flag)
-        return flags
+                    PAIR_SQL,
+                    (p.prompt_index, p.node_a, p.node_b, p.version_a, p.version_b, p.mean_a,
+                     p.mean_b, p.at),
+                )  # fmt: skip
+            for who, looks in work.looks:
+                self.store.execute(LOOKS_SQL, (who, looks))
 
     def _reissue(
         self, index: int, lease_id: str, node_key: bytes, version: int, mean: float, now: float
@@ -164,27 +298,6 @@ class RewardAudits:
             (node_key, node_key, gap),
         )
         return [(a - b) if bytes(node_a) == node_key else (b - a) for node_a, a, b in rows]
-
-    def test(self, node_key: bytes) -> AuditFlag | None:
-        """Run the node's next scheduled sign test if it has enough pairs (see module doc)."""
-        d = [x for x in self.differences(node_key) if x != 0.0]
-        rows = self.store.query("SELECT looks FROM audit_looks WHERE node_key = ?", (node_key,))
-        looks = int(rows[0][0]) if rows else 0
-        if len(d) < self.config.min_pairs * 2**looks:
-            return None
-        self.store.execute(
-            "INSERT INTO audit_looks (node_key, looks) VALUES (?, ?) ON CONFLICT (node_key)"
-            " DO UPDATE SET looks = excluded.looks",
-            (node_key, looks + 1),
-        )
-        higher = sum(1 for x in d if x > 0)
-        p = sign_test_p(len(d), higher)
-        level = self.config.alpha / 2.0 ** (looks + 1)
-        if p > level:
-            return None
-        flag = AuditFlag(node_key, len(d), higher, p, level)
-        log.warning("reward audit flags node %s: %s", node_key.hex()[:16], flag.detail)
-        return flag
 
     def pair_counts(self) -> dict[bytes, int]:
         """Comparable audited pairs per node (for /status)."""

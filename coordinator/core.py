@@ -53,12 +53,14 @@ from coordinator.leases import LeaseManager, newest_servable
 from coordinator.ledger import Ledger
 from coordinator.liveness import Liveness
 from coordinator.logprobs import LogprobVerifier
+from coordinator.outcome import AcceptRules
 from coordinator.problems import Task
 from coordinator.receipts import ReceiptLog
 from coordinator.reputation import Reputation, ban_in_force
 from coordinator.retention import Retention
 from coordinator.slots import PromptSlots
 from coordinator.store import NodeRecord, SenderContext, Store
+from coordinator.submission_records import SubmissionRecords
 from coordinator.submissions import SubmissionDesk
 from coordinator.throughput import LeaseLag, ThroughputBook
 from coordinator.trust import Trust
@@ -206,16 +208,22 @@ class Coordinator:
         self.desk = SubmissionDesk(
             config.intake,
             store=store,
+            records=SubmissionRecords(
+                store, receipts=self.receipts, ledger=self.ledger, audits=self.audits
+            ),
             clock=clock,
             leases=self.leases,
             slots=self.slots,
             intake=self.intake,
             metrics=self.metrics,
-            trust=self.trust,
-            reputation=self.reputation,
-            audits=self.audits,
-            ledger=self.ledger,
-            receipts=self.receipts,
+            check_rate=self.trust.rate_of,
+            rules=AcceptRules(
+                intake=config.intake,
+                reward_audit=config.reward_audit,
+                throughput_ewma=config.leases.throughput_ewma,
+                audited=self.audits.audited,
+            ),
+            reputation=config.reputation,
             throughput=self.throughput,
             staleness_bound=config.staleness_bound,
             vocab_size=tokenizer.vocab_size,
@@ -367,6 +375,14 @@ class Coordinator:
         now = self.clock()
         if advert.node_key != node_key:
             raise Rejection(ReasonCode.SCHEMA, "advert.node_key differs from the envelope signer")
+        accepted = self.config.intake.accepted_dtypes
+        if advert.dtype not in accepted:  # the calibration measures only these (issue 34)
+            raise Rejection(
+                ReasonCode.REGISTRATION_MISMATCH,
+                f"dtype {advert.dtype} is not accepted here (intake.accepted_dtypes: "
+                f"{', '.join(accepted)}); run the node in one of them",
+                strike=False,
+            )
         if self.reputation.banned(node_key, now) is not None:
             self._admit(node_key)  # raises banned
         old = self.store.get_node(node_key)

@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from coordinator.config import LeaseSection
 from coordinator.errors import Rejection
-from coordinator.store import LeaseRecord, Store
+from coordinator.store import LeaseRecord, NodeRecord, Store
 from protocol.errors import ReasonCode
 from protocol.limits import DEFAULT_LIMITS, SUBMISSION_OVERHEAD, worst_case_submission_bytes
 
@@ -104,6 +104,22 @@ def newest_servable(recent: Sequence[int], servable: Callable[[int], bool] | Non
     if servable is None:
         return recent[0] if recent else None
     return next((v for v in recent if servable(v)), None)
+
+
+def measured_throughput(
+    lease: LeaseRecord, node: NodeRecord | None, now: float, ewma: float
+) -> tuple[float, float] | None:
+    """The node's running means ``(tokens_per_s, rollouts_per_s)`` with a completed ``lease``
+    (its progress counted) folded in; None when there is nothing to fold (no node row, no
+    elapsed time, no tokens)."""
+    elapsed = now - lease.issued_at
+    if node is None or elapsed <= 0 or lease.tokens <= 0:
+        return None
+    tps, rps = lease.tokens / elapsed, lease.samples / elapsed
+    return (
+        tps if node.tokens_per_s is None else (1 - ewma) * node.tokens_per_s + ewma * tps,
+        rps if node.rollouts_per_s is None else (1 - ewma) * node.rollouts_per_s + ewma * rps,
+    )
 
 
 def _never(lease: LeaseRecord) -> bool:
@@ -329,18 +345,12 @@ class LeaseManager:
     def _measure(self, lease: LeaseRecord, now: float) -> None:
         """Fold the lease's observed throughput into the node's running means."""
         done = self.store.get_lease(lease.lease_id)
-        node = self.store.get_node(lease.node_key)
-        elapsed = now - lease.issued_at
-        if done is None or node is None or elapsed <= 0 or done.tokens <= 0:
+        if done is None:
             return
-        a = self.config.throughput_ewma
-        tps, rps = done.tokens / elapsed, done.samples / elapsed
-        self.store.update_node(
-            lease.node_key,
-            tokens_per_s=tps
-            if node.tokens_per_s is None
-            else (1 - a) * node.tokens_per_s + a * tps,
-            rollouts_per_s=rps
-            if node.rollouts_per_s is None
-            else (1 - a) * node.rollouts_per_s + a * rps,
+        measured = measured_throughput(
+            done, self.store.get_node(lease.node_key), now, self.config.throughput_ewma
         )
+        if measured is not None:
+            self.store.update_node(
+                lease.node_key, tokens_per_s=measured[0], rollouts_per_s=measured[1]
+            )

@@ -8,7 +8,7 @@ A submission crosses the coordinator in one direction
                               Store.load_            intake)                   transaction)
                               submission)
 
-Everything here is a function of its arguments: a :class:`~coordinator.store.SubmissionContext`
+Everything here is a function of its arguments: a :class:`~coordinator.records.SubmissionContext`
 (the one read), the submission, the injected time. No store access, no clock. :func:`screen`
 answers before any check runs (sender not admitted, lease not held, a stored verdict to replay,
 a verdict flood, nothing left open); :func:`intake_context` is what checks 3–7 read;
@@ -26,9 +26,8 @@ from coordinator.admission import admission_refusal
 from coordinator.errors import Rejection
 from coordinator.intake import CheckReport, IntakeContext, PromptSlot
 from coordinator.leases import holder_refusal, open_prompts_of, undone_prompts
-from coordinator.records import ACK, LeaseRecord, Verdict
+from coordinator.records import ACK, LeaseRecord, SubmissionContext, Verdict
 from coordinator.reputation import ban_in_force
-from coordinator.store import SubmissionContext
 from coordinator.trust import TrustState, trust_state
 from protocol.errors import ReasonCode
 from protocol.messages import RolloutSubmission

@@ -1,8 +1,10 @@
-"""Row types of the coordinator's SQLite store (plain frozen dataclasses) and their decoders."""
+"""Row types of the coordinator's SQLite store (plain frozen dataclasses) and their decoders, and
+the submission pipeline's one-read context built of them."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +76,41 @@ class RolloutRow:
     accepted_at: float
     group_size: int
     seq: int = 0
+
+
+#: One node's row of the ``trust`` table (:mod:`coordinator.trust` owns the table): clean_checks,
+#: suspect, flagged_at, label_changed_at, clean_leases.
+TrustRow = tuple[int, bool, float | None, float | None, int]
+@dataclass(frozen=True)
+class SubmissionContext:
+    """Everything the submission pipeline's checks read, loaded in one read
+    (:meth:`coordinator.submission_records.SubmissionRecords.load`); the checks
+    (:mod:`coordinator.pipeline`) touch nothing else."""
+
+    #: the sender's registration; None: not registered
+    node: NodeRecord | None
+    #: the sender's ban on record ``(bans so far, banned_until, reason)``; None: never banned
+    ban: tuple[int, float, str] | None
+    #: the lease the submission names; None: no such lease
+    lease: LeaseRecord | None
+    #: the verdict stored for these exact bytes (lease, digest); None: first time
+    verdict: Verdict | None
+    #: distinct verdicts stored for the lease
+    verdicts: int
+    #: ``{prompt_index: (state, holder lease_id)}`` of the lease's prompts ever issued
+    prompt_states: Mapping[int, tuple[str, str]]
+    #: every published version, oldest first
+    versions: tuple[int, ...]
+    #: the sender's trust row; None: it has none (new, or a suspect with ``has_record``)
+    trust: TrustRow | None
+    #: any strike or ban on record for the sender (read only when it has no trust row)
+    has_record: bool
+    #: ``{audit copy index: original prompt index}`` for the lease's audit copies
+    originals: Mapping[int, int]
+
+    @property
+    def latest_version(self) -> int | None:
+        return self.versions[-1] if self.versions else None
 
 
 @dataclass(frozen=True)

@@ -51,52 +51,105 @@ def ban_duration(count: int, base_s: float, max_s: float) -> float:
     return min(max_s, base_s * 2.0 ** min(count - 1, 62))
 
 
+@dataclass(frozen=True)
+class Standing:
+    """What a strike decision reads of a node, loaded in one read
+    (:meth:`coordinator.submission_records.SubmissionRecords.load_standing`)."""
+
+    #: the node's ``bans`` row ``(bans so far, banned_until, reason)``; None: never banned
+    ban: tuple[int, float, str] | None
+    #: reasons of its strikes not yet consumed by a ban or forgiven, oldest first
+    live: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StrikeDecision:
+    """A strike to record and the ban it triggers (``ban`` None: a strike only). A ban consumes
+    every live strike of the node, this one included."""
+
+    reason: str
+    detail: str
+    ban: Ban | None
+
+
+def decide_strike(
+    standing: Standing,
+    reason: str,
+    detail: str,
+    now: float,
+    config: ReputationSection,
+    *,
+    at_once: bool = False,
+) -> StrikeDecision | None:
+    """The strike a failed check earns (pure). None under a ban in force (no strike recorded);
+    ``strikes_to_ban`` live strikes (this one counted) ban for ``base · 2^(bans − 1)`` capped at
+    ``ban_max_s``; ``at_once`` (a check failed far beyond any honest error) bans for
+    ``ban_max_s`` at once."""
+    if ban_in_force(standing.ban, now) is not None:
+        return None
+    count = (standing.ban[0] if standing.ban else 0) + 1
+    if at_once:
+        why = f"{reason} far beyond any honest error: {detail}"[:500]
+        return StrikeDecision(reason, detail, Ban(now + config.ban_max_s, count, why))
+    live = [*standing.live, reason]
+    if len(live) < config.strikes_to_ban:
+        return StrikeDecision(reason, detail, None)
+    until = now + ban_duration(count, config.ban_base_s, config.ban_max_s)
+    top = Counter(live).most_common(1)[0][0]
+    return StrikeDecision(reason, detail, Ban(until, count, f"{len(live)} strikes, mostly {top}"))
+
+
+def record_strike(store: Store, node_key: bytes, decision: StrikeDecision, now: float) -> None:
+    """Write ``decision`` (call inside the transaction that read the standing it came from)."""
+    with store.transaction():
+        store.add_strike(node_key, decision.reason, decision.detail, now)
+        ban = decision.ban
+        if ban is not None:
+            store.put_ban(node_key, ban.count, ban.until, ban.reason)
+            store.consume_strikes(node_key)
+    if ban is not None:
+        log.warning(
+            "node %s banned until %.0f (ban #%d: %s)", node_key.hex()[:16], ban.until, ban.count,
+            ban.reason,
+        )  # fmt: skip
+
+
 class Reputation:
-    """Records strikes and decides bans; every change is committed before returning."""
+    """Records strikes and decides bans (:func:`decide_strike`); every change is committed
+    before returning."""
 
     def __init__(self, store: Store, config: ReputationSection) -> None:
         self.store = store
         self.config = config
+
+    def standing(self, node_key: bytes) -> Standing:
+        """The node's ban row and live strikes (:class:`Standing`)."""
+        return Standing(
+            self.store.get_ban(node_key), tuple(self.store.live_strikes(node_key, -math.inf))
+        )
 
     def strike(self, node_key: bytes, reason: str, detail: str, now: float) -> Ban | None:
         """Add a strike; returns the ban it triggered, if any.
 
         A node under a ban in force gets no further strikes: it is refused anyway, and its
         messages must not grow the strike table (at most ``strikes_to_ban`` rows per ban)."""
-        if self.banned(node_key, now) is not None:
-            return None
-        with self.store.transaction():
-            self.store.add_strike(node_key, reason, detail, now)
-            live = self.store.live_strikes(node_key, -math.inf)
-            if len(live) < self.config.strikes_to_ban:
-                return None
-            previous = self.store.get_ban(node_key)
-            count = (previous[0] if previous else 0) + 1
-            until = now + ban_duration(count, self.config.ban_base_s, self.config.ban_max_s)
-            top = Counter(live).most_common(1)[0][0]
-            why = f"{len(live)} strikes, mostly {top}"
-            self.store.put_ban(node_key, count, until, why)
-            self.store.consume_strikes(node_key)
-        log.warning(
-            "node %s banned until %.0f (ban #%d: %s)", node_key.hex()[:16], until, count, why
-        )
-        return Ban(until=until, count=count, reason=why)
+        return self._apply(node_key, reason, detail, now, at_once=False)
 
     def ban_now(self, node_key: bytes, reason: str, detail: str, now: float) -> Ban | None:
         """A strike that bans at once, for ``ban_max_s`` (a failed check far beyond any honest
         error); None if a ban is already in force."""
-        if self.banned(node_key, now) is not None:
-            return None
+        return self._apply(node_key, reason, detail, now, at_once=True)
+
+    def _apply(
+        self, node_key: bytes, reason: str, detail: str, now: float, *, at_once: bool
+    ) -> Ban | None:
         with self.store.transaction():
-            self.store.add_strike(node_key, reason, detail, now)
-            previous = self.store.get_ban(node_key)
-            count = (previous[0] if previous else 0) + 1
-            until = now + self.config.ban_max_s
-            why = f"{reason} far beyond any honest error: {detail}"[:500]
-            self.store.put_ban(node_key, count, until, why)
-            self.store.consume_strikes(node_key)
-        log.warning("node %s banned at once until %.0f: %s", node_key.hex()[:16], until, why)
-        return Ban(until=until, count=count, reason=why)
+            standing = self.standing(node_key)
+            decision = decide_strike(standing, reason, detail, now, self.config, at_once=at_once)
+            if decision is None:
+                return None
+            record_strike(self.store, node_key, decision, now)
+        return decision.ban
 
     def forgive(self, node_key: bytes) -> int:
         """The node earned the floor check rate back: its live strikes no longer count toward a

@@ -11,12 +11,11 @@ translated to :class:`~coordinator.errors.StoreError` in :meth:`Store._guard`, t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import secrets
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from coordinator.records import (
     LeaseRecord,
     NodeRecord,
     RolloutRow,
+    TrustRow,
     Verdict,
     lease_from_row,
     node_from_row,
@@ -39,48 +39,14 @@ from coordinator.records import (
 )
 
 __all__ = [
-    "ACK", "LeaseRecord", "NodeRecord", "RolloutRow", "SenderContext", "Store", "SubmissionContext",
+    "ACK", "LeaseRecord", "NodeRecord", "RolloutRow", "SenderContext", "Store", "TrustRow",
     "Verdict",
 ]  # fmt: skip
 
-#: One node's row of the ``trust`` table (:mod:`coordinator.trust` owns the table): clean_checks,
-#: suspect, flagged_at, label_changed_at, clean_leases.
-TrustRow = tuple[int, bool, float | None, float | None, int]
 TRUST_SQL = (
     "SELECT clean_checks, suspect, flagged_at, label_changed_at, clean_leases FROM trust"
     " WHERE node_key = ?"
 )
-
-
-@dataclass(frozen=True)
-class SubmissionContext:
-    """Everything the submission pipeline's checks read, loaded in one read
-    (:meth:`Store.load_submission`); the checks (:mod:`coordinator.pipeline`) touch nothing else."""
-
-    #: the sender's registration; None: not registered
-    node: NodeRecord | None
-    #: the sender's ban on record ``(bans so far, banned_until, reason)``; None: never banned
-    ban: tuple[int, float, str] | None
-    #: the lease the submission names; None: no such lease
-    lease: LeaseRecord | None
-    #: the verdict stored for these exact bytes (lease, digest); None: first time
-    verdict: Verdict | None
-    #: distinct verdicts stored for the lease
-    verdicts: int
-    #: ``{prompt_index: (state, holder lease_id)}`` of the lease's prompts ever issued
-    prompt_states: Mapping[int, tuple[str, str]]
-    #: every published version, oldest first
-    versions: tuple[int, ...]
-    #: the sender's trust row; None: it has none (new, or a suspect with ``has_record``)
-    trust: TrustRow | None
-    #: any strike or ban on record for the sender (read only when it has no trust row)
-    has_record: bool
-    #: ``{audit copy index: original prompt index}`` for the lease's audit copies
-    originals: Mapping[int, int]
-
-    @property
-    def latest_version(self) -> int | None:
-        return self.versions[-1] if self.versions else None
 
 
 @dataclass(frozen=True)
@@ -249,55 +215,14 @@ class Store:
         with self._lock, self._guard("select"):
             return list(self._conn.execute(sql, args).fetchall())
 
-    # --- the submission pipeline's one read -------------------------------------------------------
-    def load_submission(self, node_key: bytes, lease_id: str, digest: bytes) -> SubmissionContext:
-        """What the checks of one submission need (:class:`SubmissionContext`), read under the
-        connection lock (a consistent view: every write of this process takes the same lock)."""
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the connection lock across several reads (a consistent view: every write of
+        this process takes the same lock)."""
         with self._lock:
-            node = self.get_node(node_key)
-            lease = self.get_lease(lease_id)
-            prompts = lease.prompts if lease is not None else ()
-            audit = [i for i in prompts if i < 0]
-            originals: dict[int, int] = {}
-            if audit:
-                marks = ",".join("?" * len(audit))
-                sql = f"SELECT prompt_index, original FROM audits WHERE prompt_index IN ({marks})"
-                originals = {int(a): int(o) for a, o in self._all(sql, audit)}
-            trust = self.trust_row(node_key)
-            return SubmissionContext(
-                node=node,
-                ban=self.get_ban(node_key),
-                lease=lease,
-                verdict=self.get_verdict(lease_id, digest),
-                verdicts=self.verdict_count(lease_id),
-                prompt_states=self.prompt_states(prompts),
-                versions=tuple(self.versions()),
-                trust=trust,
-                has_record=False if trust is not None else self.has_record(node_key),
-                originals=originals,
-            )
+            yield
 
-    def reload_submission(self, ctx: SubmissionContext, digest: bytes) -> SubmissionContext:
-        """``ctx`` with what the write step re-checks and records read again (the sender's row
-        and trust, the lease, the verdict for ``digest``, the prompt states); the rest (ban,
-        versions, verdict count, audit map: what the screen and the checks used) is kept. Call
-        inside the write transaction."""
-        if ctx.lease is None:
-            raise ValueError("reload_submission: the context has no lease to re-read")
-        with self._lock:
-            key, lease_id = ctx.lease.node_key, ctx.lease.lease_id
-            lease = self.get_lease(lease_id)
-            trust = self.trust_row(key)
-            return dataclasses.replace(
-                ctx,
-                node=self.get_node(key),
-                lease=lease,
-                verdict=self.get_verdict(lease_id, digest),
-                prompt_states=self.prompt_states(lease.prompts if lease is not None else ()),
-                trust=trust,
-                has_record=False if trust is not None else self.has_record(key),
-            )
-
+    # --- the lease requests' and heartbeats' one read ---------------------------------------------
     def load_sender(self, node_key: bytes, depth: int) -> SenderContext:
         """The sender's row, its ban and the ``depth`` newest versions (:class:`SenderContext`),
         read under the connection lock."""

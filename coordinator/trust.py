@@ -96,6 +96,59 @@ def trust_state(row: TrustRow | None, has_record: bool) -> TrustState:
     return TrustState(clean, suspect, flagged, changed, leases)
 
 
+def accepted_state(state: TrustState, *, checked: bool, release_checks: int) -> TrustState:
+    """``state`` after one of the node's leases is accepted (``checked``: after a passed check):
+    one more clean lease (and clean check); a suspect that passed ``release_checks`` checks in a
+    row is released and starts again from ``h = 0``."""
+    clean = state.clean_checks + int(checked)
+    leases = state.clean_leases + 1
+    suspect = state.suspect
+    if suspect and checked and clean >= release_checks:
+        suspect, clean, leases = False, 0, 0
+    return TrustState(clean, suspect, state.flagged_at, state.label_changed_at, leases)
+
+
+def struck_state(state: TrustState) -> TrustState:
+    """``state`` after a strike (or ban): a suspect again, clean history lost."""
+    return TrustState(0, True, state.flagged_at, state.label_changed_at, 0)
+
+
+def flagged_state(state: TrustState, now: float) -> TrustState:
+    """``state`` after a reward-audit flag at ``now``: a suspect, clean history lost."""
+    return TrustState(0, True, now, state.label_changed_at, 0)
+
+
+def leases_to_floor(config: IntakeSection, clean_leases: int = 0) -> int:
+    """Clean leases after ``clean_leases`` until the rate reaches the floor."""
+    if config.new_node_check_rate <= config.spot_check_fraction:
+        return 0
+    if config.spot_check_fraction <= 0:  # no floor: the rate only approaches 0
+        return UNBOUNDED
+    patience = 1.0 / config.target_forged_share  # P, as Trust.patience
+    h_f = patience * (config.new_node_check_rate / config.spot_check_fraction - 1.0)
+    return max(0, math.ceil(h_f) - clean_leases)
+
+
+#: Write one node's trust row (``flag_detail`` kept unless a new one is given).
+PUT_SQL = (
+    "INSERT INTO trust (node_key, clean_checks, suspect, flagged_at, flag_detail,"
+    " label_changed_at, clean_leases) VALUES (?,?,?,?,?,?,?) ON CONFLICT (node_key)"
+    " DO UPDATE SET clean_checks=excluded.clean_checks, suspect=excluded.suspect,"
+    " flagged_at=excluded.flagged_at, label_changed_at=excluded.label_changed_at,"
+    " clean_leases=excluded.clean_leases,"
+    " flag_detail=CASE WHEN excluded.flag_detail != '' THEN excluded.flag_detail"
+    " ELSE trust.flag_detail END"
+)
+
+
+def put_args(node_key: bytes, state: TrustState, detail: str = "") -> tuple[object, ...]:
+    """The arguments of :data:`PUT_SQL` for ``state``."""
+    return (
+        node_key, state.clean_checks, int(state.suspect), state.flagged_at, detail,
+        state.label_changed_at, state.clean_leases,
+    )  # fmt: skip
+
+
 class Trust:
     """Per-node check rates; every change is committed with the caller's transaction."""
 
@@ -130,13 +183,7 @@ class Trust:
 
     def leases_to_floor(self, clean_leases: int = 0) -> int:
         """Clean leases after ``clean_leases`` until the rate reaches the floor."""
-        cfg = self.config
-        if cfg.new_node_check_rate <= cfg.spot_check_fraction:
-            return 0
-        if cfg.spot_check_fraction <= 0:  # no floor: the rate only approaches 0
-            return UNBOUNDED
-        h_f = self.patience * (cfg.new_node_check_rate / cfg.spot_check_fraction - 1.0)
-        return max(0, math.ceil(h_f) - clean_leases)
+        return leases_to_floor(self.config, clean_leases)
 
     def obligation(self, node_key: bytes) -> Obligation:
         """What ``node_key`` is held to now (:class:`Obligation`)."""
@@ -159,19 +206,7 @@ class Trust:
         return self.rate_of(self.state(node_key))
 
     def _put(self, node_key: bytes, state: TrustState, detail: str | None = None) -> None:
-        self.store.execute(
-            "INSERT INTO trust (node_key, clean_checks, suspect, flagged_at, flag_detail,"
-            " label_changed_at, clean_leases) VALUES (?,?,?,?,?,?,?) ON CONFLICT (node_key)"
-            " DO UPDATE SET clean_checks=excluded.clean_checks, suspect=excluded.suspect,"
-            " flagged_at=excluded.flagged_at, label_changed_at=excluded.label_changed_at,"
-            " clean_leases=excluded.clean_leases,"
-            " flag_detail=CASE WHEN excluded.flag_detail != '' THEN excluded.flag_detail"
-            " ELSE trust.flag_detail END",
-            (
-                node_key, state.clean_checks, int(state.suspect), state.flagged_at,
-                detail or "", state.label_changed_at, state.clean_leases,
-            ),
-        )  # fmt: skip
+        self.store.execute(PUT_SQL, put_args(node_key, state, detail or ""))
 
     def accepted(
         self, node_key: bytes, *, checked: bool, state: TrustState | None = None
@@ -181,26 +216,21 @@ class Trust:
         row is released and starts again from ``h = 0``. ``state``: the node's current state
         when the caller has just read it (inside the same transaction); else it is read."""
         s = self.state(node_key) if state is None else state
-        clean = s.clean_checks + int(checked)
-        leases = s.clean_leases + 1
-        suspect = s.suspect
-        if suspect and checked and clean >= self.config.suspect_release_checks:
-            log.info("node %s released from full checks after %d", node_key.hex()[:16], clean)
-            suspect, clean, leases = False, 0, 0
-        new = TrustState(clean, suspect, s.flagged_at, s.label_changed_at, leases)
+        new = accepted_state(s, checked=checked, release_checks=self.config.suspect_release_checks)
+        if s.suspect and not new.suspect:
+            log.info("node %s released from full checks after %d", node_key.hex()[:16],
+                     s.clean_checks + int(checked))  # fmt: skip
         self._put(node_key, new)
         return new
 
     def struck(self, node_key: bytes) -> None:
         """A strike (or ban): a suspect again, clean history lost."""
-        s = self.state(node_key)
-        self._put(node_key, TrustState(0, True, s.flagged_at, s.label_changed_at, 0))
+        self._put(node_key, struck_state(self.state(node_key)))
 
     def flag(self, node_key: bytes, detail: str, now: float) -> None:
         """Flagged by the reward audit: checked in full like a struck node (no strike: the
         audit is statistical, the full checks then find what is wrong, if anything)."""
-        s = self.state(node_key)
-        self._put(node_key, TrustState(0, True, now, s.label_changed_at, 0), detail)
+        self._put(node_key, flagged_state(self.state(node_key), now), detail)
 
     def relabelled(self, node_key: bytes, now: float) -> None:
         """The node registered another backend/dtype: its clean history no longer applies."""

@@ -77,15 +77,15 @@ async def test_activation_standby_and_measured_throughput(tmp_path: Path) -> Non
 
 
 def test_one_read_loads_what_the_submission_checks_need(tmp_path: Path) -> None:
-    """Store.load_submission reads what the pipeline's pure checks use (coordinator.pipeline),
+    """SubmissionRecords.load reads what the pipeline's pure checks use (coordinator.pipeline),
     the same values as the separate reads it replaces."""
     h = Harness(tmp_path)
     for v in (1, 2, 3):
         h.publish(v)
     node = h.node()
     lease = h.lease(node)
-    store, key = h.store, node.public_key
-    ctx = store.load_submission(key, lease.lease_id, b"d" * 32)
+    store, key, records = h.store, node.public_key, h.core.desk.records
+    ctx = records.load(key, lease.lease_id, b"d" * 32)
     assert ctx.node == store.get_node(key) and ctx.lease == store.get_lease(lease.lease_id)
     assert ctx.ban is None and ctx.verdict is None and ctx.verdicts == 0
     assert ctx.versions == (1, 2, 3) and ctx.latest_version == 3
@@ -93,12 +93,12 @@ def test_one_read_loads_what_the_submission_checks_need(tmp_path: Path) -> None:
     assert set(ctx.prompt_states.values()) == {("leased", lease.lease_id)}
     assert ctx.trust is None and not ctx.has_record and ctx.originals == {}
     assert isinstance(asyncio.run(h.core.submit(key, submission(lease))), Ack)
-    done = store.load_submission(key, lease.lease_id, b"d" * 32)
+    done = records.load(key, lease.lease_id, b"d" * 32)
     assert done.trust is not None and done.trust[4] == 1  # one clean lease
     assert {s for s, _ in done.prompt_states.values()} == {"done"}
     assert done.lease is not None and done.lease.state == "completed"
     # the write step's re-read: what changed meanwhile is read again, the rest kept as loaded
-    again = store.reload_submission(ctx, b"d" * 32)
+    again = records.reload(ctx, b"d" * 32)
     assert (again.lease, again.prompt_states, again.trust) == (
         done.lease, done.prompt_states, done.trust,
     )  # fmt: skip
@@ -106,7 +106,7 @@ def test_one_read_loads_what_the_submission_checks_need(tmp_path: Path) -> None:
     # a strike, no trust row yet for another node: a suspect from its record
     other = h.node().public_key
     h.core.reputation.strike(other, "schema", "test", h.clock())
-    assert store.load_submission(other, "L-none", b"").has_record
+    assert records.load(other, "L-none", b"").has_record
 
 
 def test_one_read_loads_the_sender_and_the_newest_versions(tmp_path: Path) -> None:

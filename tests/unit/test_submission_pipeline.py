@@ -31,9 +31,8 @@ from coordinator.pipeline import (
     screen,
     trust_of,
 )
-from coordinator.records import ACK, LeaseRecord, NodeRecord, Verdict
+from coordinator.records import ACK, LeaseRecord, NodeRecord, SubmissionContext, Verdict
 from coordinator.reputation import ban_in_force
-from coordinator.store import SubmissionContext
 from coordinator.tasks import ReverseTask
 from policy.model import CharTokenizer
 from protocol.errors import ReasonCode
