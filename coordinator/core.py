@@ -516,21 +516,23 @@ class Coordinator:
                 retry_after_s=self.config.heartbeat_interval_s,
                 reason="standby: the active set covers the learner's demand",
             )
-        # Standby answers (most lease requests of a large swarm) need no expiry pass; a lease does.
-        self.leases.expire_due()
-        held, cap = self.store.active_lease_count(node_key), self.config.leases.max_active_per_node
-        if held >= cap:  # no hoarding of prompts (and no unbounded lease rows) by one node
-            return Standby(
-                retry_after_s=min(self.config.heartbeat_interval_s, 86400.0),
-                reason=f"you hold {held} active leases (limit {cap}); submit or release them",
-            )
-        lease = self.leases.issue(
+        # Standby answers (most lease requests of a large swarm) need no expiry pass; a lease
+        # does: one read, the decision (expiry, the per-node cap: no hoarding of prompts and no
+        # unbounded lease rows by one node, the prompts), one transaction.
+        cap = self.config.leases.max_active_per_node
+        lease = self.leases.request(
             node_key,
             version=version,
             tokens_per_s=node.tokens_per_s,
             max_prompts=req.max_prompts,
             held_to=(node.backend, node.dtype),
+            cap=cap,
         )
+        if isinstance(lease, int):
+            return Standby(
+                retry_after_s=min(self.config.heartbeat_interval_s, 86400.0),
+                reason=f"you hold {lease} active leases (limit {cap}); submit or release them",
+            )
         self.lease_lag.leased(version, self.clock())
         s = self.config.sampling
         return Lease(

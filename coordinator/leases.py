@@ -38,6 +38,7 @@ import logging
 import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from coordinator.config import LeaseSection
 from coordinator.errors import Rejection
@@ -122,6 +123,58 @@ def measured_throughput(
     )
 
 
+@dataclass(frozen=True)
+class RequestBook:
+    """What a lease request reads, in one read inside its transaction
+    (:meth:`LeaseManager.request`)."""
+
+    #: active leases past their deadline that expire now, by epoch
+    due: tuple[LeaseRecord, ...]
+    #: ``{lease_id: prompts it still holds}`` of the due leases (re-queued as they expire)
+    held: Mapping[str, tuple[int, ...]]
+    #: the re-queued prompts that are audit copies of the requesting node's own work
+    own_audits: frozenset[int]
+    #: the requesting node's active leases (the due ones included)
+    active: int
+    #: the lowest pending prompts it may take (at most the lease size), ascending
+    pending: tuple[int, ...]
+    #: the prompt cursor and the last fencing epoch issued
+    cursor: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class RequestDecision:
+    """What a lease request records (:func:`decide_request`): the expiry, and the lease's
+    prompts and epoch unless the node is at its cap."""
+
+    expire: tuple[LeaseRecord, ...]
+    #: the node's active leases after the expiry
+    holding: int
+    #: the new lease's prompts (re-queued first, then fresh) and epoch; None: at the cap
+    prompts: tuple[int, ...] | None
+    epoch: int
+    #: the prompt cursor after the fresh prompts taken (unchanged: none taken)
+    cursor: int
+
+
+def decide_request(
+    book: RequestBook, node_key: bytes, *, size: int, cap: int | None
+) -> RequestDecision:
+    """Which leases expire, whether the node's cap allows another lease and which prompts it
+    gets: the lowest pending ones (those the expiry re-queues included, never an audit copy of
+    its own work), then ``size − that`` fresh ones from the cursor (pure)."""
+    holding = book.active - sum(1 for lease in book.due if lease.node_key == node_key)
+    if cap is not None and holding >= cap:
+        return RequestDecision(book.due, holding, None, book.epoch, book.cursor)
+    requeued = {p for ps in book.held.values() for p in ps} - book.own_audits
+    prompts = sorted(set(book.pending) | requeued)[:size]
+    fresh = size - len(prompts)
+    cursor = book.cursor + max(0, fresh)
+    prompts += range(book.cursor, cursor)
+    return RequestDecision(book.due, holding, tuple(prompts), book.epoch + 1, cursor)
+
+
 def _never(lease: LeaseRecord) -> bool:
     return False
 
@@ -202,41 +255,93 @@ class LeaseManager:
         max_prompts: int | None = None,
         held_to: tuple[str, str] = ("", ""),
     ) -> LeaseRecord:
-        """A new lease for ``node_key`` (re-queued prompts and audit copies of other nodes'
-        prompts first, then fresh ones); ``held_to`` is the node's registered (backend, dtype),
-        which its submission for this lease is verified against."""
+        """A new lease for ``node_key`` whatever it holds (:meth:`request` without a cap)."""
+        out = self.request(
+            node_key, version=version, tokens_per_s=tokens_per_s, max_prompts=max_prompts,
+            held_to=held_to, cap=None,
+        )  # fmt: skip
+        assert isinstance(out, LeaseRecord)
+        return out
+
+    def request(
+        self,
+        node_key: bytes,
+        *,
+        version: int,
+        tokens_per_s: float | None,
+        max_prompts: int | None = None,
+        held_to: tuple[str, str] = ("", ""),
+        cap: int | None,
+    ) -> LeaseRecord | int:
+        """A lease request in one transaction: one read (:class:`RequestBook`: the due leases,
+        the node's active ones, the pending prompts, cursor and epoch), the pure decision
+        (:func:`decide_request`) and its record. Returns the new lease (re-queued prompts and
+        audit copies of other nodes' prompts first, then fresh ones; ``held_to`` is the node's
+        registered (backend, dtype), which its submission is verified against), or the number
+        of active leases the node holds when that is ``cap`` or more (no lease issued; the
+        expiry is recorded all the same)."""
         now = self.clock()
+        size = self.lease_size(tokens_per_s, max_prompts)
         with self.store.transaction():
-            self.expire_due()
-            n = self.lease_size(tokens_per_s, max_prompts)
-            prompts = self.store.pending_prompts(n, node_key)
-            if len(prompts) < n:
-                cursor = int(self.store.get_meta(CURSOR) or 0)
-                fresh = n - len(prompts)
-                prompts += range(cursor, cursor + fresh)
-                self.store.set_meta(CURSOR, str(cursor + fresh))
-            epoch = self.store.next_counter(EPOCH)
-            lease = LeaseRecord(
-                lease_id=f"L{epoch:08d}-{self.nonce(6)}",
-                node_key=node_key,
-                epoch=epoch,
-                version=version,
-                prompts=tuple(prompts),
-                group_size=self.group_size,
-                max_new_tokens=self.max_new_tokens,
-                issued_at=now,
-                deadline=now + self.deadline_s(len(prompts), tokens_per_s),
-                state="active",
-                backend=held_to[0],
-                dtype=held_to[1],
-            )
-            self.store.insert_lease(lease)
+            book = self._read_request(node_key, size, now)
+            decision = decide_request(book, node_key, size=size, cap=cap)
+            lease = None
+            if decision.prompts is not None:
+                prompts = decision.prompts
+                lease = LeaseRecord(
+                    lease_id=f"L{decision.epoch:08d}-{self.nonce(6)}",
+                    node_key=node_key,
+                    epoch=decision.epoch,
+                    version=version,
+                    prompts=prompts,
+                    group_size=self.group_size,
+                    max_new_tokens=self.max_new_tokens,
+                    issued_at=now,
+                    deadline=now + self.deadline_s(len(prompts), tokens_per_s),
+                    state="active",
+                    backend=held_to[0],
+                    dtype=held_to[1],
+                )
+            self._record_request(book, decision, lease, now)
+        if lease is None:
+            return decision.holding
         log.debug(
             "lease %s (epoch %d) to %s: %d prompts × %d, version %d, deadline in %.1fs",
-            lease.lease_id, epoch, node_key.hex()[:16], len(prompts), self.group_size, version,
-            lease.deadline - now,
+            lease.lease_id, lease.epoch, node_key.hex()[:16], len(lease.prompts),
+            self.group_size, version, lease.deadline - now,
         )  # fmt: skip
         return lease
+
+    def _read_request(self, node_key: bytes, size: int, now: float) -> RequestBook:
+        store = self.store
+        due = tuple(lease for lease in store.due_leases(now) if not self.verifying(lease))
+        held = {lease.lease_id: tuple(self._held(lease)) for lease in due}
+        copies = sorted({p for ps in held.values() for p in ps if p < 0})
+        return RequestBook(
+            due=due,
+            held=held,
+            own_audits=frozenset(store.own_audit_copies(node_key, copies)),
+            active=store.active_lease_count(node_key),
+            pending=tuple(store.pending_prompts(size, node_key)),
+            cursor=int(store.get_meta(CURSOR) or 0),
+            epoch=int(store.get_meta(EPOCH) or 0),
+        )
+
+    def _record_request(
+        self, book: RequestBook, decision: RequestDecision, lease: LeaseRecord | None, now: float
+    ) -> None:
+        store = self.store
+        for due in decision.expire:
+            store.close_lease(due.lease_id, "expired", now)
+            store.requeue_prompts(book.held[due.lease_id])
+            store.bump_node(due.node_key, "leases_expired")
+            log.info("lease %s expired; prompts re-queued", due.lease_id)
+        if lease is None:
+            return
+        if decision.cursor != book.cursor:
+            store.set_meta(CURSOR, str(decision.cursor))
+        store.set_meta(EPOCH, str(decision.epoch))
+        store.insert_lease(lease)
 
     def expire_due(self) -> list[LeaseRecord]:
         """Expire active leases past their deadline; their unfinished prompts are re-queued.

@@ -467,6 +467,14 @@ class Store:
                 [(i,) for i in indices],
             )
 
+    def own_audit_copies(self, node_key: bytes, indices: Sequence[int]) -> list[int]:
+        """Those of ``indices`` that are audit copies of ``node_key``'s own work."""
+        if not indices:
+            return []
+        marks = ",".join("?" * len(indices))
+        sql = f"SELECT prompt_index FROM audits WHERE source_node = ? AND prompt_index IN ({marks})"
+        return [int(r[0]) for r in self._all(sql, [node_key, *indices])]
+
     def pending_prompts(self, limit: int, for_node: bytes | None = None) -> list[int]:
         """Lowest pending prompt indices (audit copies, whose indices are negative, first);
         ``for_node`` never gets an audit copy of its own work."""

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from coord_harness import FakeClock, Harness, submission
 
 from coordinator.config import LeaseSection
 from coordinator.errors import Rejection
-from coordinator.leases import LeaseManager
-from coordinator.store import NodeRecord, Store
+from coordinator.leases import LeaseManager, RequestBook, decide_request
+from coordinator.store import LeaseRecord, NodeRecord, Store
 from protocol.errors import ReasonCode
 from protocol.messages import Ack, LeaseRequest, Reject, Standby
 
@@ -195,3 +196,65 @@ def test_leases_name_the_newest_version_the_coordinator_can_serve(tmp_path: Path
         a.public_key, LeaseRequest(peer_id="p", policy_version=None, max_prompts=1)
     )
     assert isinstance(out, Standby)
+
+
+# --- the lease request's pure decision (no store: coordinator.leases.decide_request) -----------
+def _lease(key: bytes, epoch: int, prompts: tuple[int, ...]) -> LeaseRecord:
+    return LeaseRecord(f"L{epoch:08d}-x", key, epoch, 1, prompts, 4, 10, 0.0, 30.0, "active")
+
+
+def _book(**kw: Any) -> RequestBook:
+    base: dict[str, Any] = dict(
+        due=(), held={}, own_audits=frozenset(), active=0, pending=(), cursor=10, epoch=5
+    )
+    return RequestBook(**{**base, **kw})
+
+
+def test_request_takes_pending_then_requeued_then_fresh_prompts() -> None:
+    """The lowest of the pending prompts and those the expiry re-queues come first, then fresh
+    ones from the cursor; the epoch is the next one."""
+    due = _lease(B, 3, (2, 4, 6))
+    book = _book(due=(due,), held={due.lease_id: (4, 6)}, pending=(1, 7))
+    out = decide_request(book, A, size=4, cap=None)
+    assert out.expire == (due,) and out.prompts == (1, 4, 6, 7)
+    assert (out.epoch, out.cursor) == (6, 10)  # no fresh prompt taken: the cursor stays
+    more = decide_request(book, A, size=6, cap=None)
+    assert more.prompts == (1, 4, 6, 7, 10, 11) and more.cursor == 12
+
+
+def test_request_never_hands_a_node_an_audit_copy_of_its_own_work() -> None:
+    due = _lease(B, 3, (-2, 5))
+    book = _book(due=(due,), held={due.lease_id: (-2, 5)}, own_audits=frozenset({-2}))
+    assert decide_request(book, A, size=2, cap=None).prompts == (5, 10)
+
+
+def test_request_cap_counts_the_node_s_leases_after_the_expiry() -> None:
+    """A node at its cap gets no lease (the expiry is decided all the same); its own leases
+    expiring now do not count against it."""
+    mine = _lease(A, 3, (0,))
+    book = _book(due=(mine,), held={mine.lease_id: (0,)}, active=2)
+    at_cap = decide_request(book, A, size=1, cap=1)
+    assert at_cap.prompts is None and at_cap.holding == 1 and at_cap.expire == (mine,)
+    assert (at_cap.epoch, at_cap.cursor) == (5, 10)  # nothing issued: counters unchanged
+    room = decide_request(book, A, size=1, cap=2)
+    assert room.prompts == (0,) and room.holding == 1
+    assert decide_request(_book(active=2), A, size=1, cap=2).prompts is None
+
+
+def test_request_records_the_expiry_even_at_the_cap(tmp_path: Path) -> None:
+    """One transaction: a node at its cap is refused a lease, and another node's due lease is
+    expired by that request all the same (its prompts re-queued)."""
+    clock = FakeClock()
+    lm = manager(tmp_path, clock)
+    l1 = lm.issue(A, version=1, tokens_per_s=20.0, max_prompts=2)
+    l2 = lm.issue(B, version=1, tokens_per_s=20.0, max_prompts=1)
+    clock.advance(29.0)
+    l3 = lm.issue(B, version=1, tokens_per_s=20.0, max_prompts=1)
+    clock.advance(2.0)  # l1 and l2 due; B still holds l3
+    assert lm.request(B, version=1, tokens_per_s=20.0, max_prompts=1, cap=1) == 1
+    assert [x.state for x in map(lm.store.get_lease, (l1.lease_id, l2.lease_id))] == [  # type: ignore[union-attr]
+        "expired", "expired",
+    ]  # fmt: skip
+    assert lm.store.get_lease(l3.lease_id).state == "active"  # type: ignore[union-attr]
+    nxt = lm.request(A, version=1, tokens_per_s=20.0, max_prompts=3, cap=1)
+    assert isinstance(nxt, LeaseRecord) and nxt.prompts == (*l1.prompts, *l2.prompts)
