@@ -42,24 +42,25 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry, Gauge
 
 from coordinator.activation import ActiveSet, LearnerFigures
-from coordinator.admission import Admission, admission_refusal
+from coordinator.admission import Admission
 from coordinator.audits import RewardAudits
 from coordinator.capacity import NodeCapacity, Plan
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import Rejection
 from coordinator.feed import RolloutFeed
 from coordinator.intake import Intake, IntakeMetrics
-from coordinator.leases import LeaseManager, newest_servable
+from coordinator.lease_desk import LeaseDesk
+from coordinator.leases import LeaseManager
 from coordinator.ledger import Ledger
 from coordinator.liveness import Liveness
 from coordinator.logprobs import LogprobVerifier
 from coordinator.outcome import AcceptRules
 from coordinator.problems import Task
 from coordinator.receipts import ReceiptLog
-from coordinator.reputation import Reputation, ban_in_force
+from coordinator.reputation import Reputation
 from coordinator.retention import Retention
 from coordinator.slots import PromptSlots
-from coordinator.store import NodeRecord, SenderContext, Store
+from coordinator.store import NodeRecord, Store
 from coordinator.submission_records import SubmissionRecords
 from coordinator.submissions import SubmissionDesk
 from coordinator.throughput import LeaseLag, ThroughputBook
@@ -80,16 +81,13 @@ from protocol.messages import (
     Lease,
     LeaseRequest,
     Manifest,
-    PromptItem,
     Register,
     RegisterAck,
     Reject,
     RolloutBatch,
     RolloutSubmission,
-    SamplingParams,
     SignedEnvelope,
     Standby,
-    pack_tokens,
 )
 from swarm.faults import fault_point
 
@@ -125,9 +123,6 @@ class Coordinator:
         self.tokenizer = tokenizer
         self.clock = clock
         self.publisher_key = publisher_key
-        #: Whether a version's weights can be fetched from here now (the network service: held in
-        #: full). Leases name the newest servable version; None: every published one is.
-        self.servable = servable
         self.replay = replay if replay is not None else ReplayGuard()
         self.registry = registry if registry is not None else CollectorRegistry()
         #: renders a task's question into the prompt tokens a lease carries
@@ -230,6 +225,18 @@ class Coordinator:
             eos_token_id=tokenizer.eos_token_id,
             stop_token_ids=frozenset(self.stop_token_ids),
             problems=self.node_problems,
+        )
+        self.lease_desk = LeaseDesk(
+            config,
+            store=store,
+            clock=clock,
+            leases=self.leases,
+            liveness=self.liveness,
+            active=self.active,
+            slots=self.slots,
+            lease_lag=self.lease_lag,
+            stop_token_ids=self.stop_token_ids,
+            servable=servable,
         )
         self.feed = RolloutFeed(store, self.ledger, clock)
 
@@ -483,87 +490,28 @@ class Coordinator:
         self.liveness.forget(victim)
         log.info("node table full (%d): forgot %s, gone the longest", cap, fingerprint_of(victim))
 
+    # --- heartbeats and leases (coordinator.lease_desk) ------------------------------------------
     def heartbeat(self, node_key: bytes, hb: Heartbeat) -> HeartbeatAck:
-        sender = self._sender(node_key)
-        now = self.clock()
-        self.liveness.saw(node_key, now)
-        return HeartbeatAck(
-            server_time=now,
-            current_policy_version=newest_servable(sender.recent_versions, self.servable),
-            active=self.is_active(node_key),
-        )
+        """Admit the sender, note it alive (:meth:`LeaseDesk.heartbeat`)."""
+        return self.lease_desk.heartbeat(node_key, hb)
 
-    def _sender(self, node_key: bytes) -> SenderContext:
-        """Load what a heartbeat or lease request reads (one read) and admit the sender."""
-        sender = self.store.load_sender(node_key, self.config.staleness_bound + 1)
-        now = self.clock()
-        refusal = admission_refusal(node_key, sender.node, ban_in_force(sender.ban, now), now)
-        if refusal is not None:
-            raise refusal
-        return sender
-
-    # --- leases ----------------------------------------------------------------------------------
     def request_lease(self, node_key: bytes, req: LeaseRequest) -> Lease | Standby:
-        sender = self._sender(node_key)
-        node = sender.node
-        assert node is not None  # admitted
-        self.liveness.saw(node_key, self.clock())
-        version = newest_servable(sender.recent_versions, self.servable)
-        if version is None:
-            return Standby(retry_after_s=1.0, reason="no policy version available yet")
-        if not self.is_active(node_key):
-            return Standby(
-                retry_after_s=self.config.heartbeat_interval_s,
-                reason="standby: the active set covers the learner's demand",
-            )
-        # Standby answers (most lease requests of a large swarm) need no expiry pass; a lease
-        # does: one read, the decision (expiry, the per-node cap: no hoarding of prompts and no
-        # unbounded lease rows by one node, the prompts), one transaction.
-        cap = self.config.leases.max_active_per_node
-        lease = self.leases.request(
-            node_key,
-            version=version,
-            tokens_per_s=node.tokens_per_s,
-            max_prompts=req.max_prompts,
-            held_to=(node.backend, node.dtype),
-            cap=cap,
-        )
-        if isinstance(lease, int):
-            return Standby(
-                retry_after_s=min(self.config.heartbeat_interval_s, 86400.0),
-                reason=f"you hold {lease} active leases (limit {cap}); submit or release them",
-            )
-        self.lease_lag.leased(version, self.clock())
-        s = self.config.sampling
-        return Lease(
-            lease_id=lease.lease_id,
-            epoch=lease.epoch,
-            policy_version=version,
-            prompts=[
-                PromptItem(prompt_id=slot.problem.prompt_id, token_ids=pack_tokens(slot.token_ids))
-                for slot in self.slots.of(lease).values()
-            ],
-            group_size=lease.group_size,
-            sampling=SamplingParams(
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                max_new_tokens=lease.max_new_tokens,
-                stop_token_ids=list(self.stop_token_ids),
-                seed=self.leases.seed_of(lease.lease_id),  # keyed: docs/protocol.md §11.1
-            ),
-            issued_at=lease.issued_at,
-            deadline=lease.deadline,
-        )
+        """A lease, or why not now (:meth:`LeaseDesk.request_lease`)."""
+        return self.lease_desk.request_lease(node_key, req)
 
     def lease_version(self) -> int | None:
-        """The version new leases name: the newest published one that is servable (its chunks
-        can be fetched from the coordinator), within S of the newest; None if there is none.
+        """The version new leases name (:meth:`LeaseDesk.lease_version`)."""
+        return self.lease_desk.lease_version()
 
-        A version published but not yet (or never) held — the trainer died while seeding it —
-        is skipped: a node leased on it could not load it and would release lease after lease."""
-        recent = self.store.recent_versions(self.config.staleness_bound + 1)
-        return newest_servable(recent, self.servable)
+    @property
+    def servable(self) -> Callable[[int], bool] | None:
+        """Whether a version's weights can be fetched from here now (the network service: held
+        in full); leases name the newest servable version. None: every published one is."""
+        return self.lease_desk.servable
+
+    @servable.setter
+    def servable(self, value: Callable[[int], bool] | None) -> None:
+        self.lease_desk.servable = value
 
     def release(self, node_key: bytes, lease_id: str, epoch: int, reason: str = "") -> list[int]:
         """A node gives a lease back; its prompts are reassignable at once. A reason other than

@@ -17,7 +17,6 @@ import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from coordinator.records import (
 )
 
 __all__ = [
-    "ACK", "LeaseRecord", "NodeRecord", "RolloutRow", "SenderContext", "Store", "TrustRow",
+    "ACK", "LeaseRecord", "NodeRecord", "RolloutRow", "Store", "TrustRow",
     "Verdict",
 ]  # fmt: skip
 
@@ -47,19 +46,6 @@ TRUST_SQL = (
     "SELECT clean_checks, suspect, flagged_at, label_changed_at, clean_leases FROM trust"
     " WHERE node_key = ?"
 )
-
-
-@dataclass(frozen=True)
-class SenderContext:
-    """What a heartbeat or a lease request reads before it answers, loaded in one read
-    (:meth:`Store.load_sender`)."""
-
-    #: the sender's registration; None: not registered
-    node: NodeRecord | None
-    #: the sender's ban on record ``(bans so far, banned_until, reason)``; None: never banned
-    ban: tuple[int, float, str] | None
-    #: the newest published versions, newest first (at most the ``depth`` asked for)
-    recent_versions: tuple[int, ...]
 
 
 SCHEMA = """
@@ -221,15 +207,6 @@ class Store:
         this process takes the same lock)."""
         with self._lock:
             yield
-
-    # --- the lease requests' and heartbeats' one read ---------------------------------------------
-    def load_sender(self, node_key: bytes, depth: int) -> SenderContext:
-        """The sender's row, its ban and the ``depth`` newest versions (:class:`SenderContext`),
-        read under the connection lock."""
-        with self._lock:
-            return SenderContext(
-                self.get_node(node_key), self.get_ban(node_key), self.recent_versions(depth)
-            )
 
     def trust_row(self, node_key: bytes) -> TrustRow | None:
         """The node's row of the ``trust`` table (:mod:`coordinator.trust`), or None."""

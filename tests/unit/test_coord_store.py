@@ -114,9 +114,10 @@ def test_one_read_loads_the_sender_and_the_newest_versions(tmp_path: Path) -> No
     for v in (1, 2, 3, 4, 5):
         h.publish(v)
     key = h.node().public_key
-    sender = h.store.load_sender(key, 3)
+    desk = h.core.lease_desk
+    sender = desk.load_sender(key)
     assert sender.node == h.store.get_node(key) and sender.ban is None
     assert sender.recent_versions == (5, 4, 3)
     h.store.put_ban(key, 1, h.clock() + 60, "test")
-    assert h.store.load_sender(key, 3).ban == (1, h.clock() + 60, "test")
-    assert h.store.load_sender(b"x" * 32, 3).node is None
+    assert desk.load_sender(key).ban == (1, h.clock() + 60, "test")
+    assert desk.load_sender(b"x" * 32).node is None

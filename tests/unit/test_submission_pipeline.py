@@ -294,7 +294,7 @@ def test_the_decision_counts_samples_prompts_and_skipped_groups() -> None:
     )
 
 
-# --- heartbeats and lease requests: one read (Store.load_sender), then pure rules ----------------
+# --- heartbeats and lease requests: one read (LeaseDesk.load_sender), then pure rules ------------
 def test_leases_name_the_newest_servable_version_of_the_loaded_ones() -> None:
     recent = (5, 4, 3)  # the S + 1 newest, newest first
     assert newest_servable(recent, None) == 5

@@ -1,0 +1,179 @@
+"""Heartbeats and lease requests: one read, pure rules, one write.
+
+:class:`LeaseDesk` answers the two messages a node sends most, in one direction::
+
+    heartbeat      ─► load_sender ─► admission_refusal ─► liveness (soft) ─► HeartbeatAck
+    lease request  ─► load_sender ─► admission_refusal ─► newest_servable, active set
+                                                      ─► LeaseManager.request ─► Lease | Standby
+                                                         (one read, decide_request, one write)
+
+:meth:`LeaseDesk.load_sender` is the one read both start with (the sender's row, its ban and
+the newest versions: :class:`SenderContext`); :func:`coordinator.admission.admission_refusal`,
+:func:`coordinator.leases.newest_servable` and :func:`coordinator.leases.decide_request` are
+pure. ``last_seen`` is soft state (:class:`coordinator.liveness.Liveness`), written for all
+nodes on the tick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from coordinator.activation import ActiveSet
+from coordinator.admission import admission_refusal
+from coordinator.config import CoordinatorConfig
+from coordinator.leases import LeaseManager, newest_servable
+from coordinator.liveness import Liveness
+from coordinator.records import NodeRecord
+from coordinator.reputation import ban_in_force
+from coordinator.slots import PromptSlots
+from coordinator.store import Store
+from coordinator.throughput import LeaseLag
+from protocol.messages import (
+    Heartbeat,
+    HeartbeatAck,
+    Lease,
+    LeaseRequest,
+    PromptItem,
+    SamplingParams,
+    Standby,
+    pack_tokens,
+)
+
+__all__ = ["LeaseDesk", "SenderContext"]
+
+
+@dataclass(frozen=True)
+class SenderContext:
+    """What a heartbeat or a lease request reads before it answers, loaded in one read
+    (:meth:`LeaseDesk.load_sender`)."""
+
+    #: the sender's registration; None: not registered
+    node: NodeRecord | None
+    #: the sender's ban on record ``(bans so far, banned_until, reason)``; None: never banned
+    ban: tuple[int, float, str] | None
+    #: the newest published versions, newest first (at most S + 1)
+    recent_versions: tuple[int, ...]
+
+
+class LeaseDesk:
+    """Answers heartbeats and lease requests (module docstring)."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        *,
+        store: Store,
+        clock: Callable[[], float],
+        leases: LeaseManager,
+        liveness: Liveness,
+        active: ActiveSet,
+        slots: PromptSlots,
+        lease_lag: LeaseLag,
+        stop_token_ids: Sequence[int],
+        servable: Callable[[int], bool] | None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.clock = clock
+        self.leases = leases
+        self.liveness = liveness
+        self.active = active
+        self.slots = slots
+        self.lease_lag = lease_lag
+        self.stop_token_ids = list(stop_token_ids)
+        #: Whether a version's weights can be fetched from here now (the network service: held
+        #: in full). Leases name the newest servable version; None: every published one is.
+        self.servable = servable
+
+    def load_sender(self, node_key: bytes) -> SenderContext:
+        """The sender's row, its ban and the S + 1 newest versions, read under the connection
+        lock (:class:`SenderContext`)."""
+        store = self.store
+        with store.locked():
+            return SenderContext(
+                store.get_node(node_key),
+                store.get_ban(node_key),
+                store.recent_versions(self.config.staleness_bound + 1),
+            )
+
+    def _sender(self, node_key: bytes) -> SenderContext:
+        """Load what a heartbeat or lease request reads (one read) and admit the sender."""
+        sender = self.load_sender(node_key)
+        now = self.clock()
+        refusal = admission_refusal(node_key, sender.node, ban_in_force(sender.ban, now), now)
+        if refusal is not None:
+            raise refusal
+        return sender
+
+    def heartbeat(self, node_key: bytes, hb: Heartbeat) -> HeartbeatAck:
+        sender = self._sender(node_key)
+        now = self.clock()
+        self.liveness.saw(node_key, now)
+        return HeartbeatAck(
+            server_time=now,
+            current_policy_version=newest_servable(sender.recent_versions, self.servable),
+            active=self.active.is_active(node_key),
+        )
+
+    def request_lease(self, node_key: bytes, req: LeaseRequest) -> Lease | Standby:
+        sender = self._sender(node_key)
+        node = sender.node
+        assert node is not None  # admitted
+        self.liveness.saw(node_key, self.clock())
+        version = newest_servable(sender.recent_versions, self.servable)
+        if version is None:
+            return Standby(retry_after_s=1.0, reason="no policy version available yet")
+        if not self.active.is_active(node_key):
+            return Standby(
+                retry_after_s=self.config.heartbeat_interval_s,
+                reason="standby: the active set covers the learner's demand",
+            )
+        # Standby answers (most lease requests of a large swarm) need no expiry pass; a lease
+        # does: one read, the decision (expiry, the per-node cap: no hoarding of prompts and no
+        # unbounded lease rows by one node, the prompts), one transaction.
+        cap = self.config.leases.max_active_per_node
+        lease = self.leases.request(
+            node_key,
+            version=version,
+            tokens_per_s=node.tokens_per_s,
+            max_prompts=req.max_prompts,
+            held_to=(node.backend, node.dtype),
+            cap=cap,
+        )
+        if isinstance(lease, int):
+            return Standby(
+                retry_after_s=min(self.config.heartbeat_interval_s, 86400.0),
+                reason=f"you hold {lease} active leases (limit {cap}); submit or release them",
+            )
+        self.lease_lag.leased(version, self.clock())
+        s = self.config.sampling
+        return Lease(
+            lease_id=lease.lease_id,
+            epoch=lease.epoch,
+            policy_version=version,
+            prompts=[
+                PromptItem(prompt_id=slot.problem.prompt_id, token_ids=pack_tokens(slot.token_ids))
+                for slot in self.slots.of(lease).values()
+            ],
+            group_size=lease.group_size,
+            sampling=SamplingParams(
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                max_new_tokens=lease.max_new_tokens,
+                stop_token_ids=list(self.stop_token_ids),
+                seed=self.leases.seed_of(lease.lease_id),  # keyed: docs/protocol.md §11.1
+            ),
+            issued_at=lease.issued_at,
+            deadline=lease.deadline,
+        )
+
+    def lease_version(self) -> int | None:
+        """The version new leases name: the newest published one that is servable (its chunks
+        can be fetched from the coordinator), within S of the newest; None if there is none.
+
+        A version published but not yet (or never) held — the trainer died while seeding it —
+        is skipped: a node leased on it could not load it and would release lease after lease."""
+        recent = self.store.recent_versions(self.config.staleness_bound + 1)
+        return newest_servable(recent, self.servable)
