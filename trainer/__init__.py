@@ -9,12 +9,18 @@ Modules:
   behaviour weights (truncate / mask / off, token / sequence level, λ^Δ), clipped surrogate,
   entropy bonus, mismatch-KL and ESS statistics.
 - :mod:`trainer.recipe` — :class:`~trainer.recipe.Trainer`: ``setup``, ``run`` (the loop over
-  a :class:`~trainer.sources.RolloutSource`), batches from the feed, publication.
+  a :class:`~trainer.sources.RolloutSource`), batches from the feed; its constructor composes
+  the three collaborators below, once.
+- :mod:`trainer.build` — :func:`~trainer.build.build_parts`: the model (LoRA, the engine's
+  wrapping), optimizer, token ids, metrics writer and held-out evaluation that ``setup`` hands
+  the Trainer.
 - :mod:`trainer.step` — :class:`~trainer.step.LearnerStep` (built by the Trainer, receives
-  what it uses): ``train_step`` and its passes (π_prox, behaviour weights, updates, step KL,
-  the record).
+  what it uses; the run's idle clock comes with each call): ``train_step`` and its passes
+  (π_prox, behaviour weights, updates, step KL, the record).
 - :mod:`trainer.resume` — :class:`~trainer.resume.CheckpointStore` (built by the Trainer):
-  ``save_checkpoint`` / ``load_checkpoint`` / ``latest_checkpoint``.
+  ``save_checkpoint`` / ``load_checkpoint`` / ``latest_checkpoint`` / ``resume``.
+- :mod:`trainer.publishing` — :class:`~trainer.publishing.Publications` (built by the
+  Trainer): when versions go out, renumbering past the swarm's newest, ``published.json``.
 - :mod:`trainer.progress` — the counters the Trainer hands its parts: steps and versions,
   rollouts pending (the resumable cursor), T_train.
 - :mod:`trainer.sources` — the :class:`~trainer.sources.RolloutSource` and
@@ -39,7 +45,9 @@ Modules:
   ``SwarmPublisher`` (versions).
 - :mod:`trainer.evaluation` — the held-out evaluation in the trainer: v0 and every
   ``eval_every`` versions, on a replica in a worker thread (off the critical path).
-- :mod:`trainer.main` — ``swarm trainer run``: the network process.
+- :mod:`trainer.network` — :func:`~trainer.network.run_trainer`: the network process (joins
+  the swarm, sets the recipe up, trains until stopped; the stop grace) and its step report.
+- :mod:`trainer.main` — ``swarm trainer run``: the CLI's checks, the ranks, the exit codes.
 
 See docs/trainer.md for the objective, every knob and every metric.
 """

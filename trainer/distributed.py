@@ -17,9 +17,10 @@ on a follower skips them. A dead rank is not waited for: gloo fails the next col
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
@@ -147,6 +148,23 @@ class DistContext:
     @property
     def _object_device(self) -> torch.device | None:
         return torch.device(self.device) if self.device.startswith("cuda") else None
+
+
+async def leader_wait(ctx: DistContext, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` (rank 0: rollouts, a publication); followers waiting for it in a
+    collective get a keep-alive every :data:`KEEPALIVE_S`, so a long wait does not trip the
+    process group's timeout."""
+    if not ctx.enabled:
+        return await awaitable
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait([task], timeout=KEEPALIVE_S)
+            if done:
+                return task.result()
+            ctx.keepalive()
+    finally:
+        task.cancel()
 
 
 def torchrun_world_size() -> int:

@@ -11,7 +11,7 @@ Two ways to start the sharded trainer, the same code in every rank (docs/trainer
   same environment; use it across machines.
 
 In a rank, ``WORLD_SIZE > 1`` selects the sharded path: rank 0 runs the network process
-(:func:`trainer.main.run_trainer`), every other rank :func:`run_follower`: the same recipe, no
+(:func:`trainer.network.run_trainer`), every other rank :func:`run_follower`: the same recipe, no
 sockets but the process group's. A stop request (SIGINT/SIGTERM) is rank 0's to act on: it finishes
 the step, tells the others, and all write the final checkpoint; the other ranks only log it.
 """

@@ -1,7 +1,8 @@
 """The learner's shared counters, as plain objects the recipe creates and hands to its parts.
 
 :class:`~trainer.recipe.Trainer` builds one of each and passes them to the collaborators that
-read or advance them (:class:`~trainer.step.LearnerStep`, :class:`~trainer.resume.CheckpointStore`):
+read or advance them (:class:`~trainer.step.LearnerStep`, :class:`~trainer.resume.CheckpointStore`,
+:class:`~trainer.publishing.Publications`):
 
 - :class:`LearnerProgress` — steps, versions, the KL-adaptive factor, rollbacks, publication
   figures: what a checkpoint saves and a step record reports.
@@ -54,9 +55,6 @@ class PendingRollouts:
     #: rewards of the rollouts of uniform-reward groups left out (``filter_groups``), not yet
     #: reported: the step's reward figures cover what it consumed, not only what it trained on
     uniform_rewards: list[float] = field(default_factory=list)
-    #: ``trace_rollouts``: when the feed received each rollout, by ``seq`` (the feed's own dict,
-    #: shared while :meth:`~trainer.recipe.Trainer.run` runs; None otherwise)
-    fetched_at: dict[int, float] | None = None
 
     @property
     def cursor(self) -> int:

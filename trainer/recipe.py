@@ -1,9 +1,10 @@
 """The GRPO recipe: ``setup`` → ``run`` (one visible loop) → ``train_step`` / checkpoints.
 
-Read top to bottom: :class:`Trainer.setup` builds the model and optimizer (and resumes);
-:meth:`Trainer.run` is the loop — fetch a batch of complete groups, :meth:`Trainer.train_step`,
-publish every κ versions, checkpoint every ``checkpoint_every`` steps; :meth:`Trainer.train_step`
-is one learner step on a list of :class:`~trainer.batch.Rollout`.
+Read top to bottom: :meth:`Trainer.setup` builds the parts (:mod:`trainer.build`: model, engine,
+optimizer, token ids, metrics writer, held-out evaluation) and resumes; :meth:`Trainer.__init__`
+composes them, once; :meth:`Trainer.run` is the loop — fetch a batch of complete groups, train
+one learner step, publish every κ versions, checkpoint every ``checkpoint_every`` steps;
+:meth:`Trainer.train_step` is one learner step on a list of :class:`~trainer.batch.Rollout`.
 
 Versions: the weights after ``n`` optimizer steps carry version ``n`` (version 0 = initial weights),
 so staleness Δ = trainer version − rollout version counts learner steps. Only every κ-th version is
@@ -13,12 +14,14 @@ record can lag the swarm's: killed after the coordinator recorded a publication 
 ``published.json`` did. :meth:`Trainer.sync_published` (called with the coordinator's newest
 version before :meth:`Trainer.run`) and a publisher's :class:`~trainer.sources.VersionNotNewer`
 refusal both adopt the swarm's newest version as a floor, so the next publication is strictly
-newer.
+newer (:mod:`trainer.publishing`).
 
 Where rollouts come from and versions go: :mod:`trainer.sources`; the checkpoint directories and
-``published.json`` on disk: :mod:`trainer.checkpoints`. One learner step: :mod:`trainer.step`;
-saving and loading checkpoints: :mod:`trainer.resume`; the counters both advance:
-:mod:`trainer.progress`. :meth:`Trainer._compose` wires them together.
+``published.json`` on disk: :mod:`trainer.checkpoints`. The collaborators the Trainer composes:
+one learner step, :mod:`trainer.step`; saving, loading and resuming checkpoints,
+:mod:`trainer.resume`; publications, :mod:`trainer.publishing`; the counters they advance,
+:mod:`trainer.progress`. Each receives what it uses in its constructor; what belongs to one run
+(the idle clock, the feed's arrival times) is handed to the call that uses it.
 """
 
 from __future__ import annotations
@@ -26,41 +29,44 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from trainer.batch import Rollout
-from trainer.checkpoints import read_published, write_published
+from trainer.build import OptimizerFactory, adamw, build_parts, has_lora, inject_lora, trainable
 from trainer.config import TrainerConfig
-from trainer.distributed import KEEPALIVE_S, DistContext
-from trainer.engine import Engine, make_engine
-from trainer.evaluation import EvalRunner, make_replica
+from trainer.distributed import DistContext, leader_wait
+from trainer.engine import Engine
+from trainer.evaluation import EvalRunner
 from trainer.filtering import GroupFilter
 from trainer.metrics import IdleClock, MetricsWriter
 from trainer.monitors import GradSpikeGuard, monitor_from_config
 from trainer.pipeline import PublicationSlot, RolloutFeed
 from trainer.progress import LearnerProgress, PendingRollouts, StepTiming
+from trainer.publishing import Publications
 from trainer.resume import CheckpointStore
-from trainer.sources import Publisher, RolloutSource, VersionNotNewer
+from trainer.sources import Publisher, RolloutSource
 from trainer.step import LearnerStep
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class Trainer:
     """The learner. Build with :meth:`setup`; drive with :meth:`run` or :meth:`train_step`.
 
-    It composes, in :meth:`_compose`, a :class:`~trainer.step.LearnerStep` (:attr:`learner`) and
-    a :class:`~trainer.resume.CheckpointStore` (:attr:`checkpoints`) from the parts it holds:
-    the model, optimizer, engine and ranks, the monitors, and the counters of
-    :mod:`trainer.progress` that both advance (:attr:`progress`, :attr:`pending`,
-    :attr:`timing`). The counters are also read here as attributes (``step``, ``version``, …)."""
+    Its constructor is the one place the parts are composed: it holds the model, optimizer,
+    engine and ranks, the monitors and the counters of :mod:`trainer.progress`
+    (:attr:`progress`, :attr:`pending`, :attr:`timing`), and hands them to a
+    :class:`~trainer.step.LearnerStep` (:attr:`learner`), a
+    :class:`~trainer.resume.CheckpointStore` (:attr:`checkpoints`) and
+    :class:`~trainer.publishing.Publications` (:attr:`publications`), built once. The parts are
+    read-only afterwards (build another Trainer to change one); the counters are also read here
+    as attributes (``step``, ``version``, …)."""
 
     def __init__(
         self,
@@ -73,26 +79,23 @@ class Trainer:
         metrics: MetricsWriter | None = None,
         stop_token_ids: Collection[int] | None = None,
         engine: Engine | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        spike_guard: GradSpikeGuard | None = None,
+        evaluation: EvalRunner | None = None,
+        lora_base: str | None = None,
     ) -> None:
         self._config = config
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
-        #: the leases' stop set: a completion is trained up to its first stop token
-        self.stop_token_ids = frozenset(stop_token_ids or ()) | {eos_token_id}
+        self._stop_token_ids = frozenset(stop_token_ids or ()) | {eos_token_id}
         self.dist = dist or DistContext()
         #: how the model runs: one process, or FSDP2 over the ranks (see :mod:`trainer.engine`).
         self.engine = engine or Engine(self.dist)
-        if config.lora_rank and not _has_lora(model):  # built by the caller, not by setup
-            _inject_lora(model, config)
-        #: the base model's fingerprint a LoRA version names (computed at the first publication)
-        self._lora_base: str | None = None
-        self._optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            betas=(config.adam_beta1, config.adam_beta2),
-        )
+        if config.lora_rank and not has_lora(model):  # built by the caller, not by setup
+            inject_lora(model, config)
+        #: AdamW over the trainable parameters unless one is given (built over ``model``)
+        self._optimizer = optimizer or adamw(config, trainable(model))
         self.out_dir = Path(config.out_dir)
         self.metrics = metrics
         #: step, version, published version, the KL-adaptive factor, rollbacks, publication times
@@ -101,49 +104,41 @@ class Trainer:
         self.pending = PendingRollouts()
         #: T_train and its variability
         self.timing = StepTiming()
-        #: publish the current weights when :meth:`run` starts (see :meth:`sync_published`).
-        self._publish_first = False
+        #: where the learner's time goes; :meth:`run` starts a fresh one for each run
+        self.idle = IdleClock(window_s=config.idle_window_s)
+        #: rolling stability checks; each step's record carries its ``stability_warning``.
+        self.monitor = monitor_from_config(config)
+        self._spike_guard = spike_guard or GradSpikeGuard(config.grad_spike_factor)
+        #: called with each step's metrics record (after it is written), e.g. to report upstream.
+        self.on_step: list[Callable[[dict[str, Any]], None]] = []
+        #: the held-out evaluation (``eval_every``; trainer/evaluation.py), None when off
+        self.evaluation = evaluation
         self._stop_requested = False
         self._feed: RolloutFeed | None = None
         #: a step is running in the worker thread (the feed then fetches for the next version)
         self._training = False
-        self.idle = IdleClock(window_s=config.idle_window_s)
-        #: rolling stability checks; each step's record carries its ``stability_warning``.
-        self.monitor = monitor_from_config(config)
-        self._spike_guard = GradSpikeGuard(config.grad_spike_factor)
-        #: called with each step's metrics record (after it is written), e.g. to report upstream.
-        self.on_step: list[Callable[[dict[str, Any]], None]] = []
-        #: the held-out evaluation (``eval_every``; trainer/evaluation.py), built by :meth:`setup`
-        self.evaluation: EvalRunner | None = None
-        self._compose()
 
-    def _compose(self) -> None:
-        """Build the learner step and the checkpoint store from this trainer's parts. Called by
-        ``__init__``, again when a part they receive is replaced (``config``, ``optimizer``,
-        ``spike_guard``), and by :meth:`run` (a fresh idle clock, rank 0's stop set); the
-        counters they advance are the same objects throughout."""
         #: one learner step (trainer/step.py)
         self.learner = LearnerStep(
-            self._config,
-            self.model,
+            config,
+            model,
             self._optimizer,
             engine=self.engine,
             dist=self.dist,
-            pad_token_id=self.pad_token_id,
-            stop_token_ids=self.stop_token_ids,
+            pad_token_id=pad_token_id,
+            stop_token_ids=self._stop_token_ids,
             progress=self.progress,
             pending=self.pending,
             timing=self.timing,
-            idle=self.idle,
             monitor=self.monitor,
             spike_guard=self._spike_guard,
-            metrics=self.metrics,
+            metrics=metrics,
             on_step=self.on_step,
         )
-        #: saving, finding and loading checkpoints (trainer/resume.py)
+        #: saving, finding, loading and resuming checkpoints (trainer/resume.py)
         self.checkpoints = CheckpointStore(
-            self._config,
-            self.model,
+            config,
+            model,
             self._optimizer,
             engine=self.engine,
             dist=self.dist,
@@ -151,39 +146,85 @@ class Trainer:
             pending=self.pending,
             spike_guard=self._spike_guard,
         )
+        #: when versions go out and under which numbers (trainer/publishing.py)
+        self.publications = Publications(
+            config,
+            model,
+            engine=self.engine,
+            dist=self.dist,
+            progress=self.progress,
+            lora_base=lora_base,
+        )
+
+    # ------------------------------------------------------------------ setup
+    @classmethod
+    def setup(
+        cls,
+        config: TrainerConfig,
+        *,
+        dist: DistContext | None = None,
+        model: torch.nn.Module | None = None,
+        make_optimizer: OptimizerFactory | None = None,
+        spike_guard: GradSpikeGuard | None = None,
+        lease_stop_ids: Collection[int] = (),
+    ) -> Trainer:
+        """Build the parts from ``config`` (:func:`trainer.build.build_parts`), compose them,
+        and resume from ``out_dir`` if asked (:meth:`trainer.resume.CheckpointStore.resume`).
+
+        ``model``: the model to train instead of building one; ``make_optimizer``: builds the
+        optimizer over the prepared model's trainable parameters (AdamW by default);
+        ``spike_guard``: the gradient-spike guard (the config's by default);
+        ``lease_stop_ids``: the leases' stop tokens, trained up to like EOS. Under several ranks
+        every rank calls it, and rank 0's config and lease stop set hold on all of them."""
+        parts = build_parts(
+            config, dist=dist, model=model, make_optimizer=make_optimizer,
+            lease_stop_ids=lease_stop_ids,
+        )  # fmt: skip
+        trainer = cls(
+            parts.config,
+            parts.model,
+            pad_token_id=parts.pad_token_id,
+            eos_token_id=parts.eos_token_id,
+            dist=parts.dist,
+            metrics=parts.metrics,
+            stop_token_ids=parts.stop_token_ids,
+            engine=parts.engine,
+            optimizer=parts.optimizer,
+            spike_guard=spike_guard,
+            evaluation=parts.evaluation,
+            lora_base=parts.lora_base,
+        )
+        if parts.config.resume:
+            trainer.checkpoints.resume()
+        return trainer
 
     # --------------------------------------------------------- parts and counters
     @property
     def config(self) -> TrainerConfig:
         return self._config
 
-    @config.setter
-    def config(self, value: TrainerConfig) -> None:
-        self._config = value
-        self._compose()
-
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self._optimizer
-
-    @optimizer.setter
-    def optimizer(self, value: torch.optim.Optimizer) -> None:
-        self._optimizer = value
-        self._compose()
 
     @property
     def spike_guard(self) -> GradSpikeGuard:
         return self._spike_guard
 
-    @spike_guard.setter
-    def spike_guard(self, value: GradSpikeGuard) -> None:
-        self._spike_guard = value
-        self._compose()
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The leases' stop set with EOS: a completion is trained up to its first stop token."""
+        return self._stop_token_ids
 
     @property
     def processing(self) -> dict[str, Any]:
         """Temperature/top-p/top-k of the leases (the config's)."""
         return self._config.processing
+
+    @property
+    def training(self) -> bool:
+        """A learner step is running in :meth:`run`'s worker thread."""
+        return self._training
 
     @property
     def step(self) -> int:
@@ -263,10 +304,17 @@ class Trainer:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    # --------------------------------------------------------- the step and checkpoints
+    @property
+    def distributed(self) -> bool:
+        """Several ranks train together (a checkpoint or a publication is a collective)."""
+        return self.dist.enabled
+
+    # ------------------------------------------ the step, checkpoints, publications
     def train_step(self, rollouts: Sequence[Rollout]) -> dict[str, Any]:
-        """One learner step (:meth:`trainer.step.LearnerStep.train_step`)."""
-        return self.learner.train_step(rollouts)
+        """One learner step (:meth:`trainer.step.LearnerStep.train_step`), timed on this run's
+        idle clock (with ``trace_rollouts``, the feed's arrival times while :meth:`run` runs)."""
+        fetched_at = self._feed.fetched_at if self._feed is not None else None
+        return self.learner.train_step(rollouts, idle=self.idle, fetched_at=fetched_at)
 
     def save_checkpoint(self, path: Path | None = None) -> Path:
         """Save a checkpoint (:meth:`trainer.resume.CheckpointStore.save_checkpoint`)."""
@@ -280,102 +328,19 @@ class Trainer:
         """The newest intact checkpoint (:meth:`.CheckpointStore.latest_checkpoint`)."""
         return self.checkpoints.latest_checkpoint()
 
-    # ------------------------------------------------------------------ setup
-    @classmethod
-    def setup(
-        cls,
-        config: TrainerConfig,
-        *,
-        dist: DistContext | None = None,
-        model: torch.nn.Module | None = None,
-    ) -> Trainer:
-        """Build model, optimizer and metrics from ``config``; resume from ``out_dir`` if asked."""
-        from policy.model import ModelSpec, build_model, load_tokenizer, model_stop_ids
-
-        dist = dist or DistContext()
-        # Rank 0's config for every rank: it may have adopted the coordinator's sampling contract.
-        config = dist.share(config)
-        spec = ModelSpec(path=config.model_path, dtype=config.dtype)
-        engine = make_engine(config, dist)
-        if model is None:
-            # LoRA over the embedded default: its weights at seed 0, the base every node and the
-            # coordinator build (`seed` still draws the adapters and the minibatch order)
-            model = build_model(spec, seed=0 if config.lora_rank else config.seed)
-        if config.lora_rank:  # before sharding: FSDP2 wraps the adapted layers
-            _inject_lora(model, config)
-        device = _resolve_device(config.device, dist)
-        # the held-out evaluation's copy of the model as built (rank 0; trainer/evaluation.py)
-        replica = make_replica(model) if config.eval_every and dist.is_leader else None
-        model = engine.prepare(model, device)
-        tok = load_tokenizer(spec)
-        writer = None
-        if dist.is_leader:
-            writer = MetricsWriter(
-                Path(config.out_dir) / "metrics.jsonl", max_staleness=config.max_staleness
-            )
-        trainer = cls(
-            config,
-            model,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            dist=dist,
-            metrics=writer,
-            stop_token_ids=model_stop_ids(spec, tok),
-            engine=engine,
-        )
-        if config.eval_every:
-            replica = replica.to(device) if replica is not None else None
-            trainer.evaluation = EvalRunner(config, dist, replica, threads=config.eval_threads)
-        if config.lora_rank and dist.is_leader:  # hashed once here, not in the first publication
-            from policy.lora import base_fingerprint
-
-            trainer._lora_base = base_fingerprint(spec)
-        # Every rank resumes from what rank 0 finds (the same files on a shared filesystem).
-        latest, logged = (
-            dist.share((trainer.latest_checkpoint(), read_published(trainer.out_dir)))
-            if config.resume
-            else (None, None)
-        )
-        if latest is not None:
-            trainer.load_checkpoint(latest)
-            log.info("resumed from %s at step %d version %d", latest, trainer.step, trainer.version)
-        elif logged is not None:
-            # Killed before its first checkpoint: the weights are lost, the version numbers are
-            # not (a version already published must never name other weights).
-            trainer.version = trainer.published_version = logged
-            log.info("no checkpoint to resume; continuing the version numbers after v%d", logged)
-        return trainer
+    def state_dict_for_publish(self) -> dict[str, Tensor]:
+        """The weights a publication hands over (:meth:`.Publications.state_dict`)."""
+        return self.publications.state_dict()
 
     def sync_published(self, latest: int | None) -> None:
-        """Reconcile with ``latest``, the newest version the swarm (the coordinator) holds, before
-        :meth:`run`: the next publication is then strictly newer than it.
+        """Reconcile with the swarm's newest version before :meth:`run`
+        (:meth:`trainer.publishing.Publications.sync`)."""
+        self.publications.sync(latest)
 
-        * ``latest`` is ahead of this trainer's record (it was killed after the coordinator
-          recorded a publication and before ``published.json`` / a checkpoint did): adopt it as
-          the floor, like a resume adopts ``published.json`` (those weights are lost; the nodes
-          keep sampling them until the next publication, which importance weighting allows);
-        * this trainer never published, but the swarm has versions (a fresh trainer, or one that
-          lost its state): publish the current weights at once, as ``latest + 1``;
-        * the coordinator has nothing, or less than this trainer published (its state was reset):
-          publish the current weights at once, so that nodes have a version to work on.
-        """
-        if latest is None:
-            self._publish_first = True
-        elif self.published_version is None:
-            self.version = max(self.version, latest + 1)
-            self._publish_first = True
-        elif latest > self.published_version:
-            log.warning(
-                "the coordinator already holds v%d, newer than v%d recorded here (killed while "
-                "publishing?); continuing after v%d",
-                latest,
-                self.published_version,
-                latest,
-            )
-            self.version = max(self.version, latest)
-            self.published_version = latest
-        elif latest < self.published_version:
-            self._publish_first = True
+    def close(self) -> None:
+        """Stop the held-out evaluation's worker, if any (the learner itself holds no thread)."""
+        if self.evaluation is not None:
+            self.evaluation.close()
 
     # ------------------------------------------------------------------ the loop
     async def run(self, source: RolloutSource, publisher: Publisher | None = None) -> None:
@@ -391,12 +356,11 @@ class Trainer:
         cfg = self.config
         self.idle = IdleClock(window_s=cfg.idle_window_s)
         has_publisher = self.dist.share(publisher is not None)
-        first = self.published_version is None or self._publish_first
-        if self.dist.enabled:  # rank 0 alone knows the swarm's version numbers and stop set
-            first, self.version, self.published_version, self.stop_token_ids = self.dist.share(
-                (first, self.version, self.published_version, self.stop_token_ids)
+        first = self.publications.first_due
+        if self.dist.enabled:  # rank 0 alone knows the swarm's version numbers
+            first, self.version, self.published_version = self.dist.share(
+                (first, self.version, self.published_version)
             )
-        self._compose()  # the step gets this run's idle clock (and rank 0's stop set)
         leader = self.dist.is_leader
         feed: RolloutFeed | None = None
         if leader:
@@ -414,15 +378,14 @@ class Trainer:
                 background=cfg.overlap,
             )
             if cfg.trace_rollouts:
-                feed.fetched_at = {}
-            self.pending.fetched_at = feed.fetched_at  # the step's trace pops what it trained
+                feed.fetched_at = {}  # the step's trace pops what it trained (train_step)
         self._feed = feed
         slot = PublicationSlot()
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-step")
         threads = torch.get_num_threads()
         try:
             if has_publisher and first:
-                await self._blocking_publish(publisher)
+                await self.publications.publish_now(publisher, self.idle)
             self._evaluate_due(start=True)
             if feed is not None:
                 feed.start()
@@ -430,7 +393,7 @@ class Trainer:
                 batch = None
                 more = cfg.max_steps is None or self.step < cfg.max_steps
                 if feed is not None and more and not self._stop_requested:
-                    batch = await self._leader_wait(self._next_batch(feed))
+                    batch = await leader_wait(self.dist, self._next_batch(feed))
                 if not self._follow_leader(batch):
                     break
                 if cfg.overlap and leader:
@@ -445,16 +408,15 @@ class Trainer:
                     self.train_step(batch or [])
                 self._evaluate_due()
                 if has_publisher:
-                    await self._publish_due(publisher, slot)
+                    await self.publications.publish_due(publisher, slot, self.idle)
                 if self.step % cfg.checkpoint_every == 0 and self._writes_checkpoints:
                     t0 = time.monotonic()
                     self.save_checkpoint()
                     self.idle.add_wait(time.monotonic() - t0, "checkpoint")
             if has_publisher:
-                await self._settle_publication(publisher, slot)
+                await self.publications.settle(publisher, slot, self.idle)
         finally:
             self._feed = None
-            self.pending.fetched_at = None
             if feed is not None:
                 await feed.stop()
             executor.shutdown(wait=True)
@@ -478,22 +440,6 @@ class Trainer:
         go, self.version, self.published_version, self._stop_requested = self.dist.share(shared)
         return bool(go)
 
-    async def _leader_wait(self, awaitable: Awaitable[T]) -> T:
-        """Await ``awaitable`` (rank 0: rollouts, a publication); followers waiting for it in a
-        collective get a keep-alive every ``KEEPALIVE_S``, so a long wait does not trip the
-        process group's timeout."""
-        if not self.dist.enabled:
-            return await awaitable
-        task = asyncio.ensure_future(awaitable)
-        try:
-            while True:
-                done, _ = await asyncio.wait([task], timeout=KEEPALIVE_S)
-                if done:
-                    return task.result()
-                self.dist.keepalive()
-        finally:
-            task.cancel()
-
     @property
     def _writes_checkpoints(self) -> bool:
         """Rank 0 writes a single-process checkpoint; every rank writes its shards."""
@@ -506,71 +452,6 @@ class Trainer:
         self._stop_requested = True
         if self._feed is not None:
             self._feed.interrupt()
-
-    async def _publish_due(self, publisher: Publisher | None, slot: PublicationSlot) -> None:
-        """At a step boundary: collect a finished background publication, then start the next
-        one if κ versions have passed since the last (in flight or done). Rank 0 decides (only
-        it holds the slot) and every rank follows: gathering sharded weights is a collective."""
-        cfg = self.config
-        action: str | None = None
-        if self.dist.is_leader:
-            refused = self._collect_publication(slot)
-            last = slot.version if slot.busy else self.published_version
-            due = last is None or self.version - last >= cfg.kappa
-            if refused or (due and not cfg.overlap):
-                action = "block"
-            elif due and slot.busy:
-                slot.deferred += 1  # published at the first boundary after the one in flight lands
-                self.publish_deferred = slot.deferred
-            elif due:
-                action = "start"
-        if self.dist.enabled:
-            action, self.version = self.dist.share((action, self.version))
-        if action == "block":
-            await self._blocking_publish(publisher)
-        elif action == "start":
-            version, state = self.version, self.state_dict_for_publish()
-            if self.dist.is_leader and publisher is not None:
-                slot.start(version, self._publish_version(publisher, version, state))
-
-    async def _settle_publication(self, publisher: Publisher | None, slot: PublicationSlot) -> None:
-        """End of :meth:`run`: wait for the publication in flight (rank 0); one the swarm refused
-        as not newer is renumbered and published again, by every rank."""
-        refused = False
-        if self.dist.is_leader and slot.busy:
-            await self._leader_wait(slot.wait_done())
-            refused = self._collect_publication(slot)
-        if self.dist.enabled:  # the followers learn what landed (they checkpoint it too)
-            refused, self.version, self.published_version = self.dist.share(
-                (refused, self.version, self.published_version)
-            )
-        if refused:
-            await self._blocking_publish(publisher)
-
-    def _collect_publication(self, slot: PublicationSlot) -> bool:
-        """Rank 0: take the outcome of a finished background publication. True when the swarm
-        refused it as not newer (the version is then renumbered past the swarm's: publish the
-        current weights at once)."""
-        try:
-            slot.collect()
-        except VersionNotNewer as exc:  # the swarm is ahead of our record: renumber, in the loop
-            log.warning("%s; publishing the current weights instead", exc)
-            self.version = max(self.version, exc.latest + 1)
-            return True
-        finally:
-            if slot.last_s is not None:
-                self.publish_s = slot.last_s
-            self.publish_deferred = slot.deferred
-        return False
-
-    async def _blocking_publish(self, publisher: Publisher | None) -> None:
-        """Publish the current weights now; the learner waits (counted as ``publish`` idle)."""
-        t0 = time.monotonic()
-        try:
-            await self._publish(publisher)
-        finally:
-            self.publish_s = time.monotonic() - t0
-            self.idle.add_wait(self.publish_s, "publish")
 
     async def _next_batch(self, feed: RolloutFeed) -> list[Rollout] | None:
         """``batch_prompts`` complete groups (``group_size`` samples each), oldest first; with
@@ -633,89 +514,9 @@ class Trainer:
     def _too_stale(self, rollout: Rollout) -> bool:
         return self.version - rollout.policy_version > self.config.max_staleness
 
-    # ------------------------------------------------------------------ publish
-    def state_dict_for_publish(self) -> dict[str, Tensor]:
-        """Detached CPU copies of the current weights (every key, tied ones included); with LoRA
-        (``lora_rank``) the adapter only, as a :class:`policy.lora.AdapterState` naming its base.
-        Sharded, a collective: every rank calls it, rank 0 gets the gathered weights, the others
-        ``{}``."""
-        cfg = self.config
-        if not cfg.lora_rank:
-            return self.engine.full_state_dict(self.model)
-        from policy.lora import AdapterState, adapter_state, base_fingerprint
-        from policy.model import ModelSpec
-
-        named = self.engine.trainable_state_dict(self.model)
-        if not self.dist.is_leader:
-            return {}
-        if self._lora_base is None:
-            spec = ModelSpec(path=cfg.model_path, dtype=cfg.dtype)
-            self._lora_base = base_fingerprint(spec)
-        return AdapterState(
-            adapter_state(named.items()),
-            base_model=self._lora_base,
-            rank=cfg.lora_rank,
-            alpha=cfg.lora_alpha,
-        )
-
-    async def _publish(self, publisher: Publisher | None) -> None:
-        """Publish the current weights (every rank calls it; rank 0 holds the publisher)."""
-        state = self.state_dict_for_publish()
-        if not self.dist.is_leader or publisher is None:
-            # A follower: rank 0's numbers (maybe renumbered) come with the next batch.
-            self.published_version = self.version
-            self._publish_first = False
-            return
-        try:
-            await self._leader_wait(publisher.publish(self.version, state))
-        except VersionNotNewer as exc:  # the swarm is ahead of our record: renumber, once
-            self.version = max(self.version, exc.latest + 1)
-            log.warning("%s; publishing these weights as v%d instead", exc, self.version)
-            await self._leader_wait(publisher.publish(self.version, state))
-        self.published_version = self.version
-        self._publish_first = False
-        write_published(self.out_dir, self.version)
-
-    async def _publish_version(
-        self, publisher: Publisher, version: int, state: Mapping[str, Tensor]
-    ) -> None:
-        """The background publication of ``state`` as ``version`` (see :meth:`run`)."""
-        await publisher.publish(version, state)
-        if self.published_version is None or version > self.published_version:
-            self.published_version = version
-            self._publish_first = False
-            write_published(self.out_dir, version)
-
 
 def _train_in_thread(trainer: Trainer, batch: list[Rollout], threads: int) -> None:
     """:meth:`Trainer.train_step` on the step thread, with the loop thread's torch thread count."""
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     trainer.train_step(batch)
-
-
-def _has_lora(model: torch.nn.Module) -> bool:
-    return any(".lora_A." in name for name, _ in model.named_parameters())
-
-
-def _inject_lora(model: torch.nn.Module, config: TrainerConfig) -> None:
-    """peft adapters on ``model`` (policy/lora.py), initialised from ``config.seed``: every rank
-    draws the same ``lora_A`` (FSDP2 broadcasts rank 0's anyway)."""
-    from policy.lora import inject_lora
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
-        inject_lora(
-            model,
-            rank=config.lora_rank,
-            alpha=config.lora_alpha,
-            target_modules=list(config.lora_target_modules),
-        )
-
-
-def _resolve_device(name: str, dist: DistContext) -> torch.device:
-    if name != "auto":
-        return torch.device(name)
-    if dist.enabled:  # this rank's GPU under NCCL; the CPU under gloo
-        return torch.device(dist.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

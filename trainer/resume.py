@@ -1,4 +1,4 @@
-"""Checkpoints of the learner: save, find the newest intact one, load.
+"""Checkpoints of the learner: save, find the newest intact one, load, resume a run.
 
 :class:`CheckpointStore` receives the model, optimizer, engine, ranks and the recipe's counters
 it saves and restores as constructor arguments; :class:`trainer.recipe.Trainer` builds it. The
@@ -75,6 +75,27 @@ class CheckpointStore:
         self.progress = progress
         self.pending = pending
         self.spike_guard = spike_guard
+
+    def resume(self) -> Path | None:
+        """Continue from ``out_dir``: load the newest intact checkpoint (returned), or, when the
+        trainer was killed before its first checkpoint, continue the version numbers after the
+        last one ``published.json`` records (the weights are lost, the numbers are not: a
+        version already published must never name other weights). A collective: every rank
+        resumes from what rank 0 finds (the same files on a shared filesystem).
+
+        Raises:
+            CheckpointFormatError: there are complete checkpoints, but none is intact."""
+        latest, logged = self.dist.share((self.latest_checkpoint(), read_published(self.out_dir)))
+        progress = self.progress
+        if latest is not None:
+            self.load_checkpoint(latest)
+            log.info(
+                "resumed from %s at step %d version %d", latest, progress.step, progress.version
+            )
+        elif logged is not None:
+            progress.version = progress.published_version = logged
+            log.info("no checkpoint to resume; continuing the version numbers after v%d", logged)
+        return latest
 
     def latest_checkpoint(self) -> Path | None:
         """The newest complete checkpoint whose files are intact (a ``.tmp`` one left by a crash

@@ -74,7 +74,6 @@ class LearnerStep:
         progress: LearnerProgress,
         pending: PendingRollouts,
         timing: StepTiming,
-        idle: IdleClock,
         monitor: StabilityMonitor,
         spike_guard: GradSpikeGuard,
         metrics: MetricsWriter | None = None,
@@ -94,7 +93,6 @@ class LearnerStep:
         self.progress = progress
         self.pending = pending
         self.timing = timing
-        self.idle = idle
         self.monitor = monitor
         self.spike_guard = spike_guard
         self.metrics = metrics
@@ -102,10 +100,21 @@ class LearnerStep:
         #: callback added later is called too
         self.on_step = on_step
 
-    def train_step(self, rollouts: Sequence[Rollout]) -> dict[str, Any]:
+    def train_step(
+        self,
+        rollouts: Sequence[Rollout],
+        *,
+        idle: IdleClock,
+        fetched_at: dict[int, float] | None = None,
+    ) -> dict[str, Any]:
         """One learner step on ``rollouts`` (complete groups): advantages over each whole group,
         admission Δ ≤ S, then ``ppo_epochs`` × ``minibatches`` optimizer updates. Returns the
         step's metrics (also written to metrics.jsonl on rank 0).
+
+        What belongs to the run rather than to the step comes with each call: ``idle``, the run's
+        :class:`~trainer.metrics.IdleClock` (the step's time is counted busy, and the record
+        carries its idle figures), and ``fetched_at``, the feed's arrival times by ``seq`` when
+        ``trace_rollouts`` is on (the step pops the ones it trained; None: unknown).
 
         With several ranks every rank calls it; rank 0's ``rollouts`` count (it scatters each
         rank its share of the groups) and its returned record is the complete one."""
@@ -163,17 +172,18 @@ class LearnerStep:
         self.progress.step += 1
         self.progress.version += 1
         step_time = time.monotonic() - t0
-        self.idle.add_busy(step_time)
-        self.idle.mark()
+        idle.add_busy(step_time)
+        idle.mark()
         self.timing.add_step(step_time)
         record = self._record(flat, staleness, admitted, sums, updates, step_time)
+        record.update(_idle_figures(idle))
         record["step_kl"] = step_kl
         record["rolled_back"] = rolled_back
         record["rollbacks"] = self.progress.rollbacks
         record["lr_factor"] = lr_factor
         self._adapt_lr(record, updates)
         if cfg.trace_rollouts:
-            record["trace"] = self._trace(flat, started_at)
+            record["trace"] = self._trace(flat, started_at, fetched_at)
         record["stability_warning"] = self.monitor.observe(record)
         if self.metrics is not None:
             self.metrics.write(record)
@@ -198,12 +208,13 @@ class LearnerStep:
             low=cfg.adaptive_lr_min, high=cfg.adaptive_lr_max,
         )  # fmt: skip
 
-    def _trace(self, flat: Sequence[Rollout], started_at: float) -> dict[str, Any]:
+    def _trace(
+        self, flat: Sequence[Rollout], started_at: float, stamps: dict[int, float] | None
+    ) -> dict[str, Any]:
         """The step's part of the per-rollout age breakdown (``trace_rollouts``): when it started
         and ended (Unix time; its end is when the new version's weights exist) and, per rollout,
         ``[seq, policy_version, fetched_at]`` (fetched_at: when the feed received it, null if
         unknown)."""
-        stamps = self.pending.fetched_at
         rows = []
         for r in flat:
             at = stamps.pop(r.seq, None) if stamps is not None else None
@@ -546,12 +557,12 @@ class LearnerStep:
             "completion_tokens": int(g["tokens"]),
             "publish_s": self.progress.publish_s,
             "publish_deferred": self.progress.publish_deferred,
-            **self._idle_figures(),
         }
 
-    def _idle_figures(self) -> dict[str, float]:
-        """``idle_frac`` and its breakdown over the window; cumulative seconds since run()."""
-        out = {"idle_frac": self.idle.fraction()}
-        out.update({f"idle_{k}_frac": v for k, v in self.idle.breakdown().items()})
-        out.update(self.idle.totals())
-        return out
+
+def _idle_figures(idle: IdleClock) -> dict[str, float]:
+    """``idle_frac`` and its breakdown over the window; cumulative seconds since the run began."""
+    out = {"idle_frac": idle.fraction()}
+    out.update({f"idle_{k}_frac": v for k, v in idle.breakdown().items()})
+    out.update(idle.totals())
+    return out

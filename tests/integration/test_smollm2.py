@@ -59,8 +59,7 @@ def test_two_learner_steps_of_smollm2(tmp_path: Path) -> None:
             model_path=str(path), out_dir=str(tmp_path / "run"), batch_prompts=2, group_size=4,
             minibatches=1, lr=1e-5, entropy_coef=0.0, temperature=0.7,
         )  # fmt: skip
-        trainer = Trainer.setup(cfg)
-        trainer.stop_token_ids |= frozenset(stops)
+        trainer = Trainer.setup(cfg, lease_stop_ids=stops)
         before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
         backend = HFBackend(spec, device="cpu", model=trainer.model)  # same weights (v0)
         sampling = SamplingConfig(temperature=0.7, max_new_tokens=24, stop_token_ids=stops)

@@ -131,9 +131,9 @@ def _run(trainer: Trainer, rank: int, publisher: Any = None) -> None:
     asyncio.run(trainer.run(source, publisher))
 
 
-def _sgd(trainer: Trainer) -> Trainer:
-    trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=LR_SGD, momentum=0.9)
-    return trainer
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    """The optimizer of the SGD runs (``make_optimizer``): over the prepared model's parameters."""
+    return torch.optim.SGD(params, lr=LR_SGD, momentum=0.9)
 
 
 def _save(obj: Any, path: Path) -> None:
@@ -156,10 +156,8 @@ def _worker(rank: int, port: int, out: str, setup: Setup) -> None:
         # leases') hold on every rank: rank 1 starts from other ones.
         cfg = _config(root / "a", dev, micro_batch_tokens=20, activation_checkpointing=True)
         own = cfg if rank == 0 else cfg.model_copy(update={"temperature": 0.5, "lr": 1.0})
-        trainer = Trainer.setup(own, dist=ctx)
+        trainer = Trainer.setup(own, dist=ctx, lease_stop_ids={LEASE_STOP} if rank == 0 else ())
         assert trainer.config == cfg
-        if rank == 0:
-            trainer.stop_token_ids |= {LEASE_STOP}
         _run(trainer, rank, FilePublisher(root / "published") if rank == 0 else None)
         assert LEASE_STOP in trainer.stop_token_ids
         assert (trainer.step, trainer.version, trainer.published_version) == (2, 2, 2)
@@ -168,7 +166,8 @@ def _worker(rank: int, port: int, out: str, setup: Setup) -> None:
         _save({"shards": shards, "pad_passes": trainer.engine.pad_passes}, root / f"r{rank}.pt")
         if rank == 0:
             _save(gathered, root / "a-adamw.pt")
-        sgd = _sgd(Trainer.setup(_config(root / "a-sgd", dev, checkpoint_every=100), dist=ctx))
+        sgd_cfg = _config(root / "a-sgd", dev, checkpoint_every=100)
+        sgd = Trainer.setup(sgd_cfg, dist=ctx, make_optimizer=_sgd)
         _run(sgd, rank)
         if rank == 0:
             _save(sgd.state_dict_for_publish(), root / "a-sgd.pt")
@@ -204,8 +203,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _single(out_dir: Path, setup: Setup, **kw: Any) -> Trainer:
-    return Trainer.setup(_config(out_dir, setup.device, **kw), dist=DistContext())
+def _single(out_dir: Path, setup: Setup, make_optimizer: Any = None, **kw: Any) -> Trainer:
+    cfg = _config(out_dir, setup.device, **kw)
+    return Trainer.setup(cfg, dist=DistContext(), make_optimizer=make_optimizer)
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:
@@ -249,7 +249,7 @@ def _check(tmp_path: Path, setup: Setup) -> None:
     got = _load(tmp_path / "a-adamw.pt")
     _compare(got, ref, setup.adam_tol, skip_k_bias=True)
     assert sum(not torch.equal(ref[k], initial[k]) for k in ref) > 5  # the runs trained
-    single_sgd = _sgd(_single(tmp_path / "single-sgd", setup))
+    single_sgd = _single(tmp_path / "single-sgd", setup, make_optimizer=_sgd)
     _run(single_sgd, 0)
     got_sgd = _load(tmp_path / "a-sgd.pt")
     _compare(got_sgd, single_sgd.state_dict_for_publish(), setup.sgd_tol, skip_k_bias=False)

@@ -28,6 +28,7 @@ from trainer.config import TrainerConfig
 from trainer.distributed import DistContext, init_distributed, shutdown_distributed
 from trainer.recipe import Trainer
 from trainer.rollback import optimizer_params
+from trainer.step import LearnerStep
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # ~30 s of CPU; minutes when loaded
 
@@ -47,8 +48,19 @@ def _m2_config(out_dir: Path) -> TrainerConfig:
     )  # fmt: skip
 
 
-def _with(trainer: Trainer, **kw: Any) -> None:
-    trainer.config = trainer.config.model_copy(update=kw)
+def _step_with(tr: Trainer, **kw: Any) -> LearnerStep:
+    """A learner step over ``tr``'s model, optimizer and counters with other settings (a
+    Trainer's parts are fixed once it is built; this test changes ``max_step_kl`` for a step)."""
+    return LearnerStep(
+        tr.config.model_copy(update=kw), tr.model, tr.optimizer, engine=tr.engine, dist=tr.dist,
+        pad_token_id=tr.pad_token_id, stop_token_ids=tr.stop_token_ids, progress=tr.progress,
+        pending=tr.pending, timing=tr.timing, monitor=tr.monitor, spike_guard=tr.spike_guard,
+        metrics=tr.metrics,
+    )  # fmt: skip
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR_SGD)
 
 
 def _local(t: Any) -> torch.Tensor:
@@ -98,12 +110,10 @@ def _rollback(rank: int, ctx: DistContext, root: Path) -> None:
     state_a = moments()
     shards_a = shards()
     # B: a step kept, so the optimizer has moments to restore
-    _with(tr, max_step_kl=KEEP)
-    b = tr.train_step(BATCHES[1])
+    b = _step_with(tr, max_step_kl=KEEP).train_step(BATCHES[1], idle=tr.idle)
     shards_b, state_b = shards(), moments()
     full_b = tr.state_dict_for_publish()
-    # C and D: the same batch twice, both undone
-    _with(tr, max_step_kl=UNDO)
+    # C and D: the same batch twice, both undone (tr's own max_step_kl)
     c = tr.train_step(_rollouts(3, 5, tr.version))
     shards_c, state_c = shards(), moments()
     d = tr.train_step(_rollouts(3, 5, tr.version))  # the same rollouts, again at Δ = 0
@@ -119,8 +129,7 @@ def _rollback(rank: int, ctx: DistContext, root: Path) -> None:
 
 
 def _m2po(rank: int, ctx: DistContext, root: Path) -> None:
-    tr = Trainer.setup(_m2_config(root / "m2po"), dist=ctx)
-    tr.optimizer = torch.optim.SGD(tr.model.parameters(), lr=LR_SGD)
+    tr = Trainer.setup(_m2_config(root / "m2po"), dist=ctx, make_optimizer=_sgd)
     initial = tr.state_dict_for_publish()
     rec = tr.train_step(BATCHES[0])
     after = tr.state_dict_for_publish()
@@ -179,8 +188,7 @@ def test_m2po_mask_over_the_whole_minibatch_matches_one_process(
     two_ranks: Path, tmp_path: Path
 ) -> None:
     torch.set_num_threads(1)
-    single = Trainer.setup(_m2_config(tmp_path / "single"), dist=DistContext())
-    single.optimizer = torch.optim.SGD(single.model.parameters(), lr=LR_SGD)
+    single = Trainer.setup(_m2_config(tmp_path / "single"), dist=DistContext(), make_optimizer=_sgd)
     initial = single.state_dict_for_publish()
     ref = single.train_step(BATCHES[0])
     ref_after = single.state_dict_for_publish()

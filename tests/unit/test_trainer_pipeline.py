@@ -143,7 +143,7 @@ class WatchingSource(InProcessSource):
     async def fetch(
         self, max_items: int, after: int, min_version: int | None = None
     ) -> list[Rollout] | None:
-        self.during_step.append(self.trainer._training)
+        self.during_step.append(self.trainer.training)
         return await super().fetch(max_items, after, min_version)
 
 

@@ -47,9 +47,11 @@ def make_rollouts(
     return out
 
 
-def _trainer(tmp_path: Path, **kw: object) -> Trainer:
+def _trainer(
+    tmp_path: Path, *, spike_guard: GradSpikeGuard | None = None, **kw: object
+) -> Trainer:
     cfg = TrainerConfig(out_dir=str(tmp_path / "run"), batch_prompts=4, group_size=4, **kw)  # type: ignore[arg-type]
-    return Trainer.setup(cfg)
+    return Trainer.setup(cfg, spike_guard=spike_guard)
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -140,9 +142,8 @@ def test_stability_monitors_are_in_every_record_and_warn(tmp_path: Path) -> None
 
 
 def test_grad_spike_guard_skips_updates_and_counts_them(tmp_path: Path) -> None:
-    tr = _trainer(tmp_path, grad_spike_factor=5.0)
     # a guard that judges after one norm and calls every later update a spike
-    tr.spike_guard = GradSpikeGuard(1e-6, warmup=1)
+    tr = _trainer(tmp_path, grad_spike_factor=5.0, spike_guard=GradSpikeGuard(1e-6, warmup=1))
     rec = tr.train_step(make_rollouts(4, 4, 4, version=0))
     assert (rec["updates"], rec["skipped_updates"]) == (4, 3)
     before = _params(tr.model)

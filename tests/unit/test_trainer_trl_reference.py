@@ -116,8 +116,8 @@ def test_update_matches_trl_grpo_reference(mode: str, noise: float, tis_cap: flo
         target_step_kl=None,  # nor a KL-adaptive learning rate
         out_dir="unused",
     )
-    trainer = Trainer(cfg, model, pad_token_id=0, eos_token_id=EOS)
-    trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # Δθ = −∇L exactly
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # Δθ = −∇L exactly
+    trainer = Trainer(cfg, model, pad_token_id=0, eos_token_id=EOS, optimizer=sgd)
     before = {k: v.clone() for k, v in model.named_parameters()}
     record = trainer.train_step([r for g in groups for r in g])
 
