@@ -7,6 +7,10 @@ Modules (transport-independent core; the network service is built on :class:`cor
 - :mod:`coordinator.submissions` ``SubmissionDesk``: the submission pipeline (load, check,
                                 decide, record in one transaction), replayed submissions
 - :mod:`coordinator.pipeline`   its pure steps over the one-read ``SubmissionContext``
+- :mod:`coordinator.outcome`    its decision as a value (``Accepted`` / ``Refused``), pure
+- :mod:`coordinator.submission_records` ``SubmissionRecords``: its reads and its one write
+- :mod:`coordinator.lease_desk` ``LeaseDesk``: heartbeats and lease requests (one read, pure
+                                rules, one transaction)
 - :mod:`coordinator.feed`       ``RolloutFeed``: fetch_rollouts and the learner's reports
 - :mod:`coordinator.activation` ``ActiveSet`` (the plan, the active set), ``LearnerFigures``
 - :mod:`coordinator.liveness`   ``Liveness``: last_seen buffered and flushed in one commit
@@ -19,6 +23,7 @@ Modules (transport-independent core; the network service is built on :class:`cor
 - :mod:`coordinator.datasets`   ``JsonlMathTask``: GSM8K-style JSONL + math-verify, hard timeout
 - :mod:`coordinator.store`      SQLite (WAL, synchronous=FULL): nodes, leases, prompts, rollouts,
                                 verdicts, strikes, bans, versions, meta
+- :mod:`coordinator.schema`     the store's tables and migrations
 - :mod:`coordinator.records`    row dataclasses of the store (``LeaseRecord``, ``RolloutRow``, ...)
 - :mod:`coordinator.leases`     ``LeaseManager``: the lease state machine (injected clock)
 - :mod:`coordinator.intake`     verification checks 3–7 of DESIGN.md §7 (``Intake``)
