@@ -17,9 +17,20 @@ from typing import Any
 import pytest
 
 from coordinator.admission import admission_refusal
-from coordinator.errors import IntakeRejection
-from coordinator.intake import Intake, IntakeContext, PromptSlot, expected_seed
+from coordinator.audits import AuditBook, AuditPair
+from coordinator.config import IntakeSection, ReputationSection, RewardAuditSection
+from coordinator.errors import IntakeRejection, Rejection
+from coordinator.intake import (
+    AcceptedSample,
+    CheckReport,
+    Intake,
+    IntakeContext,
+    PromptSlot,
+    expected_seed,
+)
 from coordinator.leases import newest_servable
+from coordinator.outcome import Accepted, AcceptRules, accepted
+from coordinator.outcome import refused as refused_outcome
 from coordinator.pipeline import (
     MAX_VERDICTS_PER_LEASE,
     Proceed,
@@ -32,8 +43,9 @@ from coordinator.pipeline import (
     trust_of,
 )
 from coordinator.records import ACK, LeaseRecord, NodeRecord, SubmissionContext, Verdict
-from coordinator.reputation import ban_in_force
+from coordinator.reputation import Ban, Standing, StrikeDecision, ban_in_force
 from coordinator.tasks import ReverseTask
+from coordinator.trust import TrustState, leases_to_floor
 from policy.model import CharTokenizer
 from protocol.errors import ReasonCode
 from protocol.messages import (
@@ -311,3 +323,143 @@ def test_a_sender_is_admitted_on_the_loaded_rows_and_the_given_time() -> None:
     refusal = admission_refusal(NODE, node(), ban, NOW)
     assert refusal is not None and refusal.code is ReasonCode.BANNED
     assert ban_in_force((1, NOW + 5.0, "why"), NOW + 5.0) is None  # over at its end
+
+
+# --- the decision as a value (coordinator.outcome): what one transaction records ---------------
+RULES = AcceptRules(
+    intake=IntakeSection(
+        spot_check_fraction=0.05, new_node_check_rate=1.0, target_forged_share=1 / 3,
+        suspect_release_checks=2,
+    ),
+    reward_audit=RewardAuditSection(fraction=0.0, min_pairs=2, alpha=0.5),
+    throughput_ewma=0.5,
+    audited=lambda index: False,
+)  # fmt: skip
+REP = ReputationSection(strikes_to_ban=3, ban_base_s=60.0, ban_max_s=1000.0)
+
+
+def samples_of(the_lease: LeaseRecord) -> list[AcceptedSample]:
+    """What checks 3–6 accept of the correct submission (run without a store)."""
+    intake = Intake(TASK, TOK, verifier=None, secret=b"s" * 32)
+    intake.offload = _inline
+    proceed = Proceed(the_lease, frozenset(the_lease.prompts))
+    ctx = context(lease=the_lease)
+    return asyncio.run(intake.verify(submission(the_lease), context_for_checks(ctx, proceed)))
+
+
+def accept(**kw: Any) -> Accepted:
+    the_lease = kw.pop("lease", lease())
+    args: dict[str, Any] = dict(
+        node_key=NODE, digest=b"d" * 32, sub=submission(the_lease),
+        proceed=Proceed(the_lease, frozenset(the_lease.prompts)), samples=samples_of(the_lease),
+        report=CheckReport(), prompt_states=context(lease=the_lease).prompt_states, node=node(),
+        trust=TrustState(0, False, None, None), others={}, audit_book=AuditBook(), now=NOW,
+        rules=RULES,
+    )  # fmt: skip
+    args.update(kw)
+    return accepted(**args)
+
+
+def test_an_acceptance_carries_rows_progress_and_the_completed_lease_s_throughput() -> None:
+    out = accept(node=node(tokens_per_s=10.0, rollouts_per_s=None))
+    assert [(r.prompt_index, r.sample_index) for r in out.rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r.accepted_at == NOW and r.version == 3 for r in out.rows)
+    p = out.progress
+    assert p.prompts == (0, 1) and p.samples == 4 and p.completes
+    # 4 samples of 4 tokens in the 10 s since issue: 1.6 tok/s, 0.4 rollouts/s; α = 0.5
+    assert p.tokens == 16
+    assert p.throughput == pytest.approx((0.5 * 10.0 + 0.5 * 1.6, 0.4))
+    assert out.verdict.code == ACK and out.verdict.accepted == 4
+    assert out.trust == TrustState(0, False, None, None, 1) and not out.forgive
+    # prompt 1 completed elsewhere meanwhile: only prompt 0's group, the lease stays open
+    # (prompt 1 is done, so it completes all the same); an expired lease never completes
+    part = accept(proceed=Proceed(lease(), frozenset({0})))
+    assert part.progress.prompts == (0,) and part.verdict.duplicates == 1
+    late = accept(lease=lease(state="expired"))
+    assert not late.progress.completes and late.progress.throughput is None
+
+
+def test_acceptance_trust_release_and_forgiveness_follow_the_pure_rules() -> None:
+    checked = CheckReport(spot_checked=True, passed=True)
+    suspect = TrustState(1, True, None, None, 0)
+    released = accept(trust=suspect, report=checked)  # 2 checks in a row: released, h = 0
+    assert released.trust == TrustState(0, False, None, None, 0)
+    # the floor after P·(1/f − 1) = 3·19 = 57 clean leases: its live strikes lapse there
+    assert leases_to_floor(RULES.intake) == 57
+    assert accept(trust=TrustState(0, False, None, None, 56)).forgive
+    assert not accept(trust=TrustState(0, False, None, None, 57)).forgive
+
+
+def test_an_audit_copy_pairs_with_its_original_and_the_sign_test_flags() -> None:
+    """The audit step on loaded pairs (no store): the copy's group is paired with the original
+    node's, both nodes are tested when their pairs reach min_pairs, and a flag makes the
+    flagged node a suspect, keeping its relabel time."""
+    copy = lease(prompts=(-1,))
+    states = {-1: ("leased", copy.lease_id)}
+    original = b"x" * 32
+    earlier = AuditPair(-9, original, OTHER, 3, 3, 1.0, 0.0, NOW - 5)  # x above another once
+    book = AuditBook({-1: (original, 3, 1.0)}, (earlier,), {})
+    intake = Intake(TASK, TOK, verifier=None, secret=b"s" * 32)
+    intake.offload = _inline
+    ctx = context(lease=copy, prompt_states=states, originals={-1: 0})
+    proceed = Proceed(copy, frozenset({-1}))
+    got = asyncio.run(intake.verify(submission(copy), context_for_checks(ctx, proceed)))
+    assert all(a.reward == 1.0 for a in got)
+    others = {original: TrustState(4, False, None, NOW - 50, 9)}
+    out = accept(
+        lease=copy, proceed=proceed, samples=got, prompt_states=states, audit_book=book,
+        others=others,
+    )  # fmt: skip
+    assert out.audit.pairs == (AuditPair(-1, original, NODE, 3, 3, 1.0, 1.0, NOW),)
+    # x: d = +1 (earlier) and 0 (equal means: dropped): 1 pair < 2, not tested; NODE: 0 only
+    assert out.audit.looks == () and out.flagged == ()
+    book2 = AuditBook({-1: (original, 3, 1.0)}, (earlier, dataclasses.replace(
+        earlier, prompt_index=-8, mean_b=0.5)), {})  # fmt: skip
+    cheat = accept(
+        lease=copy, proceed=proceed, samples=[dataclasses.replace(a, reward=0.0) for a in got],
+        prompt_states=states, audit_book=book2, others=others,
+    )  # fmt: skip
+    # x: +1, +0.5, +1 -> k = 3 of n = 3, p = 1/8 <= alpha/2 = 0.25: flagged on its first look
+    assert cheat.audit.looks == ((original, 1),)
+    assert [f.node_key for f in cheat.audit.flags] == [original]
+    assert cheat.flagged == ((original, TrustState(0, True, NOW, NOW - 50, 0),
+                              cheat.audit.flags[0].detail),)  # fmt: skip
+
+
+def test_a_refusal_decides_the_strike_the_ban_and_trust_from_the_loaded_standing() -> None:
+    rejection = Rejection(ReasonCode.BAD_TERMINATION, "finish 'length' below max", strike=True)
+    refusal = Refusal("L00000007-abc", rejection, lease())
+    trust = TrustState(5, False, None, NOW - 9, 30)
+    one = refused_outcome(
+        refusal, NODE, b"d" * 32, None, standing=(Standing(None, ()), trust), now=NOW,
+        reputation=REP, ban_multiple=10.0,
+    )  # fmt: skip
+    assert one.strike == StrikeDecision("bad_termination", rejection.detail, None)
+    assert one.trust == TrustState(0, True, None, NOW - 9, 0) and not one.withdraw
+    assert one.verdict == Verdict("bad_termination", rejection.detail)
+    assert one.lease == lease() and not one.close_lease
+    third = refused_outcome(
+        refusal, NODE, b"d" * 32, None,
+        standing=(Standing((1, NOW - 1.0, "old"), ("schema", "bad_termination")), trust),
+        now=NOW, reputation=REP, ban_multiple=10.0,
+    )  # fmt: skip
+    assert third.strike is not None and third.withdraw
+    assert third.strike.ban == Ban(NOW + 120.0, 2, "3 strikes, mostly bad_termination")
+    far = CheckReport(figures={"severity": 12.0})
+    at_once = refused_outcome(
+        refusal, NODE, b"d" * 32, far, standing=(Standing(None, ()), trust), now=NOW,
+        reputation=REP, ban_multiple=10.0,
+    )  # fmt: skip
+    assert at_once.strike is not None and at_once.strike.ban is not None
+    assert at_once.strike.ban.until == NOW + 1000.0
+    banned = refused_outcome(  # under a ban in force: no strike recorded, still a suspect
+        refusal, NODE, b"d" * 32, None,
+        standing=(Standing((1, NOW + 5.0, "x"), ()), trust), now=NOW, reputation=REP,
+        ban_multiple=10.0,
+    )  # fmt: skip
+    assert banned.strike is None and banned.trust is not None and banned.trust.suspect
+    stale = Refusal("L00000007-abc", Rejection(ReasonCode.TOO_STALE, "v3 is 3 behind"), lease())
+    closes = refused_outcome(
+        stale, NODE, b"d" * 32, None, standing=None, now=NOW, reputation=REP, ban_multiple=10.0
+    )
+    assert closes.close_lease and closes.strike is None and closes.trust is None
