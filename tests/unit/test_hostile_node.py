@@ -82,15 +82,18 @@ async def test_an_oversized_lease_is_released_not_generated(tmp_path: Path, rewr
 
 
 def test_coordinator_never_sizes_a_lease_the_node_would_refuse(tmp_path: Path) -> None:
-    from coord_harness import Harness
+    from coordinator.config import LeaseSection
+    from coordinator.leases import LeaseManager
+    from coordinator.store import Store
 
-    h = Harness(
-        tmp_path,
-        group_size=16,
-        sampling={"max_new_tokens": 16_384},
-        leases={"max_prompts_per_lease": 64, "default_tokens_per_s": 1e9},
+    section = LeaseSection(
+        max_prompts_per_lease=64, default_tokens_per_s=1e9, min_deadline_s=30.0, target_lease_s=1000.0
     )
-    n = h.core.leases.lease_size(1e9, 64)
+    leases = LeaseManager(
+        Store(tmp_path / "s.sqlite"), section, clock=lambda: 0.0, group_size=16,
+        max_new_tokens=16_384,
+    )  # fmt: skip
+    n = leases.lease_size(1e9, 64)
     assert n >= 1
     assert n * 16 * 16_384 * 8 < DEFAULT_LIMITS.bulk_frame  # 8 bytes per token at full length
 

@@ -16,9 +16,11 @@ from pathlib import Path
 from coord_harness import FakeClock, Harness, submission
 from service_parts import board
 
-from coordinator.leases import SEED_LABEL
+from coordinator.config import LeaseSection
+from coordinator.leases import SEED_LABEL, LeaseManager
 from coordinator.node_view import OPERATOR_ONLY_FIELDS
 from coordinator.status import build_status, wire_status
+from coordinator.store import Store
 from protocol.codec import decode, encode
 from protocol.messages import Ack, StatusRequest, StatusResponse
 
@@ -101,8 +103,9 @@ async def test_a_submission_with_epoch_seeds_is_refused(tmp_path: Path) -> None:
 
 def test_the_lease_seed_vector_of_the_protocol_document(tmp_path: Path) -> None:
     """docs/protocol.md §11.1: secret = 32 zero bytes, lease id L00000001-abcdef."""
-    h = _harness(tmp_path)
-    h.core.leases._secret = bytes(32)
-    assert h.core.leases.seed_of("L00000001-abcdef") == 6616389715132945780
+    store = Store(tmp_path / "s.sqlite")
+    store.set_meta("spot_check_secret", bytes(32).hex())  # the secret the leases are keyed with
+    leases = LeaseManager(store, LeaseSection(), clock=lambda: 0.0, group_size=2, max_new_tokens=4)
+    assert leases.seed_of("L00000001-abcdef") == 6616389715132945780
     doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
     assert "`L00000001-abcdef` → `6616389715132945780`" in doc
