@@ -87,8 +87,9 @@ def test_coordinator_never_sizes_a_lease_the_node_would_refuse(tmp_path: Path) -
     from coordinator.store import Store
 
     section = LeaseSection(
-        max_prompts_per_lease=64, default_tokens_per_s=1e9, min_deadline_s=30.0, target_lease_s=1000.0
-    )
+        max_prompts_per_lease=64, default_tokens_per_s=1e9, min_deadline_s=30.0,
+        target_lease_s=1000.0,
+    )  # fmt: skip
     leases = LeaseManager(
         Store(tmp_path / "s.sqlite"), section, clock=lambda: 0.0, group_size=16,
         max_new_tokens=16_384,
