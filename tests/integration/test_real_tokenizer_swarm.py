@@ -9,10 +9,17 @@ settings), and two ``hf`` nodes. The run must: accept rollouts without a single 
 lease's stop set covers both EOS ids), train three learner steps with the behaviour weights at
 one (mismatch KL ≈ 0 at staleness 0: π is computed from the processed distribution), and have the
 nodes load a published version and produce accepted rollouts with it.
+
+The trainer publishes float32, so that a version's weights on the nodes are the trainer's bit for
+bit: published in bf16 (the default), about 1.3e-4 of sampled tokens fall outside the trainer's
+top-p support (the node's rounding keeps a token at the nucleus edge that the trainer's weights
+drop), each one 59 nats in the mismatch KL (the clamp), which made this test fail once with
+mismatch_kl 1.84 = 59/32 (tests/unit/test_publish_rounding_support.py reproduces it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 import urllib.request
@@ -41,6 +48,37 @@ def _metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _mismatch_report(row: dict[str, Any], tmp_path: Path) -> str:
+    """What tells the causes of a mismatch at staleness 0 apart: tokens at the clamp (59 nats each:
+    outside the trainer's top-k/top-p support), or weights that differ (what each side published
+    and loaded, and the hash of each version's signed manifest, which lists every tensor's)."""
+    keys = (
+        "step", "version", "published_version", "rollouts", "staleness_hist", "completion_tokens",
+        "mismatch_kl", "mismatch_kl_k1", "mismatch_m2", "ess_frac", "mask_frac",
+        "weight_modified_frac",
+    )  # fmt: skip
+    lines = [f"step: { {k: row.get(k) for k in keys} }"]
+    tokens = row.get("completion_tokens") or 0
+    lines.append(
+        f"≈ {row['mismatch_kl'] * tokens / 59.0:.2f} tokens at the clamp (59 nats each: "
+        "outside the trainer's top-p support) if the rest is rounding"
+    )
+    for name in ("trainer", "node-a", "node-b"):
+        log_path = tmp_path / f"{name}.log"
+        if log_path.is_file():
+            lines += [
+                f"{name}: {line.strip()[:200]}"
+                for line in log_path.read_text(errors="replace").splitlines()
+                if "published policy" in line or "loaded policy" in line
+            ][:12]
+    # the signed manifest lists every tensor's hash: equal manifests, equal weights
+    for where in ("trainer/seed", "node-a/checkpoints", "node-b/checkpoints"):
+        for env in sorted((tmp_path / where).glob("v*/manifest.env"))[:8]:
+            digest = hashlib.sha256(env.read_bytes()).hexdigest()[:16]
+            lines.append(f"{where}/{env.parent.name}: manifest sha256 {digest}")
+    return "\n".join(lines)
+
+
 async def test_swarm_trains_a_chat_model_with_two_eos_ids(
     tmp_path: Path, procs: list[Proc]
 ) -> None:
@@ -60,6 +98,7 @@ async def test_swarm_trains_a_chat_model_with_two_eos_ids(
     (tmp_path / "trainer.toml").write_text(
         f'model_path = "{model}"\nbatch_prompts = 2\ngroup_size = 4\nmax_staleness = 2\n'
         f'minibatches = 1\nout_dir = "{trainer_dir}"\nresume = false\nentropy_coef = 0.0\n'
+        'publish_dtype = "float32"\n'  # the nodes run the trainer's weights (module docstring)
     )
     trainer = Proc(
         ["trainer", "run", "--config", str(tmp_path / "trainer.toml"), "--coordinator",
@@ -82,9 +121,11 @@ async def test_swarm_trains_a_chat_model_with_two_eos_ids(
     assert len(status["stop_token_ids"]) == 2  # <|im_end|> and <|endoftext|>
     assert status["sampling"]["prompt_template"] == "chat"
     # the learner may outrun a node by more than S versions (3 steps in about a second here):
-    # that node's late rollouts are refused too_stale, which is no fault (no strike); nothing else
+    # that node's late rollouts are refused too_stale; on a loaded machine a lease can outlive its
+    # deadline (download, load and generation past min_deadline_s) and its late submission is
+    # refused stale_epoch or lease_expired. Timing, no fault (no strike); nothing else
     rejected = status.get("rejected_by_reason") or {}
-    assert set(rejected) <= {"too_stale"}, rejected
+    assert set(rejected) <= {"too_stale", "stale_epoch", "lease_expired"}, rejected
     assert not status.get("nodes_banned")
     assert status["rollouts_accepted"] >= 3 * 2 * 4
 
@@ -92,7 +133,7 @@ async def test_swarm_trains_a_chat_model_with_two_eos_ids(
     fresh = [r for r in rows if r["staleness_hist"] == {"0": r["rollouts"]}]
     assert fresh, rows  # the first step trains on v0 rollouts at staleness 0
     for r in fresh:  # π_prox from the processed distribution: nothing to correct
-        assert r["mismatch_kl"] < 1e-4 and r["ess_frac"] > 0.999, r
+        assert r["mismatch_kl"] < 1e-4 and r["ess_frac"] > 0.999, _mismatch_report(r, tmp_path)
 
     # The nodes loaded a version the trainer published after v0, sampled with it, and the
     # coordinator accepted those rollouts (spot-checked against that version's weights).
