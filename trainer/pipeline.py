@@ -50,6 +50,7 @@ class RolloutFeed:
         idle: IdleClock,
         background: bool = True,
         min_version: Callable[[], int | None] | None = None,
+        trace: bool = False,
     ) -> None:
         if page < 1 or capacity < page:
             raise ValueError(f"RolloutFeed: need 1 <= page ({page}) <= capacity ({capacity})")
@@ -73,9 +74,9 @@ class RolloutFeed:
         self._cause = "rollouts"
         self._task: asyncio.Task[None] | None = None
         self.fetches = 0
-        #: with tracing on (a dict): Unix time each admissible rollout arrived here, by seq (the
+        #: with ``trace`` (a dict): Unix time each admissible rollout arrived here, by seq (the
         #: learner pops what it trains; see ``TrainerConfig.trace_rollouts``)
-        self.fetched_at: dict[int, float] | None = None
+        self.fetched_at: dict[int, float] | None = {} if trace else None
 
     # --- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -206,6 +207,11 @@ class PublicationSlot:
     @property
     def busy(self) -> bool:
         return self._task is not None
+
+    def defer(self) -> int:
+        """Count a publication that fell due while this one is in flight; returns the count."""
+        self.deferred += 1
+        return self.deferred
 
     def start(self, version: int, work: Awaitable[Any]) -> None:
         if self._task is not None:

@@ -148,8 +148,8 @@ class Publications:
             if refused or (due and not cfg.overlap):
                 action = "block"
             elif due and slot.busy:
-                slot.deferred += 1  # published at the first boundary after the one in flight lands
-                progress.publish_deferred = slot.deferred
+                # published at the first boundary after the one in flight lands
+                progress.publish_deferred = slot.defer()
             elif due:
                 action = "start"
         if self.dist.enabled:

@@ -376,9 +376,8 @@ class Trainer:
                 min_version=lambda: max(0, self.version + self._training - cfg.max_staleness),
                 idle=self.idle,
                 background=cfg.overlap,
+                trace=cfg.trace_rollouts,  # the step's trace pops what it trained (train_step)
             )
-            if cfg.trace_rollouts:
-                feed.fetched_at = {}  # the step's trace pops what it trained (train_step)
         self._feed = feed
         slot = PublicationSlot()
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-step")

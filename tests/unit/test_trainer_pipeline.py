@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -123,6 +124,37 @@ def test_rollouts_the_source_skipped_as_stale_count_as_dropped() -> None:
     feed, source = asyncio.run(scenario())
     assert source.asked == [(8, 0, 4)]
     assert feed.take_dropped() == 10 and feed.cursor == 18 and feed.take_dropped() == 0
+
+
+@pytest.mark.parametrize("trace", [True, False])
+def test_a_tracing_feed_stamps_each_admissible_rollout_on_arrival(trace: bool) -> None:
+    """``trace`` is given to the feed when it is built (``trace_rollouts``), not set on it
+    afterwards: it stamps the admissible rollouts it receives, by seq."""
+
+    async def scenario() -> tuple[RolloutFeed, list[Rollout]]:
+        page = _seq(make_rollouts(3, 2, 4, version=0), 1)
+        source = ScriptedSource([(0.0, [*page[:4], dataclasses.replace(page[4], reward=-1.0)])])
+        feed = RolloutFeed(
+            source, after=0, page=8, capacity=16, idle=IdleClock(), background=False,
+            admissible=lambda r: r.reward >= 0, trace=trace,
+        )  # fmt: skip
+        got = await feed.take(5, timeout=1.0)
+        assert got is not None
+        return feed, got
+
+    before = time.time()
+    feed, got = asyncio.run(scenario())
+    assert [r.seq for r in got] == [1, 2, 3, 4]  # the inadmissible one is dropped
+    if not trace:
+        assert feed.fetched_at is None
+        return
+    assert feed.fetched_at is not None and sorted(feed.fetched_at) == [1, 2, 3, 4]
+    assert all(before <= t <= time.time() for t in feed.fetched_at.values())
+
+
+def test_a_publication_deferred_behind_one_in_flight_is_counted() -> None:
+    slot = PublicationSlot()
+    assert (slot.defer(), slot.defer(), slot.deferred) == (1, 2, 2)
 
 
 def _trainer(tmp_path: Path, **kw: object) -> Trainer:
