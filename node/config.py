@@ -82,6 +82,13 @@ class NodeConfig(BaseModel):
         default="float32", description="Compute dtype of the policy weights"
     )
     device: str = Field(default="auto", description='"auto", "cpu", "cuda" or "cuda:N"')
+    vllm_max_lora_rank: int | None = Field(
+        default=None,
+        ge=1,
+        le=4096,
+        description="vllm backend: start the engine for LoRA versions up to this adapter rank "
+        "(vLLM reserves their memory at start); unset = LoRA versions are refused on vllm",
+    )
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op CPU threads")
     probe_budget_s: float = Field(
         default=1.5, gt=0, description="Seconds of the start-up throughput benchmark"
@@ -199,6 +206,11 @@ class NodeConfig(BaseModel):
             )
         if self.backend == "fake" and self.model_path is not None:
             raise ValueError("backend='fake' ignores model_path; unset model_path or pick hf/vllm")
+        if self.vllm_max_lora_rank is not None and self.backend in ("hf", "fake"):
+            raise ValueError(
+                f"vllm_max_lora_rank: set for backend={self.backend!r}, where it does nothing; "
+                "unset it or use backend 'vllm' (or 'auto')"
+            )
         if self.device.startswith("cuda") and self.backend == "fake":
             raise ValueError("device: the fake backend runs no model; use device='auto' or 'cpu'")
         if self.dtype != "float32" and self.device == "cpu":

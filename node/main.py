@@ -260,6 +260,12 @@ def _check_gpu(cfg: NodeConfig) -> None:
         ) from exc
 
 
+def vllm_options(cfg: NodeConfig) -> dict[str, Any]:
+    """What node.toml sets on the vllm backend: LoRA versions up to ``vllm_max_lora_rank`` (None:
+    none), the engine holding ``keep_versions`` (S + 1) adapters, as the checkpoint manager does."""
+    return {"max_lora_rank": cfg.vllm_max_lora_rank, "max_loras": cfg.keep_versions}
+
+
 def _build_backend(
     cfg: NodeConfig,
 ) -> tuple[InferenceBackend, Capability, Tokenizer | None]:
@@ -270,7 +276,7 @@ def _build_backend(
     _check_gpu(cfg)
     spec = ModelSpec(path=cfg.model_path, dtype=cfg.dtype)
     try:
-        backend = make_backend(cfg.backend, spec, device=cfg.device)
+        backend = make_backend(cfg.backend, spec, device=cfg.device, vllm_options=vllm_options(cfg))
     except BackendError as exc:
         raise _Fail(str(exc), EXIT_BAD_INPUT) from exc
     except (ValueError, FileNotFoundError, OSError) as exc:

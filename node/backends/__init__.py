@@ -13,6 +13,7 @@ Modules:
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from node.backends.base import (
@@ -62,16 +63,25 @@ def auto_kind(spec: ModelSpec) -> str:
 
 
 def make_backend(
-    kind: str = "auto", spec: ModelSpec | None = None, device: str = "auto", **options: Any
+    kind: str = "auto",
+    spec: ModelSpec | None = None,
+    device: str = "auto",
+    *,
+    vllm_options: Mapping[str, Any] | None = None,
+    **options: Any,
 ) -> InferenceBackend:
     """Build the backend ``kind`` ("auto" | "hf" | "vllm" | "fake") for ``spec`` on ``device``.
 
-    ``options`` go to the backend's constructor. Raises :class:`BackendUnavailable` (one line,
-    says what to install) when the kind cannot run here, ``ValueError`` for an unknown kind.
+    ``options`` go to the backend's constructor; ``vllm_options`` to the vllm backend's only
+    (also when "auto" resolves to it: a node's ``vllm_max_lora_rank``). Raises
+    :class:`BackendUnavailable` (one line, says what to install) when the kind cannot run here,
+    ``ValueError`` for an unknown kind.
     """
     spec = spec or ModelSpec()
     if kind == "auto":
         kind = auto_kind(spec)
+    if kind == "vllm":
+        options = {**options, **(vllm_options or {})}
     if kind == "fake":
         from node.backends.fake import FakeBackend
 

@@ -22,13 +22,13 @@ backend on a machine without CUDA or vLLM raises :class:`BackendUnavailable` in 
   into every worker's ``model.load_weights`` one tensor at a time, between two checked
   prefix-cache resets (:mod:`node.backends.vllm_weights`). Generation and updates never overlap.
   Unquantized models only.
-- LoRA versions (docs/protocol.md §8.6), with ``max_lora_rank`` set (or
-  ``$ROLLOUT_SWARM_VLLM_MAX_LORA_RANK`` for a node started by ``swarm node run``): the engine
-  starts with ``enable_lora=True`` over the base model; each version's adapter is written once as a
-  peft-format directory (``adapter_config.json`` + ``adapter_model.safetensors``) that each
-  request names with a ``vllm.lora.request.LoRARequest`` (imported lazily); vLLM keeps the last
-  ``max_loras`` adapters (``max_cpu_loras``, S + 1) and switches per request, never reloading the
-  base. Tested under the ``gpu`` marker only.
+- LoRA versions (docs/protocol.md §8.6), with ``max_lora_rank`` set (``vllm_max_lora_rank`` in
+  node.toml for a node started by ``swarm node run``; ``max_loras`` is its ``keep_versions``): the
+  engine starts with ``enable_lora=True`` over the base model; each version's adapter is written
+  once as a peft-format directory (``adapter_config.json`` + ``adapter_model.safetensors``) that
+  each request names with a ``vllm.lora.request.LoRARequest`` (imported lazily); vLLM keeps the
+  last ``max_loras`` adapters (``max_cpu_loras``, S + 1) and switches per request, never
+  reloading the base. Tested under the ``gpu`` marker only.
 """
 
 from __future__ import annotations
@@ -75,9 +75,6 @@ INSTALL_HINT = "install 'rollout-swarm[vllm]' on a CUDA host"
 #: set to 1 to declare the seeded draws as the swarm's sampling rule (a node then runs this
 #: backend); off by default until a GPU run has shown the coordinator's replay accepts them
 SEEDED_TRIAL_ENV = "ROLLOUT_SWARM_VLLM_SEEDED_DRAWS"
-#: the highest LoRA rank the engine starts for when the constructor names none (a node started
-#: by ``swarm node run``); unset: no LoRA versions on this node (they are refused)
-LORA_RANK_ENV = "ROLLOUT_SWARM_VLLM_MAX_LORA_RANK"
 
 
 class VLLMBackend(InferenceBackend):
@@ -103,11 +100,9 @@ class VLLMBackend(InferenceBackend):
         **engine_kwargs: Any,
     ) -> None:
         """``max_lora_rank``: start the engine for LoRA versions up to this rank (None: full
-        versions only; vLLM reserves adapter memory at start); ``max_loras``: adapters held
-        (S + 1)."""
+        versions only; vLLM reserves adapter memory at start; a node's ``vllm_max_lora_rank``);
+        ``max_loras``: adapters held (S + 1, a node's ``keep_versions``)."""
         self._configure(spec, staging_dir, update_chunk_bytes, reset_timeout_s)
-        if max_lora_rank is None and os.environ.get(LORA_RANK_ENV):
-            max_lora_rank = int(os.environ[LORA_RANK_ENV])
         self.max_lora_rank = max_lora_rank
         self.max_loras = max(1, max_loras)
         if device not in ("auto", "cuda") and not device.startswith("cuda"):
@@ -323,8 +318,8 @@ class VLLMBackend(InferenceBackend):
 
         if self.max_lora_rank is None or rank > self.max_lora_rank:
             raise BackendError(
-                f"LoRA v{version} has rank {rank}; start the vllm backend with max_lora_rank >= "
-                f"{rank} (now {self.max_lora_rank})"
+                f"LoRA v{version} has rank {rank}; restart the node with vllm_max_lora_rank >= "
+                f"{rank} in node.toml (now {self.max_lora_rank})"
             )
         if self.loaded_version is not None and not self._loras:
             # full weights were streamed over the base: the adapter would not apply to it
