@@ -413,26 +413,6 @@ class LeaseManager:
         """Prompts of ``lease`` not done yet: (still held by it, held by a newer lease)."""
         return undone_prompts(lease, self.store.prompt_states(lease.prompts))
 
-    def record_result(
-        self, lease: LeaseRecord, prompts: Sequence[int], *, tokens: int, samples: int
-    ) -> None:
-        """Mark ``prompts`` done by ``lease``; complete every active lease left with nothing to do.
-
-        Call inside the transaction that stores the rollouts."""
-        now = self.clock()
-        with self.store.transaction():
-            holders = {h for _, h in self.store.prompt_states(prompts).values()}
-            self.store.mark_prompts_done(prompts, lease.lease_id)
-            self.store.add_lease_progress(lease.lease_id, tokens, samples)
-            for lease_id in sorted(holders | {lease.lease_id}):
-                other = self.store.get_lease(lease_id)
-                if other is None or other.state != "active" or self.open_prompts(other):
-                    continue
-                self.store.close_lease(lease_id, "completed", now)
-                if lease_id == lease.lease_id:
-                    self.store.bump_node(lease.node_key, "leases_completed")
-                    self._measure(other, now)
-
     def outstanding(self) -> list[LeaseRecord]:
         """Active leases (after a restart: the ones still honoured until their deadline)."""
         return self.store.leases("active")
@@ -446,16 +426,3 @@ class LeaseManager:
             for p, (st, holder) in sorted(states.items())
             if holder == lease.lease_id and st != "done"
         ]
-
-    def _measure(self, lease: LeaseRecord, now: float) -> None:
-        """Fold the lease's observed throughput into the node's running means."""
-        done = self.store.get_lease(lease.lease_id)
-        if done is None:
-            return
-        measured = measured_throughput(
-            done, self.store.get_node(lease.node_key), now, self.config.throughput_ewma
-        )
-        if measured is not None:
-            self.store.update_node(
-                lease.node_key, tokens_per_s=measured[0], rollouts_per_s=measured[1]
-            )
