@@ -95,7 +95,7 @@ class Trainer:
         if config.lora_rank and not has_lora(model):  # built by the caller, not by setup
             inject_lora(model, config)
         #: AdamW over the trainable parameters unless one is given (built over ``model``)
-        self._optimizer = optimizer or adamw(config, trainable(model))
+        self._optimizer = optimizer if optimizer is not None else adamw(config, trainable(model))
         self.out_dir = Path(config.out_dir)
         self.metrics = metrics
         #: step, version, published version, the KL-adaptive factor, rollbacks, publication times
@@ -108,7 +108,9 @@ class Trainer:
         self.idle = IdleClock(window_s=config.idle_window_s)
         #: rolling stability checks; each step's record carries its ``stability_warning``.
         self.monitor = monitor_from_config(config)
-        self._spike_guard = spike_guard or GradSpikeGuard(config.grad_spike_factor)
+        self._spike_guard = (
+            spike_guard if spike_guard is not None else GradSpikeGuard(config.grad_spike_factor)
+        )
         #: called with each step's metrics record (after it is written), e.g. to report upstream.
         self.on_step: list[Callable[[dict[str, Any]], None]] = []
         #: the held-out evaluation (``eval_every``; trainer/evaluation.py), None when off
