@@ -22,7 +22,8 @@ docs/capacity.md, "Verification as a resource of the plan", is the user-facing d
   (1 − h)·V − D, at the pace of a :class:`~coordinator.admission.ProbationBucket` that refills at
   the spare budget over the re-score of a newcomer's first lease; otherwise the registration is
   refused ``swarm_full`` with ``retry_after_s``, oldest first. Nodes already admitted are never
-  refused for it (re-registrations do not pass here).
+  refused for it (re-registrations do not pass here). While D is 0 one newcomer is admitted
+  whatever its estimated cost (else a budget smaller than one node would admit nobody, ever).
 
 With no verifier, no check rate or no V known, nothing is limited. Soft state: a restarted
 coordinator measures V again (its admitted nodes stay admitted: they are in the store).
@@ -270,6 +271,8 @@ class VerificationBudget:
         each = rate0 * self._rho_guess(tokens_per_s) * tau  # its demand on probation (tokens/s)
         spare = (1.0 - self.config.headroom) * v - self.demand
         room = spare / each if each > 0 else math.inf
+        if self.demand <= 0:  # nothing to verify yet: one newcomer at least, whatever it costs
+            room = max(room, 1.0)
         per_s = max(0.0, spare) / first if first > 0 else math.inf
         wait = self.bucket.take(node_key, now, per_s=per_s, room=room)
         if wait is None:

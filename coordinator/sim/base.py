@@ -49,6 +49,7 @@ class Stats:
     departures: dict[str, int] = field(default_factory=dict)
     stalls: int = 0
     joins: int = 0
+    registrations_refused: int = 0  # registrations refused (swarm full, verification budget)
     lost_in_flight: int = 0  # samples of leases abandoned by a departing node
     lost_refused: int = 0  # samples of honest submissions refused as late (expired / fenced)
     refused_too_stale: int = 0  # samples refused because their version fell out of S

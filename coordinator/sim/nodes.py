@@ -74,6 +74,7 @@ class SimNode:
         "price",
         "registered",
         "request",
+        "retry_s",
         "stalled_until",
         "tps",
         "w",
@@ -112,6 +113,7 @@ class SimNode:
         self.billing_since: float | None = None
         self.cost = 0.0
         self.registered = False
+        self.retry_s: float | None = None  # retry_after_s of its last refused registration
         self.request = LeaseRequest(peer_id=f"sim{idx}", policy_version=None, max_prompts=64)
         self.heartbeat = Heartbeat(
             peer_id=f"sim{idx}", seq=1, policy_version=None, active_leases=[], tokens_per_s=None
@@ -209,6 +211,9 @@ class SimNode:
     def register(self) -> bool:
         got = self.w.call("register", self.w.core.register, self.key, self.advert())
         self.registered = not isinstance(got, Rejection)
+        if isinstance(got, Rejection):
+            self.w.stats.registrations_refused += 1
+            self.retry_s = got.retry_after_s
         return self.registered
 
     def heartbeats(self) -> Gen:
@@ -225,8 +230,9 @@ class SimNode:
         w = self.w
         env = w.env
         yield env.timeout(max(0.0, self.joined_at - env.now))
-        while not self.register():  # swarm full: try again later
-            if not (yield from self.wait(w.heartbeat_s * 3)):
+        while not self.register():  # swarm full: try again when told (else later)
+            retry = self.retry_s if self.retry_s is not None else w.heartbeat_s * 3
+            if not (yield from self.wait(retry)):
                 return
         env.process(self.heartbeats())
         half = self.link.rtt_s / 2

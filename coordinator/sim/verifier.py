@@ -4,7 +4,10 @@ It implements :class:`coordinator.logprobs.LogprobVerifier` (what the intake cal
 decides with the production functions :func:`~coordinator.logprobs.tolerance_for` and
 :func:`~coordinator.logprobs.deviation`; only the re-scoring forward pass is replaced by
 :func:`~coordinator.sim.base.reference_logprob`. Its compute time is charged by the intake queue
-of the simulation (:mod:`coordinator.sim.world`), not spent here.
+of the simulation (:mod:`coordinator.sim.world`), not spent here; the world books it in the
+``tokens`` / ``compute_s`` counters the in-process verifier keeps, so the coordinator's
+verification budget (:class:`coordinator.verify_budget.MeteredVerifier`) measures V from the
+same simulated time the queue charges.
 """
 
 from __future__ import annotations
@@ -26,6 +29,15 @@ class ReferenceVerifier:
         self.vocab_size = vocab_size
         self.checks = 0
         self.samples = 0
+        #: re-scored tokens and seconds of re-scoring, as the world charges them (the in-process
+        #: verifier's counters: :class:`coordinator.logprobs.InProcessLogprobVerifier`)
+        self.tokens = 0.0
+        self.compute_s = 0.0
+
+    def charge(self, tokens: float, seconds: float) -> None:
+        """A re-score the world charged: ``tokens`` re-scored in ``seconds`` of verifier time."""
+        self.tokens += tokens
+        self.compute_s += seconds
 
     async def check(
         self,

@@ -15,7 +15,11 @@ calls the methods the network service would call, when the service would call th
 
 ``submit`` runs when the intake has verified the submission: it waits for a free intake worker
 (``verification.workers``) and for the verification time the measured figures give
-(:mod:`coordinator.sim.costs`, :mod:`coordinator.sim.calibration`).
+(:mod:`coordinator.sim.costs`, :mod:`coordinator.sim.calibration`). The coordinator's
+verification budget sees the same time: the submission's lease is marked in verification from
+its arrival (``VerifyingLeases.waiting``), each re-score's simulated tokens and seconds go into
+the verifier's counters (the ``workers`` together as one verifier ``workers`` times as fast),
+and ``verification.assumed_tokens_per_s`` is their throughput until it is measured.
 
 The coordinator's own time is charged from the checked-in calibration
 (:mod:`coordinator.sim.calibration`), never from a clock read during the run, so a seed gives
@@ -158,6 +162,8 @@ class World:
         }
         if s.learner.publish_every is not None:
             data["publish_every"] = s.learner.publish_every
+        # V before it is measured: the simulated verifiers' own throughput (wire tokens/s)
+        data["verification"] = {"assumed_tokens_per_s": self.verify_tokens_per_s()}
         for key, value in s.coordinator.items():
             if isinstance(value, dict):
                 data.setdefault(key, {}).update(value)
@@ -167,6 +173,16 @@ class World:
 
     def clock(self) -> float:
         return EPOCH + self.env.now
+
+    def rescore_s_per_token(self) -> float:
+        """Seconds one verifier takes to re-score one simulated token (2 · params FLOPs)."""
+        s = self.scenario
+        return 2.0 * s.model.params_b * 1e9 / (s.verification.verifier_tflops * 1e12)
+
+    def verify_tokens_per_s(self) -> float:
+        """All verifiers' re-scoring throughput in the coordinator's (wire) tokens per second."""
+        workers = self.scenario.verification.workers
+        return workers / (self.rescore_s_per_token() * self.token_unit)
 
     # --- helpers the processes use ---------------------------------------------------------------
     def call(self, op: str, fn: Callable[..., Any], *args: Any, tokens: float = 0.0) -> Any:
@@ -245,16 +261,24 @@ class World:
             return cheap
         k = n  # a checked lease is re-scored in full (issue 34)
         self.stats.spot_checked += 1
-        per_token = 2.0 * s.model.params_b * 1e9 / (s.verification.verifier_tflops * 1e12)
-        return cheap + per_token * k * (s.model.prompt_tokens + tokens / n)
+        rescored = k * (s.model.prompt_tokens + tokens / n)  # simulated tokens
+        rescore_s = self.rescore_s_per_token() * rescored
+        # what the coordinator's meter reads: wire tokens, the workers as one faster verifier
+        self.verifier.charge(rescored / self.token_unit, rescore_s / s.verification.workers)
+        return cheap + rescore_s
 
     def intake(
         self, node: SimNode, lease: Lease, sub: RolloutSubmission, n: int, tokens: float, bad: bool
     ) -> Gen:
-        """Queue for an intake worker, spend the verification time, then the real ``submit``."""
+        """Queue for an intake worker, spend the verification time, then the real ``submit``
+        (the lease marked in verification from the arrival on, as the service marks it)."""
         arrived = self.env.now
+        at = self.clock()
         self.stats.max_queue = max(self.stats.max_queue, len(self.workers.queue) + 1)
-        with self.workers.request() as slot:
+        with (
+            self.core.budget.verifying.waiting(lease.lease_id, node.key, at),
+            self.workers.request() as slot,
+        ):
             yield slot
             self.stats.queue_wait_s += self.env.now - arrived
             service = self.verify_s(node, lease, n, tokens, bad)
@@ -263,9 +287,10 @@ class World:
             if bad:
                 self.stats.bad_leases.add(lease.lease_id)
             verdict = self.call(
-                "submit", _run_inline, self.core.submit(node.key, sub), tokens=tokens
+                "submit", _run_inline, self.core.submit(node.key, sub, at), tokens=tokens
             )
-            self.stats.book("verify_wait_s", arrived, self.env.now - arrived - service)
+            waited = max(0.0, self.env.now - arrived - service)  # no -0.0 from rounding
+            self.stats.book("verify_wait_s", arrived, waited)
             self.stats.book("submissions", arrived, 1.0)
         if isinstance(verdict, Ack):
             self.stats.book("accepted", self.env.now, float(n))

@@ -64,6 +64,16 @@ class _Counting:
         return LogprobVerdict(True, "max_abs", 0.0, 1.0, "ok")
 
 
+class _NoCounters:
+    """The simulation's reference verifier behind a class that keeps no counters."""
+
+    def __init__(self) -> None:
+        self._ref = ReferenceVerifier({}, 64)
+
+    async def check(self, *args: Any, **kwargs: Any) -> LogprobVerdict:
+        return await self._ref.check(*args, **kwargs)
+
+
 def test_metered_verifier_records_the_scoring_counters_else_the_wall_time() -> None:
     meter = VerifierMeter(window_s=60.0, ewma=1.0)
     inner = _Counting((600, 0.2))  # 3,000 tokens/s of scoring, whatever the wall time
@@ -72,11 +82,10 @@ def test_metered_verifier_records_the_scoring_counters_else_the_wall_time() -> N
     asyncio.run(metered.check(1, [[1, 2]], [[3, 4, 5]], [[-1.0] * 3]))
     assert meter.tokens_per_s(7.0) == pytest.approx(3000.0, rel=1e-12)
     assert meter.tokens_per_rollout == pytest.approx(600.0, rel=1e-12)
-    # no counters (the simulation's reference verifier): the call's tokens over its wall time
+    # a verifier without those counters: the call's tokens over its wall time
     meter2 = VerifierMeter(window_s=60.0, ewma=1.0)
     ticks2 = iter([0.0, 0.5])
-    plain = MeteredVerifier(ReferenceVerifier({}, 64), meter2, lambda: 7.0,
-                            timer=lambda: next(ticks2))  # fmt: skip
+    plain = MeteredVerifier(_NoCounters(), meter2, lambda: 7.0, timer=lambda: next(ticks2))
     comp = [[3, 4, 5], [6, 7]]
     asyncio.run(plain.check(1, [[1, 2], [1]], comp, [[-0.05] * 3, [-0.05] * 2], dtype="float32"))
     assert meter2.tokens_per_s(7.0) == pytest.approx((5 + 3) / 0.5, rel=1e-12)
@@ -250,6 +259,8 @@ class _SlowVerifier(ReferenceVerifier):
 
     async def check(self, *args: Any, **kwargs: Any) -> LogprobVerdict:
         self.clock.advance(self.busy_s)
+        self.charge(sum(len(p) + len(c) for p, c in zip(args[1], args[2], strict=True)),
+                    self.busy_s)  # fmt: skip
         if self.meanwhile is not None:
             self.meanwhile()
         return await super().check(*args, **kwargs)
