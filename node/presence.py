@@ -166,7 +166,9 @@ class Registrar:
 
     async def register_with_retries(self, budget_s: float) -> None:
         """Register, retrying transient failures (a dropped stream) until ``budget_s`` is spent;
-        a refusal (``Rejected``) or the last failure propagates."""
+        a refusal (``Rejected``) or the last failure propagates, except ``swarm_full`` with a
+        ``retry_after_s`` (the coordinator admits new nodes at the rate its verifiers absorb,
+        oldest first): the node waits as told and asks again, for as long as it takes."""
         deadline = self._monotonic() + budget_s
         delay = 0.2
         while True:
@@ -174,6 +176,13 @@ class Registrar:
             try:
                 await self.register(timeout=max(left, 0.5))
                 return
+            except Rejected as exc:
+                if exc.code is not ReasonCode.SWARM_FULL or exc.retry_after_s is None:
+                    raise
+                log.info("not admitted yet (%s); registering again in %.0f s", exc.detail,
+                         exc.retry_after_s)  # fmt: skip
+                await self._sleep(max(0.5, exc.retry_after_s))
+                deadline = self._monotonic() + budget_s  # waiting to be admitted is no failure
             except CoordinatorUnavailable as exc:
                 if self._monotonic() + delay >= deadline:
                     raise

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from coord_harness import TOK, FakeClock, Harness, advert, submission
 
 from coordinator.admission import ProbationBucket
 from coordinator.capacity import plan_activation, verification_rule, with_verification
@@ -27,7 +28,6 @@ from coordinator.verify_budget import MeteredVerifier, VerificationBudget, Verif
 from coordinator.verifying import VerifyingLeases
 from protocol.errors import ReasonCode
 from protocol.messages import Ack, Lease, Reject
-from tests.unit.coord_harness import TOK, FakeClock, Harness, advert, submission
 
 KEY = [bytes([i]) * 32 for i in range(10)]
 

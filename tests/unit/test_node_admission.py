@@ -1,0 +1,84 @@
+"""A node the coordinator does not admit yet (``swarm_full`` with ``retry_after_s``: the
+verification budget admits new identities at the rate its verifiers absorb, issue 35) waits as
+told and registers again, instead of giving up; other refusals still propagate. The real
+coordinator core and node RPC handlers on the in-memory transport; the node's sleep advances the
+coordinator's fake clock."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from coord_harness import FakeClock, Harness, advert
+
+from coordinator.node_rpc import NodeHandlers
+from coordinator.service import register_handlers
+from coordinator.sim.verifier import ReferenceVerifier
+from node.client import CoordinatorClient, Rejected
+from node.presence import Registrar
+from policy.model import CharTokenizer
+from protocol import rpc
+from protocol.errors import ReasonCode
+from protocol.identity import Identity
+from protocol.messages import CapabilityAdvert
+from swarm.memtransport import InMemoryNetwork
+
+
+class _NoVersions:
+    """The version waits a registration never reaches."""
+
+    async def until_leasable(self, wait_s: float) -> None:
+        return None
+
+    async def wait_held(self, version: int, timeout: float) -> None:
+        return None
+
+
+async def _world(tmp_path: Path, **verification: Any) -> tuple[Harness, Registrar, list[float]]:
+    clock = FakeClock(time.time())
+    h = Harness(tmp_path, clock=clock, verifier=ReferenceVerifier({}, CharTokenizer().vocab_size),
+                intake={"spot_check_fraction": 0.05, "new_node_check_rate": 1.0},
+                verification={"assumed_tokens_per_s": 1000.0, "admission_burst": 1,
+                              **verification})  # fmt: skip
+    h.node()  # takes the bucket's only token
+    net = InMemoryNetwork()
+    coord = net.endpoint("coord")
+    nodes = NodeHandlers(h.core, versions=_NoVersions(), on_rollouts=lambda: None)
+    await register_handlers(coord, {rpc.REGISTER: nodes.on_register})
+    ident = Identity.generate()
+    transport = net.endpoint("node-x")
+
+    def make_advert() -> CapabilityAdvert:
+        return msgspec.structs.replace(advert(ident, clock()), peer_id=transport.peer_id)
+
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:  # the node waits: coordinator time passes
+        slept.append(seconds)
+        clock.advance(seconds)
+
+    client = CoordinatorClient(transport, coord.peer_id, ident, clock=clock)
+    registrar = Registrar(client, make_advert, heartbeat_interval_s=None, clock=clock,
+                          monotonic=clock, sleep=sleep)  # fmt: skip
+    return h, registrar, slept
+
+
+async def test_a_node_not_admitted_yet_waits_as_told_and_registers(tmp_path: Path) -> None:
+    h, registrar, slept = await _world(tmp_path)
+    await registrar.register_with_retries(5.0)
+    assert len(slept) == 1 and slept[0] >= 1.0  # told to come back when a token is there
+    assert h.core.budget.refused == 1 and h.core.budget.admitted == 2
+    assert h.store.node_count() == 2
+
+
+async def test_other_refusals_still_end_the_registration(tmp_path: Path) -> None:
+    h, registrar, slept = await _world(tmp_path)
+    h.core.reputation.ban_now(registrar._advert().node_key, "test", "banned by the test",
+                              h.clock())  # fmt: skip
+    with pytest.raises(Rejected) as refused:
+        await registrar.register_with_retries(5.0)
+    # (a banned identity never registered is answered unknown_node): no wait, no second try
+    assert refused.value.code is not ReasonCode.SWARM_FULL and slept == []
