@@ -14,7 +14,12 @@ Modules (transport-independent core; the network service is built on :class:`cor
 - :mod:`coordinator.feed`       ``RolloutFeed``: fetch_rollouts and the learner's reports
 - :mod:`coordinator.activation` ``ActiveSet`` (the plan, the active set), ``LearnerFigures``
 - :mod:`coordinator.liveness`   ``Liveness``: last_seen buffered and flushed in one commit
-- :mod:`coordinator.admission`  ``Admission``: a known node with no ban in force
+- :mod:`coordinator.admission`  ``Admission``: a known node with no ban in force;
+                                ``ProbationBucket``: new identities at the budget's pace
+- :mod:`coordinator.verify_budget` ``VerificationBudget``: verifiers' throughput V, the demand
+                                D of the check rates, admission of new identities (issue 35)
+- :mod:`coordinator.verifying`  ``VerifyingLeases``: leases whose submission waits for its
+                                check do not expire
 - :mod:`coordinator.slots`      ``PromptSlots``: a lease's prompts as issued
 - :mod:`coordinator.config`     ``CoordinatorConfig`` (pydantic, TOML via ``load_config``)
 - :mod:`coordinator.errors`     ``Rejection`` / ``IntakeRejection`` (wire reason codes),
