@@ -15,7 +15,11 @@ docs/benchmarks.md (section ``bench:calibrate``):
 * raw-logit differences between the node's path (KV-cache, one token at a time) and the
   verifier's (one batched forward), the quantity the logit margin must cover;
 * boundary tokens (positions where the margin widened the admissible interval);
-* the detection rate of the tail forgery (40% of each sample's log-probs at −20).
+* the detection rate of the tail forgery (40% of each sample's log-probs at −20);
+* tokens the seeded replay admits per position (what a forgery picking the best admissible
+  token chooses from; 1.0 is an exact replay), over the positions of the first honest checks,
+  with the local slack the check uses and, beside it, with one global slack ``M · κ · c(1 − c)``
+  (the rule before the local spread, issue 34).
 
 Usage: ``python bench/calibrate_verifier.py`` (defaults: 10,000 samples per dtype and setting,
 float32 / bfloat16 / float16, plain and T 1.3 top-k 5 top-p 0.8). Several model seeds are used so
@@ -41,7 +45,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench._report import write_section
-from coordinator.calibration import calibrated_tolerance, measure_honest_error
+from coordinator.calibration import (
+    admissible_per_position,
+    calibrated_tolerance,
+    local_slack,
+    measure_honest_error,
+)
 from coordinator.config import IntakeSection
 from coordinator.logprobs import judge, token_deltas
 from coordinator.tasks import ReverseTask
@@ -75,6 +84,8 @@ class Tally:
     forged_caught: int = 0
     forged_checks: int = 0
     tolerances: list[Any] = field(default_factory=list)
+    #: per setting: [Σ admitted tokens with the local slack, with one global slack, positions]
+    admitted: dict[str, list[float]] = field(default_factory=dict)
 
 
 def _tail(c: list[float]) -> list[float]:
@@ -153,7 +164,17 @@ def run(dtype: str, setting: str, n_samples: int, seeds: int, tally: Tally, *, m
             top_k=cfg.top_k, seed=10_000 + model_seed,
         )  # fmt: skip
         tol = calibrated_tolerance(err, intake.calibration_margin)
+        local = local_slack(err, intake.calibration_margin)
+        alt_model = (
+            None
+            if err.local_dtype is None
+            else copy.deepcopy(base).to(getattr(torch, err.local_dtype))
+        )
+        global_tol = tol.model_copy(
+            update={"replay_rel_slack": intake.calibration_margin * err.cdf_rel}
+        )
         tally.tolerances.append(tol)
+        admitted_here = 0
         backend = HFBackend(model=node_model, device="cpu")
         lease_seed = 1000 * model_seed + 7
         requests = [
@@ -171,7 +192,8 @@ def run(dtype: str, setting: str, n_samples: int, seeds: int, tally: Tally, *, m
                     verifier_model, [req.prompt_token_ids] * GROUP, comps, cfg.temperature,
                     top_p=cfg.top_p, top_k=cfg.top_k, uniforms=uniforms,
                     slack=tol.replay_slack, rel_slack=tol.replay_rel_slack,
-                    margin=tol.logit_margin,
+                    margin=tol.logit_margin, alt_model=alt_model,
+                    local_slack=local if alt_model is not None else 0.0,
                 )  # fmt: skip
                 verdict = judge(
                     audits, claimed, tol, label=f"hf/{dtype}", version=1,
@@ -201,6 +223,23 @@ def run(dtype: str, setting: str, n_samples: int, seeds: int, tally: Tally, *, m
                     )  # fmt: skip
                     tally.forged_checks += 1
                     tally.forged_caught += not caught.ok
+                if admitted_here < 1600:  # per model and setting
+                    prompts_ = [req.prompt_token_ids] * GROUP
+                    ref_l = torch.cat(verifier_logits(verifier_model, prompts_, comps))
+                    u_all = torch.cat([u[: len(c)] for u, c in zip(uniforms, comps, strict=True)])
+                    n_pos = ref_l.shape[0]
+                    kw = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
+                    adm = tally.admitted.setdefault(setting, [0.0, 0.0, 0.0])
+                    if alt_model is not None:
+                        alt_l = torch.cat(verifier_logits(alt_model, prompts_, comps))
+                        adm[0] += n_pos * admissible_per_position(
+                            ref_l, u_all, tol, alt_logits=alt_l, local=local, **kw
+                        )
+                    else:
+                        adm[0] += n_pos * admissible_per_position(ref_l, u_all, tol, **kw)
+                    adm[1] += n_pos * admissible_per_position(ref_l, u_all, global_tol, **kw)
+                    adm[2] += n_pos
+                    admitted_here += n_pos
                 if len(tally.logit_diff) < 4000 and tally.checks % 4 == 0:
                     ref = verifier_logits(verifier_model, [req.prompt_token_ids] * 2, comps[:2])
                     for c, r in zip(comps[:2], ref, strict=True):
@@ -247,6 +286,9 @@ def main() -> None:
             else "- (max_abs bounds every token)"
         )
         forged = f"{tally.forged_caught}/{tally.forged_checks}" if tally.forged_checks else "-"
+        admitted = "; ".join(
+            f"{name} {a / n:.3f} ({g / n:.3f})" for name, (a, g, n) in tally.admitted.items()
+        )
         label = f"{dtype}, node computing in fp32" if mixed else dtype
         rows.append(
             f"| {label} | {tally.samples:,} | {fmt(statistics.median(tally.deltas))} / "
@@ -255,7 +297,7 @@ def main() -> None:
             f"(limit {tol.threshold:g}) | {tail} | {fmt(max(abs(z) for z in tally.z))} | "
             f"{tally.misses}/{tally.tokens} | {fmt(q(tally.logit_diff, 0.99))} / "
             f"{fmt(max(tally.logit_diff))} (margin {tol.logit_margin:g}) | {tally.boundary} | "
-            f"{fp} | {forged} |"
+            f"{fp} | {forged} | {admitted} |"
         )
         print(rows[-1], flush=True)
     elapsed = time.monotonic() - t0
@@ -263,8 +305,9 @@ def main() -> None:
         [
             "| dtype | honest samples | Δ log-prob: median / p99 / p99.9 / max | worst check "
             "metric | worst tail share | worst \\|z\\| | replay misses | logit diff node vs "
-            "verifier: p99 / max | boundary tokens | checks refused (FP) | forgeries caught |",
-            "|---|---:|---|---|---|---:|---:|---|---:|---|---:|",
+            "verifier: p99 / max | boundary tokens | checks refused (FP) | forgeries caught | "
+            "tokens admitted per position: local (global) slack |",
+            "|---|---:|---|---|---|---:|---:|---|---:|---|---:|---|",
             *rows,
         ]
     )
@@ -277,7 +320,12 @@ def main() -> None:
         "node's dtype, seeded replay) and judged in checks of 8 samples with the tolerance the "
         "coordinator calibrates per version (coordinator/calibration.py: every accepted "
         "precision and path measured on its own copy, times intake.calibration_margin; the "
-        "limits shown are the loosest over the model initialisations). Forgeries: hole 2's "
+        "limits shown are the loosest over the model initialisations; each replayed CDF bound "
+        "widened by the local spread of the verifier's fp32 and bf16 forwards). Tokens admitted "
+        "per position, per setting: the mean over the positions of the first honest checks of "
+        "each model (about 1,600 per model), with the check's local slack and, in brackets, "
+        "with one global slack M·κ·c(1−c) as before; at top-k/top-p the logit margin's "
+        "boundary tokens add their own. Forgeries: hole 2's "
         "tail and issue 34 finding 1's three, on every check. Δ is the distance of a claimed "
         "log-prob from its "
         "admissible interval. Same CPU for node and verifier; the paths differ (KV cache one "

@@ -25,9 +25,19 @@ measured figures, their maximum over every position of every path, are:
   moves ``cdf_k`` by ``c_k (1 − c_k)`` times the difference of the mean errors below and above
   ``k``, so this ratio is bounded by twice the logit error, and measured it is far tighter.
 
-The version's tolerance is these maxima times ``intake.calibration_margin`` (``M``, default 3):
+* ``local``: ``|Δ cdf_k| / (D_k + F · c_k (1 − c_k))`` (``ρ``), where ``D_k`` is the local spread
+  of the verifier's own two forwards at that bound (:func:`policy.boundary.local_cdf_spread`:
+  its fp32 forward against one in the coarsest accepted precision, :func:`local_dtype`, the most
+  over the bounds within two of ``k``) and ``F`` = :data:`LOCAL_FLOOR` covers the bounds where
+  the two happen to agree.
+
+The version's tolerance is these maxima times ``intake.calibration_margin`` (``M``, default 2):
 ``max_abs`` per token ``M · logprob`` (every token bounded: no median, no tail share), logit
-margin ``M · logit``, replay slack ``M · cdf_rel · c (1 − c)`` per bound and no replay misses.
+margin ``M · logit``, and no replay misses. The replay widens each CDF bound by ``M · ρ · (D_k +
+F · c (1 − c))`` (:func:`local_slack`: the check makes the second forward; ``M · ρ · F`` is the
+tolerance's ``replay_rel_slack``). One global slack ``M · cdf_rel · c (1 − c)`` had to cover the
+worst position of all (the largest bf16 ``cdf_rel`` is 10× its median) and admitted 1.12 tokens
+per position on the embedded model; the local one admits about 1.04 (issue 34).
 :data:`FLOORS` keep each above fp32 rounding. docs/reliability.md "Calibration" gives the
 figures and what the margin buys.
 """
@@ -43,14 +53,30 @@ from typing import Any
 import torch
 
 from coordinator.config import Tolerance
+from policy.boundary import local_cdf_spread
 from policy.draw import draw_tokens, processed_logprobs, sample_uniforms
 from policy.sampling import sample_seed
 
-__all__ = ["FLOORS", "HonestError", "calibrated_tolerance", "measure_honest_error"]
+__all__ = [
+    "FLOORS",
+    "LOCAL_FLOOR",
+    "HonestError",
+    "admissible_per_position",
+    "calibrated_tolerance",
+    "local_dtype",
+    "local_slack",
+    "measure_honest_error",
+]
 
 #: Lower bounds of the calibrated figures (fp32 rounding of a log-softmax and of a CDF sum): a
 #: model whose paths agree bit for bit still gets a tolerance that float noise cannot break.
-FLOORS = {"logprob": 1e-4, "logit": 1e-4, "cdf_rel": 1e-4, "slack": 1e-6}
+FLOORS = {"logprob": 1e-4, "logit": 1e-4, "cdf_rel": 1e-4, "slack": 1e-6, "local": 0.05}
+
+#: ``F``: the share of ``c (1 − c)`` added to the local spread at every bound. The cheapest of
+#: 5e-4, 1e-3, 2e-3 and 4e-3 on the embedded model (admitted tokens per position at M = 2:
+#: 1.051, 1.051, 1.049, 1.053; docs/reliability.md): smaller needs a larger ρ where the two
+#: forwards agree by chance, larger widens every bound.
+LOCAL_FLOOR = 2e-3
 
 
 @dataclass(frozen=True)
@@ -63,12 +89,16 @@ class HonestError:
     logit: float
     #: max |Δ cdf_k| / (c_k (1 − c_k))
     cdf_rel: float
+    #: ρ: max |Δ cdf_k| / (D_k + F c_k (1 − c_k)), D the verifier's own local spread
+    local: float
+    #: the precision of the verifier's second forward (None: fp32 only accepted, D = 0)
+    local_dtype: str | None
     #: positions measured (all paths together)
     positions: int
     #: samples drawn (all paths together)
     samples: int
-    #: the figures per path: name -> (logprob, logit, cdf_rel)
-    paths: dict[str, tuple[float, float, float]]
+    #: the figures per path: name -> (logprob, logit, cdf_rel, local)
+    paths: dict[str, tuple[float, float, float, float]]
 
 
 def calibrated_tolerance(err: HonestError, margin: float) -> Tolerance:
@@ -80,9 +110,30 @@ def calibrated_tolerance(err: HonestError, margin: float) -> Tolerance:
         threshold=margin * max(err.logprob, FLOORS["logprob"]),
         logit_margin=margin * max(err.logit, FLOORS["logit"]),
         replay_slack=FLOORS["slack"],
-        replay_rel_slack=margin * max(err.cdf_rel, FLOORS["cdf_rel"]),
+        replay_rel_slack=max(local_slack(err, margin) * LOCAL_FLOOR, FLOORS["cdf_rel"]),
         replay_miss_share=0.0,
     )
+
+
+def local_slack(err: HonestError, margin: float) -> float:
+    """``M · ρ``: the factor of the local spread ``D_k + F c (1 − c)`` by which the replay widens
+    each CDF bound (:func:`policy.scoring.audit_samples`' ``local_slack``)."""
+    if not (math.isfinite(margin) and margin >= 1.0):
+        raise ValueError(f"calibration margin must be a finite number >= 1, got {margin}")
+    return margin * max(err.local, FLOORS["local"])
+
+
+def local_dtype(dtypes: Sequence[str]) -> str | None:
+    """The coarsest accepted precision other than fp32 (largest machine epsilon: bf16 before
+    fp16), in which the verifier makes its second forward; None when only fp32 is accepted."""
+    found: list[tuple[float, str]] = []
+    for name in dtypes:
+        dt = getattr(torch, name, None)
+        if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+            raise ValueError(f"unknown dtype {name!r} in intake.accepted_dtypes")
+        if dt != torch.float32:
+            found.append((torch.finfo(dt).eps, name))
+    return max(found)[1] if found else None
 
 
 def _kv_logits(model: Any, prompt: list[int], n: int, steps: int, draw: Any) -> tuple[Any, Any]:
@@ -117,9 +168,16 @@ def _batched_logits(model: Any, prompt: list[int], tokens: Any) -> Any:
 
 
 def _compare(
-    ref: Any, other: Any, tokens: Any, temperature: float, top_p: float, top_k: int
-) -> tuple[float, float, float, int]:
-    """(logprob, logit, cdf_rel, positions) of ``other`` logits against ``ref`` [N, T, V]."""
+    ref: Any,
+    other: Any,
+    tokens: Any,
+    spread: Any,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+) -> tuple[float, float, float, float, int]:
+    """(logprob, logit, cdf_rel, local, positions) of ``other`` logits against ``ref``
+    [N, T, V]; ``spread`` [N, T, V] is the verifier's local spread (:func:`local_cdf_spread`)."""
     lp_r = processed_logprobs(ref, temperature, top_p, top_k)
     lp_o = processed_logprobs(other, temperature, top_p, top_k)
     same_set = (torch.isfinite(lp_r) == torch.isfinite(lp_o)).all(-1)  # [N, T]
@@ -131,9 +189,18 @@ def _compare(
     c_r = lp_r.exp().cumsum(-1)[..., :-1]
     c_o = lp_o.exp().cumsum(-1)[..., :-1]
     inside = (c_r > 1e-6) & (c_r < 1 - 1e-6) & same_set.unsqueeze(-1)
-    ratio = (c_o - c_r).abs() / (c_r * (1 - c_r)).clamp_min(1e-12)
-    ratio = torch.where(inside, ratio, torch.zeros_like(ratio))
-    return float(d_lp.max()), float(d_logit.max()), float(ratio.max()), int(d_lp.numel())
+    cc = c_r * (1 - c_r)
+    moved = (c_o - c_r).abs()
+    ratio = torch.where(inside, moved / cc.clamp_min(1e-12), torch.zeros_like(moved))
+    local = moved / (spread[..., :-1] + LOCAL_FLOOR * cc).clamp_min(1e-12)
+    local = torch.where(inside, local, torch.zeros_like(local))
+    return (
+        float(d_lp.max()),
+        float(d_logit.max()),
+        float(ratio.max()),
+        float(local.max()),
+        int(d_lp.numel()),
+    )
 
 
 def measure_honest_error(
@@ -157,10 +224,10 @@ def measure_honest_error(
     worst: dict[str, list[float]] = {}
     positions = drawn = 0
     ref_model = model
+    alt_name = local_dtype(dtypes)
+    alt_model = None if alt_name is None else copy.deepcopy(ref_model).to(getattr(torch, alt_name))
     for dtype in dtypes:
-        dt = getattr(torch, dtype, None)
-        if not isinstance(dt, torch.dtype):
-            raise ValueError(f"unknown dtype {dtype!r} in intake.accepted_dtypes")
+        dt = getattr(torch, dtype)
         cast = ref_model if dtype == "float32" else copy.deepcopy(ref_model).to(dt)
         upcast = None if dtype == "float32" else copy.deepcopy(cast).to(torch.float32)
         for k in range(max(1, math.ceil(samples / group))):
@@ -180,19 +247,27 @@ def measure_honest_error(
             if dtype != "float32":
                 paths[f"batched/{dtype}"] = _batched_logits(cast, prompt, tokens)
                 paths[f"fp32-compute/{dtype}"] = _batched_logits(upcast, prompt, tokens)
+            if alt_model is None:
+                spread = torch.zeros_like(ref)
+            else:
+                alt = _batched_logits(alt_model, prompt, tokens)
+                spread = local_cdf_spread(ref, alt, temperature, top_p, top_k)
             for name, logits in paths.items():
-                lp, lg, cr, n = _compare(ref, logits, tokens, temperature, top_p, top_k)
-                w = worst.setdefault(name, [0.0, 0.0, 0.0])
+                lp, lg, cr, lc, n = _compare(ref, logits, tokens, spread, temperature, top_p, top_k)
+                w = worst.setdefault(name, [0.0, 0.0, 0.0, 0.0])
                 w[0], w[1], w[2] = max(w[0], lp), max(w[1], lg), max(w[2], cr)
+                w[3] = max(w[3], lc)
                 positions += n
             drawn += group
     return HonestError(
         logprob=max(w[0] for w in worst.values()),
         logit=max(w[1] for w in worst.values()),
         cdf_rel=max(w[2] for w in worst.values()),
+        local=max(w[3] for w in worst.values()),
+        local_dtype=alt_name,
         positions=positions,
         samples=drawn,
-        paths={k: (w[0], w[1], w[2]) for k, w in worst.items()},
+        paths={k: (w[0], w[1], w[2], w[3]) for k, w in worst.items()},
     )
 
 
@@ -204,17 +279,25 @@ def admissible_per_position(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    alt_logits: Any = None,
+    local: float = 0.0,
 ) -> float:
     """Mean number of tokens the seeded replay admits at a position (``logits [N, V]`` raw, the
     verifier's; ``u [N]`` the positions' uniforms): 1.0 is an exact replay; what a cheater picking
-    the best admissible token at each position chooses from (issue 34, finding 2)."""
+    the best admissible token at each position chooses from (issue 34, finding 2). With
+    ``alt_logits [N, V]`` (the verifier's coarser-precision forward of the same positions) each
+    bound is widened by ``local`` times their spread, as the check does."""
     from policy.boundary import kept_bounds, replay_admissible
 
     n, vocab = logits.shape
     bounds = kept_bounds(logits.float(), temperature, top_p, top_k, tol.logit_margin)
+    widen = None
+    if alt_logits is not None:
+        spread = local_cdf_spread(logits.float(), alt_logits.float(), temperature, top_p, top_k)
+        widen = local * spread
     count = torch.zeros(n)
     for t in range(vocab):
         targets = torch.full((n,), t, dtype=torch.long)
-        ok = replay_admissible(bounds, targets, u, tol.replay_slack, tol.replay_rel_slack)
+        ok = replay_admissible(bounds, targets, u, tol.replay_slack, tol.replay_rel_slack, widen)
         count += ok.float()
     return float(count.mean())

@@ -177,7 +177,13 @@ class InProcessLogprobVerifier:
        cherry-picked samples). Every backend samples with :func:`policy.draw.draw_tokens`, so
        every submission is replayed.
 
-    ``compute_s`` / ``checks`` / ``tokens`` add up the re-scoring work (verification compute).
+    With calibration, the replay widens each CDF bound by the local spread of a second forward
+    of the same batch in the coarsest accepted precision (bf16 by default: its model copy is
+    cached beside the fp32 one) times the calibrated factor
+    (:func:`coordinator.calibration.local_slack`).
+
+    ``compute_s`` / ``checks`` / ``tokens`` add up the re-scoring work (verification compute,
+    the second forward included).
     """
 
     def __init__(
@@ -254,6 +260,12 @@ class InProcessLogprobVerifier:
         return list(dict.fromkeys(v for v, _ in self._models))
 
     def tolerance_of(self, version: int, prompt_ids: list[list[int]], steps: int) -> Tolerance:
+        """The calibrated tolerance of ``version`` (see :meth:`calibration_of`)."""
+        return self.calibration_of(version, prompt_ids, steps)[0]
+
+    def calibration_of(
+        self, version: int, prompt_ids: list[list[int]], steps: int
+    ) -> tuple[Tolerance, HonestError]:
         """The calibrated tolerance of ``version`` (blocking; call with ``_lock`` held): honest
         samples of the check's prompts in every accepted precision
         (:func:`coordinator.calibration.measure_honest_error`), measured on the first check of a
@@ -268,7 +280,7 @@ class InProcessLogprobVerifier:
         if version not in self.calibrated:
             below = [v for v in self.calibrated if v <= version]
             if below and version - max(below) < cal.every:
-                return self.calibrated[max(below)][0]
+                return self.calibrated[max(below)]
             t0 = time.perf_counter()
             err = measure_honest_error(
                 self._model(version, "float32"),
@@ -286,7 +298,7 @@ class InProcessLogprobVerifier:
             self.calibrated[version] = (calibrated_tolerance(err, cal.margin), err)
             while len(self.calibrated) > self.cache_size:
                 del self.calibrated[min(self.calibrated)]
-        return self.calibrated[version][0]
+        return self.calibrated[version]
 
     def _audit(
         self,
@@ -306,8 +318,18 @@ class InProcessLogprobVerifier:
             width = max([steps or 0, *map(len, completions)])
             uniforms = [sample_uniforms(seed, width) for seed in seeds]
         with self._lock:
+            alt, local = None, 0.0
             if tol is None:
-                tol = self.tolerance_of(version, prompt_ids, steps or max(map(len, completions)))
+                from coordinator.calibration import local_slack
+
+                assert self.calibration is not None
+                tol, err = self.calibration_of(
+                    version, prompt_ids, steps or max(map(len, completions))
+                )
+                if err.local_dtype is not None and uniforms is not None:
+                    # the second forward whose spread sizes each replayed bound's slack
+                    alt = self._model(version, err.local_dtype)
+                    local = local_slack(err, self.calibration.margin)
             model = self._model(version, dtype)  # loading weights is I/O, not re-scoring
             t0 = time.perf_counter()
             out = audit_samples(
@@ -321,6 +343,8 @@ class InProcessLogprobVerifier:
                 slack=tol.replay_slack,
                 rel_slack=tol.replay_rel_slack,
                 margin=tol.logit_margin,
+                alt_model=alt,
+                local_slack=local,
                 pad_id=self.pad_id,
             )
             self.compute_s += time.perf_counter() - t0

@@ -28,6 +28,12 @@ inverse-CDF draw at ``u`` if it is for some such ``S`` (:func:`replay_admissible
   x_j ≥ x_i − d} e_j`` and ``R = e_i + Σ_{j ∈ inner_k, x_j < x_i − d} e_j`` (an upper bound).
 
 Everything is vectorised over leading dimensions (one sort and a few prefix sums per position).
+
+The replay's CDF bounds may also be widened per position and bound (:func:`local_cdf_spread`):
+by how far the verifier's own forward in a coarser precision (bf16) moves each bound from its
+fp32 forward. Rounding moves a bound where the distribution is sensitive to it, so a slack
+proportional to that local spread admits far fewer tokens than one global slack sized for the
+worst position (issue 34: 1.12 → about 1.04 tokens per position on the embedded model).
 """
 
 from __future__ import annotations
@@ -36,13 +42,21 @@ from dataclasses import dataclass
 
 import torch
 
+from policy.draw import processed_logprobs
+
 __all__ = [
     "DEFAULT_LOGIT_MARGIN",
+    "LOCAL_WINDOW",
     "KeptBounds",
     "kept_bounds",
+    "local_cdf_spread",
     "logprob_interval",
     "replay_admissible",
 ]
+
+#: Bounds on either side (token-id order) over which :func:`local_cdf_spread` takes its maximum:
+#: two forwards can agree at one bound by chance while a third machine's rounding moves it.
+LOCAL_WINDOW = 2
 
 #: Default logit margin per dtype (raw-logit difference two honest machines may show), from
 #: honest runs (bench/calibrate_verifier.py; docs/reliability.md "Calibration"). The coordinator's
@@ -143,12 +157,47 @@ def logprob_interval(
     return torch.where(possible, lo, ninf), torch.where(possible, hi, ninf)
 
 
+def local_cdf_spread(
+    ref_logits: torch.Tensor,
+    alt_logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    window: int = LOCAL_WINDOW,
+) -> torch.Tensor:
+    """``[..., V]``: at every CDF bound ``k`` (``cdf[k] = Σ_{j ≤ k} p_j`` of the processed
+    distribution in token-id order), the largest ``|cdf_alt − cdf_ref|`` over the bounds within
+    ``window`` of ``k``, for two forwards of the same positions (raw logits ``[..., V]``: the
+    verifier's fp32 and its coarser-precision one), both over the reference's top-k/top-p kept
+    set. The last bound (``cdf = 1``) is 0."""
+    if ref_logits.shape != alt_logits.shape:
+        raise ValueError(f"logits of shape {tuple(ref_logits.shape)} and "
+                         f"{tuple(alt_logits.shape)}: the two forwards must cover the same "
+                         "positions")  # fmt: skip
+    lp_ref = processed_logprobs(ref_logits, temperature, top_p, top_k)
+    # the alt forward over the reference's kept set: a boundary token the two keep differently
+    # is the logit margin's business (kept_bounds), not a rounding of the bounds
+    x_alt = alt_logits.float() / temperature
+    x_alt = torch.where(torch.isfinite(lp_ref), x_alt, torch.full_like(x_alt, -torch.inf))
+    c_ref = lp_ref.exp().cumsum(-1)
+    c_alt = torch.softmax(x_alt, -1).cumsum(-1)
+    d = (c_alt - c_ref).abs()
+    d[..., -1] = 0.0
+    if window > 0:
+        vocab = d.shape[-1]
+        flat = d.reshape(-1, 1, vocab)
+        d = torch.nn.functional.max_pool1d(flat, 2 * window + 1, 1, window).reshape(d.shape)
+        d[..., -1] = 0.0
+    return d
+
+
 def replay_admissible(
     bounds: KeptBounds,
     targets: torch.Tensor,
     u: torch.Tensor,
     slack: float,
     rel_slack: float = 0.0,
+    local: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Whether each of ``targets [...]`` is the inverse-CDF draw at ``u [...]`` for some kept
     set ``S`` between ``inner`` and ``outer`` (each bound widened by ``slack`` probability mass).
@@ -160,7 +209,10 @@ def replay_admissible(
     s_hi·Z`` (``Z = Σ_outer e``), ``s = slack + rel_slack · c (1 − c)`` at the bound's CDF value
     ``c``: a raw-logit error moves ``cdf[k]`` by ``c (1 − c)`` times the difference of the mean
     errors below and above ``k`` (to first order), so the calibrated ``rel_slack`` widens the
-    bounds where rounding can move them and not at the ends of the CDF."""
+    bounds where rounding can move them and not at the ends of the CDF. ``local [..., V]``
+    (optional) adds a widening per bound: ``local[k]`` at the bound ``cdf[k]``, so ``local[t −
+    1]`` at the lower bound of ``t`` (none for ``t = 0``) and ``local[t]`` at its upper bound
+    (the calibrated factor times :func:`local_cdf_spread`)."""
     t = targets.unsqueeze(-1)
     zero = torch.zeros_like(bounds.e)
     e_in = torch.where(bounds.inner, bounds.e, zero)
@@ -183,4 +235,10 @@ def replay_admissible(
     c_hi = ((below_in + e_t) / z).clamp(0.0, 1.0)
     s_lo = slack + rel_slack * c_lo * (1.0 - c_lo)
     s_hi = slack + rel_slack * c_hi * (1.0 - c_hi)
+    if local is not None:
+        lw = local.to(e_t.dtype)
+        s_lo = s_lo + torch.where(
+            targets > 0, lw.gather(-1, (t - 1).clamp_min(0)).squeeze(-1), torch.zeros_like(e_t)
+        )
+        s_hi = s_hi + lw.gather(-1, t).squeeze(-1)
     return out_t & (f_max >= -s_lo * z) & (f_min < e_t + s_hi * z)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from policy.boundary import kept_bounds, logprob_interval, replay_admissible
+from policy.boundary import kept_bounds, local_cdf_spread, logprob_interval, replay_admissible
 from policy.draw import processed_logprobs
 
 if TYPE_CHECKING:
@@ -86,10 +86,12 @@ def _windows(
     pad_id: int,
     *,
     raw: bool = False,
-) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor, int]]:
-    """Per micro-batch: ``(rows, logp [B, T, V], targets [B, T], T)`` where row ``k``'s
+    alt_model: PreTrainedModel | None = None,
+) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor, int, torch.Tensor | None]]:
+    """Per micro-batch: ``(rows, logp [B, T, V], targets [B, T], T, alt)`` where row ``k``'s
     completion is right-aligned in the ``T = longest`` window (one forward per micro-batch);
-    ``raw``: the raw logits instead of the processed log-probs."""
+    ``raw``: the raw logits instead of the processed log-probs; ``alt``: the raw logits
+    ``[B, T, V]`` (fp32) of ``alt_model``'s forward of the same batch (None without one)."""
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
     if any(not p for p in prompt_ids):
@@ -107,11 +109,15 @@ def _windows(
             # logits at t predict token t+1: the last `longest` tokens are predicted by the
             # window [width-longest-1, width-1); each completion is right-aligned in it.
             window = logits[:, width - longest - 1 : width - 1, :]
+            alt = None
+            if alt_model is not None:
+                alt_out = alt_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+                alt = alt_out[:, width - longest - 1 : width - 1, :].float()
             if raw:
-                yield rows, window.float(), ids[:, width - longest :], longest
+                yield rows, window.float(), ids[:, width - longest :], longest, alt
                 continue
             logp = processed_logprobs(window, temperature, top_p, top_k)
-            yield rows, logp, ids[:, width - longest :], longest
+            yield rows, logp, ids[:, width - longest :], longest, alt
 
 
 def score_logprobs(
@@ -132,7 +138,7 @@ def score_logprobs(
     The model is used as is (device, dtype, train/eval mode); log-softmax is computed in fp32.
     """
     out: list[list[float]] = [[] for _ in prompt_ids]
-    for rows, logp, targets, longest in _windows(
+    for rows, logp, targets, longest, _ in _windows(
         model, prompt_ids, completion_ids, temperature, top_p, top_k, batch_size, pad_id
     ):
         picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).cpu().tolist()
@@ -153,6 +159,8 @@ def audit_samples(
     slack: float = 1e-3,
     rel_slack: float = 0.0,
     margin: float = 0.0,
+    alt_model: PreTrainedModel | None = None,
+    local_slack: float = 0.0,
     batch_size: int = 32,
     pad_id: int = 0,
 ) -> list[SampleAudit]:
@@ -168,13 +176,22 @@ def audit_samples(
       ``cdf[k-1] <= u·total < cdf[k]``, each bound widened by ``slack + rel_slack·c(1−c)``
       probability mass (``c`` the bound's CDF value) for
       float rounding between the node's and this forward pass
-      (:func:`policy.boundary.replay_admissible`).
+      (:func:`policy.boundary.replay_admissible`); with ``alt_model`` (the same weights in a
+      coarser precision, on the same device) each bound is widened further by ``local_slack``
+      times how far ``alt_model``'s forward moves it (:func:`policy.boundary.local_cdf_spread`),
+      a second forward per micro-batch.
     """
+    if (alt_model is None) != (local_slack == 0.0):
+        raise ValueError(
+            "audit_samples: alt_model and a local_slack > 0 go together (the slack scales how "
+            "far alt_model's forward moves each CDF bound)"
+        )
     out: list[SampleAudit | None] = [None] * len(prompt_ids)
     device = next(model.parameters()).device
-    for rows, logits, targets, longest in _windows(
-        model, prompt_ids, completion_ids, 1.0, 1.0, 0, batch_size, pad_id, raw=True
-    ):
+    for rows, logits, targets, longest, alt in _windows(
+        model, prompt_ids, completion_ids, 1.0, 1.0, 0, batch_size, pad_id, raw=True,
+        alt_model=alt_model if uniforms is not None else None,
+    ):  # fmt: skip
         logp = processed_logprobs(logits, temperature, top_p, top_k)
         probs = logp.exp()
         finite = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
@@ -199,7 +216,11 @@ def audit_samples(
             for k, i in enumerate(rows):
                 n = len(completion_ids[i])
                 u[k, longest - n :] = uniforms[i][:n]
-            ok_all = replay_admissible(bounds, targets, u.to(device), slack, rel_slack)
+            local = None
+            if alt is not None:
+                spread = local_cdf_spread(logits, alt, temperature, top_p, top_k)
+                local = local_slack * spread
+            ok_all = replay_admissible(bounds, targets, u.to(device), slack, rel_slack, local)
         for k, i in enumerate(rows):
             n = len(completion_ids[i])
             sl = slice(longest - n, longest)
