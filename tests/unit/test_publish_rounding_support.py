@@ -8,12 +8,13 @@ version's move is about 4e-5 nats/token in that run). With ``publish_dtype = "bf
 default) the node and the coordinator hold the bf16 rounding of the trainer's fp32 weights; where a
 token's higher-ranked mass sits within that rounding of ``top_p`` the node keeps it and the
 trainer does not (π_prox = 0: weight 0, KL term at the clamp). On the tiny chat model at T 0.8 and
-top-p 0.95 that happens to about 1.3e-4 of sampled tokens (5 in 37,735); with float32 publication
-to none in 31,450 (the node's weights are the trainer's bit for bit).
+top-p 0.95 that happens to 4 of 31,453 sampled tokens (1.3e-4); with float32 publication to none of
+31,450 (the node's weights are the trainer's bit for bit): ``python bench/publish_rounding.py``.
 
-Here one lease's group (prompt and seed found by that search; the margins are about 2e-3 of mass on
-either side of 0.95, far beyond another CPU's rounding) is sampled by the ``hf`` backend from the
-published weights and re-scored by the trainer's loss functions from its fp32 weights.
+Here one lease's group (the first case that benchmark lists; the token's higher-ranked mass is
+0.9483 on the node and 0.9523 on the trainer, far beyond another CPU's rounding of 0.95) is sampled
+by the ``hf`` backend from the published weights and re-scored by the trainer's loss functions
+from its fp32 weights.
 """
 
 from __future__ import annotations
