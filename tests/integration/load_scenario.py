@@ -1,6 +1,6 @@
 """Load: many simulated nodes against one real coordinator process (``swarm coordinator launch``).
 
-Shared by ``tests/integration/test_load.py`` (20 s, asserts the invariants) and
+Shared by ``tests/integration/test_load.py`` (10 s, asserts the invariants) and
 ``bench/load.py`` (longer, reports the figures). Everything runs on 127.0.0.1:
 
 * a coordinator subprocess (spot check on a small keyed-random fraction of leases, activation off)
