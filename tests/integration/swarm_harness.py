@@ -58,6 +58,16 @@ from swarm.transport import P2PTransport
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
+#: ``intake.calibration_samples`` for tests about faults, restarts and stops (not about the
+#: tolerance's figure): the first spot check of each version in each coordinator process
+#: calibrates that version's tolerance (coordinator/logprobs.py ``tolerance_of``), and the
+#: submission being checked waits for it. At the default (256 honest samples per precision and
+#: path) that is ~3.7 s of CPU for the embedded model; at the minimum (8) ~0.1 s. The calibration
+#: and every spot check still run; honest test nodes compute in fp32 like the verifier, so their
+#: error is fp32 rounding, which the calibrated tolerance's floors (coordinator/calibration.py
+#: ``FLOORS``) keep clear of however few samples were drawn.
+FAST_CALIBRATION: dict[str, object] = {"calibration_samples": 8}
+
 
 class Proc:
     """A ``swarm`` CLI child process with its output in a log file; stopped by PID."""
@@ -181,22 +191,33 @@ async def launch_coordinator(
 ) -> CoordinatorProc:
     """Start (or restart, same state dir ``tmp/coord``) a coordinator; wait for its address.
     ``env`` adds environment variables (e.g. ``RSWARM_FAULTS``, see :mod:`swarm.faults`)."""
-    state = tmp / "coord"
-    info_file = state / "coordinator.json"
-    info_file.unlink(missing_ok=True)  # a restart rewrites it once it is listening again
-    proc = Proc(
-        ["coordinator", "launch", "--config", str(config), "--state-dir", str(state)],
-        tmp / "coordinator.log",
-        env,
-    )
+    proc = start_coordinator(tmp, config, env)
     try:
-        await until(info_file.exists, "coordinator.json", 60, proc)
-        info = json.loads(info_file.read_text())
-        key = Identity.load(state / "coordinator.key")
-        assert key.fingerprint == info["fingerprint"]
+        await until((tmp / "coord" / "coordinator.json").exists, "coordinator.json", 60, proc)
+        return coordinator_up(tmp, proc)
     except BaseException:  # not handed to the caller yet: nobody else would stop it
         proc.stop()
         raise
+
+
+def start_coordinator(tmp: Path, config: Path, env: dict[str, str] | None = None) -> Proc:
+    """:func:`launch_coordinator` without the wait: the process, whose address
+    :func:`coordinator_up` reads once ``tmp/coord/coordinator.json`` exists."""
+    info_file = tmp / "coord" / "coordinator.json"
+    info_file.unlink(missing_ok=True)  # a restart rewrites it once it is listening again
+    return Proc(
+        ["coordinator", "launch", "--config", str(config), "--state-dir", str(tmp / "coord")],
+        tmp / "coordinator.log",
+        env,
+    )
+
+
+def coordinator_up(tmp: Path, proc: Proc) -> CoordinatorProc:
+    """The coordinator ``proc`` started on ``tmp`` (its ``coordinator.json`` written)."""
+    state = tmp / "coord"
+    info = json.loads((state / "coordinator.json").read_text())
+    key = Identity.load(state / "coordinator.key")
+    assert key.fingerprint == info["fingerprint"]
     return CoordinatorProc(
         proc, state, info["multiaddrs"][0], info["peer_id"], info["fingerprint"], key.public_key
     )

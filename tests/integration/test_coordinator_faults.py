@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from swarm_harness import (
+    FAST_CALIBRATION,
     CoordinatorProc,
     Proc,
     TestNode,
@@ -80,7 +81,10 @@ class Rig:
 async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     trainer_id = Identity.generate()
     config = coordinator_toml(
-        tmp_path, trainer_id, leases={"min_deadline_s": 120.0, "target_lease_s": 100.0}
+        tmp_path,
+        trainer_id,
+        leases={"min_deadline_s": 120.0, "target_lease_s": 100.0},
+        intake=FAST_CALIBRATION,
     )
     r = Rig(tmp_path, config, trainer_id)
     try:
@@ -205,7 +209,7 @@ async def test_a_real_nodes_retry_after_a_crash_before_commit_is_accepted_once(
         tmp_path,
         trainer_id,
         leases={"min_deadline_s": 180.0},
-        intake={"spot_check_fraction": 1.0},
+        intake={"spot_check_fraction": 1.0, **FAST_CALIBRATION},
         network={"port": free_port()},
     )
     rig = Rig(tmp_path, config, trainer_id)
@@ -214,7 +218,9 @@ async def test_a_real_nodes_retry_after_a_crash_before_commit_is_accepted_once(
         await rig.start(faults="submit.before_commit")
         assert rig.trainer is not None and rig.coord is not None
         await rig.trainer.publish(1)
-        node = start_node(tmp_path, rig.coord, "n1", max_prompts=2)
+        # its retries back off to at most 1 s (default 30 s: doubling from 0.5 s, the retry after
+        # the restart came up to ~8 s late); the lease's deadline (180 s) bounds them either way
+        node = start_node(tmp_path, rig.coord, "n1", "backoff_max_s = 1.0\n", max_prompts=2)
         proc = rig.coord.proc
         await until(lambda: proc.popen.poll() is not None, "the fault to kill it", 90, node)
         assert "fault injection: submit.before_commit" in proc.text()

@@ -20,6 +20,7 @@ import msgspec
 import pytest
 import pytest_asyncio
 from swarm_harness import (
+    FAST_CALIBRATION,
     CoordinatorProc,
     TestNode,
     Trainer,
@@ -70,7 +71,8 @@ class Swarm:
 async def swarm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm]:
     tmp = tmp_path_factory.mktemp("shared")
     trainer_id = Identity.generate()
-    coord = await launch_coordinator(tmp, coordinator_toml(tmp, trainer_id))
+    config = coordinator_toml(tmp, trainer_id, intake=FAST_CALIBRATION)
+    coord = await launch_coordinator(tmp, config)
     trainer = Trainer(coord, trainer_id, tmp)
     try:
         await trainer.start()
@@ -197,7 +199,10 @@ async def crashable(tmp_path: Path) -> AsyncIterator[tuple[Path, Path, Identity,
     everything appended to the list is stopped at the end."""
     trainer_id = Identity.generate()
     config = coordinator_toml(
-        tmp_path, trainer_id, leases={"min_deadline_s": 120.0, "target_lease_s": 100.0}
+        tmp_path,
+        trainer_id,
+        leases={"min_deadline_s": 120.0, "target_lease_s": 100.0},
+        intake=FAST_CALIBRATION,
     )
     owned: list[object] = []
     try:

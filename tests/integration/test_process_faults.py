@@ -40,6 +40,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from swarm_harness import (
+    FAST_CALIBRATION,
     CoordinatorProc,
     Proc,
     TestNode,
@@ -283,7 +284,10 @@ async def node_swarm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[
         sampling={"max_new_tokens": 8},
         leases={"min_deadline_s": DEADLINE_S, "target_lease_s": 0.5,
                 "max_prompts_per_lease": 16},
-        intake={"spot_check_fraction": 0.1},
+        intake={"spot_check_fraction": 0.1, **FAST_CALIBRATION},
+        # the test-side identity claims 100 rollouts/s (fast_identity): admission by the spare
+        # verification budget (issue 35) refuses it swarm_full, as it should; not this test's
+        verification={"admission": False},
     )  # fmt: skip
     coord = await launch_coordinator(tmp, config)
     trainer = Trainer(coord, trainer_id, tmp)
@@ -483,7 +487,7 @@ async def test_trainer_restarts_resume_and_versions_stay_monotonic(
         trainer_key,
         sampling={"max_new_tokens": 5},
         leases={"min_deadline_s": 10.0, "target_lease_s": 0.5, "max_prompts_per_lease": 8},
-        intake={"spot_check_fraction": 0.1},
+        intake={"spot_check_fraction": 0.1, **FAST_CALIBRATION},
     )
     coord = await launch_coordinator(tmp_path, config)
     procs.append(coord.proc)
