@@ -19,6 +19,10 @@ States covered:
   waiting for the coordinator's record), stopped by SIGINT;
 * ``swarm demo`` mid-run: it ends every process it started within its bound (exit 130 as for
   Ctrl-C, its documented exit code when interrupted).
+
+The coordinator and trainer of each of the first four are started ahead of their test
+(:class:`Starter`: one swarm after the other, on a thread), so that a test's start-up overlaps
+the waits of the test before it; each test starts its own node and puts its swarm in its state.
 """
 
 from __future__ import annotations
@@ -29,11 +33,22 @@ import os
 import re
 import signal
 import socket
+import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from swarm_harness import Proc, coordinator_toml, launch_coordinator, until
+from swarm_harness import (
+    FAST_CALIBRATION,
+    CoordinatorProc,
+    Proc,
+    coordinator_toml,
+    coordinator_up,
+    start_coordinator,
+    until,
+)
 from test_process_faults import node_proc, published_versions, trainer_toml
 
 from protocol.identity import Identity
@@ -57,33 +72,55 @@ def _alive(pid: int) -> bool:
 def stop_within(proc: Proc, role: str, *, sig: int = signal.SIGTERM, code: int = 0) -> float:
     """Signal ``proc``; assert it exits with ``code`` within its role's bound and that every
     descendant it had is gone; returns the seconds it took."""
-    tree = descendants(proc.popen.pid)
-    names = {p: process_name(p) for p in tree}
-    bound = STOP_BOUND_S[role]
-    t0 = time.monotonic()
-    proc.signal(sig)
-    try:
-        got = proc.wait(bound)
-    except Exception:
+    return stop_all_within([(proc, role)], sig=sig, code=code)[0]
+
+
+def stop_all_within(
+    stops: list[tuple[Proc, str]], *, sig: int = signal.SIGTERM, code: int = 0
+) -> list[float]:
+    """:func:`stop_within` for several processes signalled at once (as a host's service manager
+    stops them): each is held to its own role's bound from its own signal, its exit code and
+    its descendants; returns the seconds each took (its exit seen within 50 ms)."""
+    trees = [descendants(proc.popen.pid) for proc, _ in stops]
+    names = [{p: process_name(p) for p in tree} for tree in trees]
+    started = []
+    for proc, _ in stops:
+        started.append(time.monotonic())
+        proc.signal(sig)
+    took: list[float | None] = [None] * len(stops)
+    while True:
+        now = time.monotonic()
+        for i, (proc, _) in enumerate(stops):
+            if took[i] is None and proc.popen.poll() is not None:
+                took[i] = now - started[i]
+        waiting = [i for i, t in enumerate(took) if t is None]
+        late = [i for i in waiting if now - started[i] > STOP_BOUND_S[stops[i][1]]]
+        if late or not waiting:
+            break
+        time.sleep(0.05)
+    for i in late:
+        proc, role = stops[i]
         raise AssertionError(
-            f"{role} (pid {proc.popen.pid}) still running {bound:.0f} s after "
+            f"{role} (pid {proc.popen.pid}) still running {STOP_BOUND_S[role]:.0f} s after "
             f"{signal.Signals(sig).name}\n{proc.text()[-3000:]}"
-        ) from None
-    took = time.monotonic() - t0
-    assert got == code, f"{role} exited {got}, not {code}\n{proc.text()[-3000:]}"
-    deadline = time.monotonic() + 1.0  # an exited child's zombie counts as gone
-    while any(_alive(p) for p in tree) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    # torch's shared-memory manager ends by itself once its client is gone (SELF_ENDING)
-    helpers = [p for p in tree if process_name(p) in SELF_ENDING]
-    deadline = time.monotonic() + SELF_ENDING_S
-    while any(_alive(p) for p in helpers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = [p for p in tree if _alive(p)]
-    assert not left, f"{role}: descendants {left} of {names} outlived it\n{proc.text()[-2000:]}"
-    assert tree, f"{role}: no child process was seen (DHT process, p2pd)"
-    print(f"{role} stopped in {took:.1f} s (bound {bound:.0f} s), {len(tree)} descendants gone")
-    return took
+        )
+    for (proc, role), tree, named, t in zip(stops, trees, names, took, strict=True):
+        got = proc.popen.returncode
+        assert got == code, f"{role} exited {got}, not {code}\n{proc.text()[-3000:]}"
+        deadline = time.monotonic() + 1.0  # an exited child's zombie counts as gone
+        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # torch's shared-memory manager ends by itself once its client is gone (SELF_ENDING)
+        helpers = [p for p in tree if process_name(p) in SELF_ENDING]
+        deadline = time.monotonic() + SELF_ENDING_S
+        while any(_alive(p) for p in helpers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [p for p in tree if _alive(p)]
+        assert not left, f"{role}: descendants {left} of {named} outlived it\n{proc.text()[-2000:]}"
+        assert tree, f"{role}: no child process was seen (DHT process, p2pd)"
+        print(f"{role} stopped in {t:.1f} s (bound {STOP_BOUND_S[role]:.0f} s), "
+              f"{len(tree)} descendants gone")  # fmt: skip
+    return [t for t in took if t is not None]
 
 
 def _trainer(tmp: Path, coord_maddr: str, key: str, name: str, **env: str) -> Proc:
@@ -93,104 +130,206 @@ def _trainer(tmp: Path, coord_maddr: str, key: str, name: str, **env: str) -> Pr
     return Proc(args, tmp / f"{name}.log", env=env or None)
 
 
-async def _swarm(tmp: Path, trainer: str = "trainer") -> tuple[object, Path, Identity]:
-    state = tmp / trainer
-    key = Identity.load_or_create(state / "trainer.key")
-    config = coordinator_toml(
+def _coordinator_config(tmp: Path) -> Path:
+    key = Identity.load_or_create(tmp / "trainer" / "trainer.key")
+    return coordinator_toml(
         tmp,
         key,
         sampling={"max_new_tokens": 5},
         leases={"min_deadline_s": 10.0, "target_lease_s": 0.5, "max_prompts_per_lease": 8},
-        intake={"spot_check_fraction": 0.1},
+        intake={"spot_check_fraction": 0.1, **FAST_CALIBRATION},
     )
-    return await launch_coordinator(tmp, config), state, key
+
+
+@dataclass
+class Swarm:
+    """A coordinator and the trainer of one test (state in ``tmp``), started ahead of it."""
+
+    tmp: Path
+    coord: CoordinatorProc
+    trainer: Proc
+
+
+#: The swarm tests of this module, in the order they run: the trainer's CLI arguments (beyond
+#: its coordinator and state dir) and the environment it is started with.
+SWARMS: dict[str, tuple[list[str], dict[str, str]]] = {
+    # Each step ends with a 4 s pause (shorter than the stop grace, longer than the coordinator
+    # takes to stop: well under 1 s): the coordinator is stopped during the first one, so the
+    # version that step publishes meets a coordinator that is gone and its publication retries
+    # (what kept the trainer running > 20 s after SIGTERM).
+    "gone": ([], {"RSWARM_STALLS": "trainer.step=4"}),
+    "frozen": ([], {}),
+    # the first step stalls for 10 minutes at its end, on the step's thread
+    "abandon": ([], {"RSWARM_STALLS": "trainer.step=600"}),
+    "sharded": (["--nproc", "2"], {}),
+}
+
+
+#: the test that uses each swarm
+_TESTS = {
+    "gone": "test_trainer_and_node_stop_while_their_coordinator_is_gone",
+    "frozen": "test_trainer_and_node_stop_while_their_coordinator_is_frozen",
+    "abandon": "test_trainer_abandons_a_step_that_outlasts_the_grace",
+    "sharded": "test_sharded_launcher_stops_while_its_coordinator_is_gone",
+}
+
+
+class Starter:
+    """Starts the coordinator and trainer of each swarm test of this module ahead of the test,
+    one swarm after the other on a thread, so that the next test's start-up (seconds of imports,
+    joining, the model's set-up and v0) overlaps the waits of the test before it (a stop grace,
+    a drain, a stall). A trainer started ahead only publishes v0 and waits: its first step
+    needs rollouts, and the test starts the node. Each test stops its own processes; whatever
+    is left (a test that failed or was not selected) is stopped at the end of the module."""
+
+    def __init__(self, root: Path, names: list[str]) -> None:
+        self.started: dict[str, Swarm | BaseException] = {}
+        self.procs: list[Proc] = []
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(root, names), name="swarm-starter", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, root: Path, names: list[str]) -> None:
+        for name in names:
+            if self._closing.is_set():
+                return
+            try:
+                got: Swarm | BaseException = self._start(root / name, *SWARMS[name])
+            except BaseException as exc:  # handed to the test that asks for this swarm
+                got = exc
+            with self._lock:
+                self.started[name] = got
+            if isinstance(got, Swarm):  # its trainer's start-up (the heavy part) before the next
+                trainer, deadline = got.trainer, time.monotonic() + 240
+                while not published_versions(trainer.text()) and trainer.popen.poll() is None:
+                    if time.monotonic() > deadline or self._closing.is_set():
+                        break
+                    time.sleep(0.2)
+
+    def _start(self, tmp: Path, args: list[str], env: dict[str, str]) -> Swarm:
+        tmp.mkdir(parents=True)
+        coord = start_coordinator(tmp, _coordinator_config(tmp))
+        self.procs.append(coord)
+        info = tmp / "coord" / "coordinator.json"
+        deadline = time.monotonic() + 120
+        while not info.exists():
+            late = time.monotonic() > deadline or self._closing.is_set()
+            if coord.popen.poll() is not None or late:
+                raise AssertionError(f"coordinator did not come up\n{coord.text()[-3000:]}")
+            time.sleep(0.1)
+        up = coordinator_up(tmp, coord)
+        state = tmp / "trainer"
+        cmd = ["trainer", "run", *args, "--config", str(trainer_toml(tmp, state))]
+        cmd += ["--coordinator", up.maddr, "--coordinator-key", up.fingerprint]
+        trainer = Proc([*cmd, "--state-dir", str(state)], tmp / "trainer.log", env=env or None)
+        self.procs.append(trainer)
+        return Swarm(tmp, up, trainer)
+
+    async def swarm(self, name: str, procs: list[Proc]) -> Swarm:
+        """The swarm of test ``name`` (its coordinator up, its trainer started); its processes
+        are added to ``procs`` (stopped at the end of the test)."""
+        deadline = time.monotonic() + 600
+        while True:
+            with self._lock:
+                got = self.started.get(name)
+            if got is not None:
+                break
+            assert time.monotonic() < deadline, f"swarm {name!r} not started within 600 s"
+            await asyncio.sleep(0.1)
+        if isinstance(got, BaseException):
+            raise got
+        procs += [got.coord.proc, got.trainer]
+        return got
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join(timeout=300)
+        for proc in reversed(self.procs):
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def starter(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Starter]:
+    selected = {item.name for item in request.session.items}
+    names = [n for n in SWARMS if any(_TESTS[n] == t for t in selected)]
+    started = Starter(tmp_path_factory.mktemp("stop"), names)
+    try:
+        yield started
+    finally:
+        started.close()
 
 
 async def test_trainer_and_node_stop_while_their_coordinator_is_gone(
-    tmp_path: Path, procs: list[Proc]
+    starter: Starter, procs: list[Proc]
 ) -> None:
-    coord, _, _ = await _swarm(tmp_path)
-    procs.append(coord.proc)  # type: ignore[attr-defined]
-    maddr, fp = coord.maddr, coord.fingerprint  # type: ignore[attr-defined]
-    node = node_proc(tmp_path, maddr, fp, "n1", max_prompts=8)
+    sw = await starter.swarm("gone", procs)
+    coord, trainer = sw.coord, sw.trainer
+    node = node_proc(sw.tmp, coord.maddr, coord.fingerprint, "n1", max_prompts=8)
     procs.append(node)
-    # Each step ends with a 6 s pause (shorter than the stop grace): the coordinator is stopped
-    # during the first one, so the version that step publishes meets a coordinator that is gone
-    # and its publication retries (what kept the trainer running > 20 s after SIGTERM).
-    trainer = _trainer(tmp_path, maddr, fp, "trainer", RSWARM_STALLS="trainer.step=6")
-    procs.append(trainer)
     await until(lambda: "trainer.step stalls" in trainer.text(), "the first step", 240, trainer)
-    stop_within(coord.proc, "coordinator")  # type: ignore[attr-defined]
+    stop_within(coord.proc, "coordinator")
     await until(lambda: re.search(r"publishing v\d+ failed", trainer.text()),
                 "the publication's retries", 60, trainer)  # fmt: skip
     await until(lambda: "failed" in node.text().rsplit("accepted", 1)[-1], "the node's retries",
                 60, node)  # fmt: skip
     await asyncio.sleep(2)  # into their back-off
-    stop_within(trainer, "trainer")
-    stop_within(node, "node")
+    stop_all_within([(trainer, "trainer"), (node, "node")])
     assert "Traceback" not in trainer.text(), trainer.text()[-3000:]
 
 
 async def test_trainer_and_node_stop_while_their_coordinator_is_frozen(
-    tmp_path: Path, procs: list[Proc]
+    starter: Starter, procs: list[Proc]
 ) -> None:
     """SIGSTOP: the coordinator's libp2p daemon still accepts streams, its process never answers,
     so every request in flight waits for its timeout (up to 60 s for a submission)."""
-    coord, _, _ = await _swarm(tmp_path)
-    procs.append(coord.proc)  # type: ignore[attr-defined]
-    maddr, fp = coord.maddr, coord.fingerprint  # type: ignore[attr-defined]
-    node = node_proc(tmp_path, maddr, fp, "n1", max_prompts=8)
+    sw = await starter.swarm("frozen", procs)
+    coord, trainer = sw.coord, sw.trainer
+    node = node_proc(sw.tmp, coord.maddr, coord.fingerprint, "n1", max_prompts=8)
     procs.append(node)
-    trainer = _trainer(tmp_path, maddr, fp, "trainer")
-    procs.append(trainer)
     await until(lambda: published_versions(trainer.text())[-1:] >= [1], "a trained step", 240,
                 trainer)  # fmt: skip
-    coord.proc.signal(signal.SIGSTOP)  # type: ignore[attr-defined]
+    coord.proc.signal(signal.SIGSTOP)
     try:
         await asyncio.sleep(4.0)  # the node's next submission or lease request is in flight
         stop_within(node, "node")
         stop_within(trainer, "trainer")
     finally:
-        coord.proc.signal(signal.SIGCONT)  # type: ignore[attr-defined]
-    stop_within(coord.proc, "coordinator")  # type: ignore[attr-defined]
+        coord.proc.signal(signal.SIGCONT)
+    stop_within(coord.proc, "coordinator")
 
 
 async def test_trainer_abandons_a_step_that_outlasts_the_grace(
-    tmp_path: Path, procs: list[Proc]
+    starter: Starter, procs: list[Proc]
 ) -> None:
-    coord, state, _ = await _swarm(tmp_path)
-    procs.append(coord.proc)  # type: ignore[attr-defined]
-    maddr, fp = coord.maddr, coord.fingerprint  # type: ignore[attr-defined]
-    node = node_proc(tmp_path, maddr, fp, "n1", max_prompts=8)
+    sw = await starter.swarm("abandon", procs)
+    coord, trainer, state = sw.coord, sw.trainer, sw.tmp / "trainer"
+    node = node_proc(sw.tmp, coord.maddr, coord.fingerprint, "n1", max_prompts=8)
     procs.append(node)
-    # the second step stalls for 10 minutes at its end, on the step's thread
-    trainer = _trainer(tmp_path, maddr, fp, "trainer", RSWARM_STALLS="trainer.step=600")
-    procs.append(trainer)
     await until(lambda: "trainer.step stalls" in trainer.text(), "a stalled step", 240, trainer)
     before = sorted(p.name for p in (state / "checkpoints").glob("step-*"))
-    took = stop_within(trainer, "trainer")
+    # the node (at work for a live coordinator) is stopped meanwhile
+    took, _ = stop_all_within([(trainer, "trainer"), (node, "node")])
     assert took >= 10.0 - 0.5, "the step was given no grace"  # STOP_GRACE_S
     text = trainer.text()
     assert "did not finish within 10 s of the stop; abandoned" in text, text[-3000:]
     after = sorted(p.name for p in (state / "checkpoints").glob("step-*"))
     assert after == before, (before, after)  # the last checkpoint stands, nothing half-written
-    stop_within(node, "node")  # at work for a live coordinator
-    stop_within(coord.proc, "coordinator")  # type: ignore[attr-defined]
+    stop_within(coord.proc, "coordinator")
 
 
 async def test_sharded_launcher_stops_while_its_coordinator_is_gone(
-    tmp_path: Path, procs: list[Proc]
+    starter: Starter, procs: list[Proc]
 ) -> None:
-    coord, state, _ = await _swarm(tmp_path)
-    procs.append(coord.proc)  # type: ignore[attr-defined]
-    maddr, fp = coord.maddr, coord.fingerprint  # type: ignore[attr-defined]
-    args = ["trainer", "run", "--nproc", "2", "--config", str(trainer_toml(tmp_path, state))]
-    args += ["--coordinator", maddr, "--coordinator-key", fp, "--state-dir", str(state)]
-    launcher = Proc(args, tmp_path / "launcher.log")
-    procs.append(launcher)
+    sw = await starter.swarm("sharded", procs)
+    launcher = sw.trainer  # swarm trainer run --nproc 2
     await until(lambda: published_versions(launcher.text()), "v0 from the sharded trainer", 300,
                 launcher)  # fmt: skip
-    stop_within(coord.proc, "coordinator")  # type: ignore[attr-defined]
+    stop_within(sw.coord.proc, "coordinator")
     await until(lambda: "fetching rollouts failed" in launcher.text(), "rank 0's retries", 60,
                 launcher)  # fmt: skip
     tree = descendants(launcher.popen.pid)
