@@ -77,6 +77,10 @@ async def test_lora_versions_round_trip_trainer_node_coordinator(
     procs.append(coord.proc)
     harness = Trainer(coord, trainer_id, tmp_path)
     await harness.start()
+    # the node starts now (imports, its libp2p daemon) while the learner is built and v1 published:
+    # it waits for a version as a node of a new swarm does, and then gets v1 like one that was there
+    node = start_node(tmp_path, coord, "n1", 'log_level = "DEBUG"\n')
+    procs.append(node)
     try:
         learner = Learner.setup(
             TrainerConfig(
@@ -104,8 +108,6 @@ async def test_lora_versions_round_trip_trainer_node_coordinator(
             return version in (await harness.status())["versions_held"]  # type: ignore[operator]
 
         await until(lambda: holds(1), "the coordinator to hold v1", 30, coord.proc)
-        node = start_node(tmp_path, coord, "n1", 'log_level = "DEBUG"\n')
-        procs.append(node)
         seen: list[AcceptedRollout] = []
 
         async def accepted_at(version: int) -> bool:
