@@ -15,7 +15,9 @@ counts its own accepted leases, so it knows its rate ``r(h)``, never whether a l
 
 Printed per strategy: leases played, accepted, forged accepted and their share of the accepted
 ones, forged leases until the ban, and the formula's expectation (:mod:`coordinator.detection`);
-then the verifier's compute against a learner's at the floor rate. The clock is fake, so load
+then the verifier's compute against a learner's at the floor rate (with and without the check's
+second, bf16 forward), and the ack latency of checked against unchecked leases (the timing
+side channel: docs/reliability.md "Detection power"). The clock is fake, so load
 only changes the wall time (the load average is printed anyway).
 
 Usage: ``python bench/adversary.py`` (defaults: the coordinator's intake settings,
@@ -165,16 +167,75 @@ def learner_s_per_token(model: Any, seqs: int = 64, length: int = 16) -> float:
     return (time.process_time() - t0) / (5 * seqs * length)
 
 
-def verifier_s_per_token(model: Any, seqs: int = 64, length: int = 16) -> float:
-    """One batched scoring forward per token (what re-scoring a checked lease costs)."""
+def verifier_s_per_token(model: Any, seqs: int = 64, length: int = 16, *, local: bool) -> float:
+    """What re-scoring a checked lease costs per token: one batched fp32 forward and the seeded
+    replay, and with ``local`` the check's second forward in bf16 whose spread sizes the replay's
+    slack (what the calibrated verifier runs)."""
+    import copy
+
+    from policy.draw import sample_uniforms
     from policy.scoring import audit_samples
 
     prompts = [[1, 4, 5, 6, 3]] * seqs
     comps = [torch.randint(3, 26, (length,)).tolist() for _ in range(seqs)]
+    uniforms = [sample_uniforms(i, length) for i in range(seqs)]
+    kw: dict[str, Any] = {}
+    if local:
+        kw = {"alt_model": copy.deepcopy(model).to(torch.bfloat16), "local_slack": 1.0}
+    audit_samples(model, prompts, comps, uniforms=uniforms, **kw)  # warm-up
     t0 = time.process_time()
     for _ in range(5):
-        audit_samples(model, prompts, comps)
+        audit_samples(model, prompts, comps, uniforms=uniforms, **kw)
     return (time.process_time() - t0) / (5 * seqs * (length + 5))
+
+
+async def ack_latency(model: Any, leases: int) -> tuple[list[float], list[float]]:
+    """Wall seconds of ``Coordinator.submit`` (the ack's latency without the network) for honest
+    leases, split into (checked, unchecked): one node at a check rate of 0.5 against the
+    calibrated verifier, leases of 2 prompts x 8 samples x 8 tokens; the calibration runs on a
+    warm-up lease first."""
+    with tempfile.TemporaryDirectory() as tmp:
+        h = Harness(
+            Path(tmp),
+            group_size=8,
+            sampling={"max_new_tokens": 8},
+            leases={"max_prompts_per_lease": 2, "max_active_per_node": 64},
+            intake={"spot_check_fraction": 0.5, "new_node_check_rate": 0.5},
+        )
+        h.verifier = InProcessLogprobVerifier(
+            lambda v: model, h.cfg.intake.tolerances, cache_size=2,
+            calibration=CalibrationSettings(samples=128),
+        )  # fmt: skip
+        h.reopen()
+        h.publish(1)
+        node = h.node()
+        await h.core.submit(node.public_key, sampled(h.lease(node, 2), model))
+        checked: list[float] = []
+        unchecked: list[float] = []
+        for _ in range(leases):
+            lease = h.lease(node, 2)
+            sub = sampled(lease, model)
+            rate = h.core.trust.rate(node.public_key)
+            is_checked = h.core.intake.spot_checked(lease.lease_id, rate)
+            t0 = time.perf_counter()
+            got = await h.core.submit(node.public_key, sub)
+            took = time.perf_counter() - t0
+            if not isinstance(got, Ack):
+                raise RuntimeError(f"an honest lease was refused: {got}")
+            (checked if is_checked else unchecked).append(took)
+            h.clock.advance(1.0)
+        return checked, unchecked
+
+
+def separable(checked: list[float], unchecked: list[float]) -> float:
+    """Accuracy of the best threshold on latency telling checked from unchecked leases (0.5:
+    no information at equal counts; 1.0: the latency says it every time)."""
+    both = sorted(checked + unchecked)
+    best = 0.0
+    for t in both:
+        right = sum(x > t for x in checked) + sum(x <= t for x in unchecked)
+        best = max(best, right / len(both))
+    return best
 
 
 async def main() -> None:
@@ -187,6 +248,9 @@ async def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--strategies", default="floor,after-n,prob-p,sybil")
     ap.add_argument("--quick", action="store_true", help="smoke run: eps 0.2, 300 leases")
+    ap.add_argument(
+        "--latency", type=int, default=200, help="honest leases timed for the ack latency (0: skip)"
+    )
     args = ap.parse_args()
     if args.quick:
         args.eps, args.leases = 0.2, min(args.leases, 300)
@@ -221,10 +285,24 @@ async def main() -> None:
     bound = forged_leases_to_ban(args.floor, 3)
     print(f"bound: banned within {forged_leases_to_ban(args.floor, 1)} forged leases (gross, "
           f"ban at once) / {bound} (subtle, 3 strikes) with probability >= 99%")  # fmt: skip
-    v, lrn = verifier_s_per_token(model), learner_s_per_token(model)
-    print(f"verifier {v * 1e6:.2f} us/token (one batched forward), learner {lrn * 1e6:.2f} "
-          f"us/token (fwd+bwd+fwd): verification at the floor {args.floor:g} = "
-          f"{args.floor * v / lrn:.2%} of the learner's compute")  # fmt: skip
+    if args.latency:
+        import statistics
+
+        checked, unchecked = await ack_latency(model, args.latency)
+        ms = {k: statistics.median(v) * 1e3 for k, v in (("c", checked), ("u", unchecked)) if v}
+        print(f"ack latency (Coordinator.submit, wall): checked {len(checked)} leases median "
+              f"{ms.get('c', float('nan')):.1f} ms, unchecked {len(unchecked)} median "
+              f"{ms.get('u', float('nan')):.1f} ms; a latency threshold tells them apart in "
+              f"{separable(checked, unchecked):.1%} of leases")  # fmt: skip
+    lrn = learner_s_per_token(model)
+    v1 = verifier_s_per_token(model, local=False)
+    v2 = verifier_s_per_token(model, local=True)
+    print(f"learner {lrn * 1e6:.2f} us/token (fwd+bwd+fwd); verifier {v1 * 1e6:.2f} us/token "
+          f"with the fp32 forward alone, {v2 * 1e6:.2f} us/token with the check's bf16 forward "
+          f"(local replay slack): verification at the floor {args.floor:g} = "
+          f"{args.floor * v1 / lrn:.2%} / {args.floor * v2 / lrn:.2%} of the learner's compute "
+          "(bf16 on a CPU without bf16 units is several times slower than fp32; on a GPU "
+          "verifier it is not)")  # fmt: skip
 
 
 if __name__ == "__main__":

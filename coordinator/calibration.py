@@ -101,8 +101,10 @@ class HonestError:
     paths: dict[str, tuple[float, float, float, float]]
 
 
-def calibrated_tolerance(err: HonestError, margin: float) -> Tolerance:
-    """The tolerance of a version whose honest error is ``err`` (see the module docstring)."""
+def calibrated_tolerance(err: HonestError, margin: float, *, local: bool = True) -> Tolerance:
+    """The tolerance of a version whose honest error is ``err`` (see the module docstring);
+    ``local`` false (``intake.calibration_local``): no second forward, one global replay slack
+    ``M · cdf_rel · c (1 − c)``."""
     if not (math.isfinite(margin) and margin >= 1.0):
         raise ValueError(f"calibration margin must be a finite number >= 1, got {margin}")
     return Tolerance(
@@ -110,7 +112,9 @@ def calibrated_tolerance(err: HonestError, margin: float) -> Tolerance:
         threshold=margin * max(err.logprob, FLOORS["logprob"]),
         logit_margin=margin * max(err.logit, FLOORS["logit"]),
         replay_slack=FLOORS["slack"],
-        replay_rel_slack=max(local_slack(err, margin) * LOCAL_FLOOR, FLOORS["cdf_rel"]),
+        replay_rel_slack=max(local_slack(err, margin) * LOCAL_FLOOR, FLOORS["cdf_rel"])
+        if local
+        else margin * max(err.cdf_rel, FLOORS["cdf_rel"]),
         replay_miss_share=0.0,
     )
 

@@ -234,6 +234,13 @@ class IntakeSection(_Section):
         description="The calibrated tolerance is this multiple of the largest honest error "
         "measured (log-prob, logit and CDF)",
     )
+    calibration_local: bool = Field(
+        default=True,
+        description="Widen each replayed CDF bound by the local spread of the verifier's own fp32 "
+        "and bf16 forwards (a second forward per check; coordinator/calibration.py); false: one "
+        "global slack, which admits more tokens per position but is cheaper on a verifier "
+        "without fast bf16 (a CPU)",
+    )
     sampling_z_max: float = Field(
         default=6.0,
         gt=0,
@@ -378,13 +385,6 @@ class VerificationBudgetSection(_Section):
         ge=1,
         description="New identities the probation bucket holds at most (admitted at once when "
         "the budget has been spare for a while)",
-    )
-    admission_min_nodes: int = Field(
-        default=32,
-        ge=0,
-        description="The budget limits admission only once this many nodes are registered: "
-        "a smaller swarm, whose verifier is usually the coordinator itself, admits every "
-        "newcomer (its probation still counts in D)",
     )
     admission_retry_s: float = Field(
         default=30.0,

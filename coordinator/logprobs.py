@@ -50,6 +50,8 @@ class CalibrationSettings:
     #: re-measure every this many versions; a version in between is held to the newest
     #: calibration at or below it (1: every version is measured)
     every: int = 1
+    #: widen replayed bounds by the local spread of a second, bf16 forward (else one slack)
+    local: bool = True
 
     @classmethod
     def from_intake(cls, intake: Any) -> CalibrationSettings | None:
@@ -57,7 +59,8 @@ class CalibrationSettings:
         if not intake.calibrate:
             return None
         return cls(tuple(intake.accepted_dtypes), intake.calibration_samples,
-                   intake.calibration_margin, every=intake.calibration_every)  # fmt: skip
+                   intake.calibration_margin, every=intake.calibration_every,
+                   local=intake.calibration_local)  # fmt: skip
 
 
 class VerifierUnavailable(Exception):
@@ -295,7 +298,8 @@ class InProcessLogprobVerifier:
             )
             self.calibration_s += time.perf_counter() - t0
             self.calibrations += 1
-            self.calibrated[version] = (calibrated_tolerance(err, cal.margin), err)
+            tol = calibrated_tolerance(err, cal.margin, local=cal.local)
+            self.calibrated[version] = (tol, err)
             while len(self.calibrated) > self.cache_size:
                 del self.calibrated[min(self.calibrated)]
         return self.calibrated[version]
@@ -326,7 +330,7 @@ class InProcessLogprobVerifier:
                 tol, err = self.calibration_of(
                     version, prompt_ids, steps or max(map(len, completions))
                 )
-                if err.local_dtype is not None and uniforms is not None:
+                if self.calibration.local and err.local_dtype is not None and uniforms is not None:
                     # the second forward whose spread sizes each replayed bound's slack
                     alt = self._model(version, err.local_dtype)
                     local = local_slack(err, self.calibration.margin)

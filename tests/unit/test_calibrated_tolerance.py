@@ -19,6 +19,7 @@ import torch
 from coord_harness import Harness, sampled
 
 from coordinator.calibration import (
+    LOCAL_FLOOR,
     HonestError,
     admissible_per_position,
     calibrated_tolerance,
@@ -283,3 +284,24 @@ def test_every_version_is_measured_with_every_1(model: Any) -> None:
         for v in (1, 2, 3):
             verifier.tolerance_of(v, [[1, 2, 3]], 4)
     assert verifier.calibrations == 3
+
+
+def test_calibration_local_false_uses_one_global_slack_and_no_second_forward(model: Any) -> None:
+    """``intake.calibration_local = false`` (a CPU verifier, where the bf16 forward costs ~5x
+    the fp32 one): the replay falls back to one global slack M·κ·c(1 − c), no bf16 copy."""
+    intake = IntakeSection(calibration_local=False, calibration_samples=8)
+    settings = CalibrationSettings.from_intake(intake)
+    assert settings is not None and not settings.local
+    verifier = InProcessLogprobVerifier(
+        lambda version: model, {}, cache_size=2, calibration=settings
+    )
+    with verifier._lock:
+        tol, err = verifier.calibration_of(1, [[1, 2, 3, 4]], 6)
+    audits, _ = verifier._audit(1, "float32", [[1, 2, 3, 4]], [[5, 6, 7]], [9], 6, None)
+    assert tol.replay_rel_slack == pytest.approx(settings.margin * err.cdf_rel)
+    assert audits[0].replay_misses is not None
+    assert verifier._models.keys() == {(1, "float32")}
+    local_tol = calibrated_tolerance(err, settings.margin)
+    assert local_tol.replay_rel_slack == pytest.approx(
+        local_slack(err, settings.margin) * LOCAL_FLOOR
+    )
