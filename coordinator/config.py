@@ -386,6 +386,13 @@ class VerificationBudgetSection(_Section):
         description="New identities the probation bucket holds at most (admitted at once when "
         "the budget has been spare for a while)",
     )
+    admission_min_nodes: int = Field(
+        default=32,
+        ge=0,
+        description="The budget limits admission only once this many nodes are registered: "
+        "a smaller swarm, whose verifier is usually the coordinator itself, admits every "
+        "newcomer (its probation still counts in D)",
+    )
     admission_retry_s: float = Field(
         default=30.0,
         gt=0,

@@ -395,7 +395,9 @@ class Coordinator:
         old = self.store.get_node(node_key)
         if old is None:
             self._make_room(now)
-            self.budget.admit_new(node_key, advert.tokens_per_s or None, now)  # issue 35
+            self.budget.admit_new(  # issue 35
+                node_key, advert.tokens_per_s or None, now, registered=self.store.node_count()
+            )
         relabel = old is not None and (old.backend, old.dtype) != (advert.backend, advert.dtype)
         if relabel:
             assert old is not None

@@ -258,17 +258,28 @@ class VerificationBudget:
         return total
 
     # --- admission -------------------------------------------------------------------------------
-    def admit_new(self, node_key: bytes, tokens_per_s: float | None, now: float) -> None:
-        """Admit a new identity, or raise ``Rejection(SWARM_FULL, retry_after_s=...)``."""
+    def admit_new(
+        self, node_key: bytes, tokens_per_s: float | None, now: float, *, registered: int
+    ) -> None:
+        """Admit a new identity, or raise ``Rejection(SWARM_FULL, retry_after_s=...)``.
+
+        ``registered`` is how many nodes the coordinator holds now: below
+        ``verification.admission_min_nodes`` every newcomer is admitted (its probation still
+        counts in D), so a small swarm, whose verifier is usually the coordinator itself, never
+        turns a volunteer away."""
         if not (self.config.admission and self.checks_on):
+            return
+        rate0, tau = self.trust.rate_after(0), self.tokens_per_rollout()
+        each = rate0 * self._rho_guess(tokens_per_s) * tau  # its demand on probation (tokens/s)
+        if registered < self.config.admission_min_nodes:
+            self.admitted += 1
+            self.pending_demand += each
             return
         v = self.capacity(now)
         if v is None:
             return
-        rate0, tau = self.trust.rate_after(0), self.tokens_per_rollout()
         samples = self.lease_size(tokens_per_s) * self.group_size
         first = rate0 * samples * tau  # expected re-scored tokens of its first lease
-        each = rate0 * self._rho_guess(tokens_per_s) * tau  # its demand on probation (tokens/s)
         spare = (1.0 - self.config.headroom) * v - self.demand
         room = spare / each if each > 0 else math.inf
         if self.demand <= 0:  # nothing to verify yet: one newcomer at least, whatever it costs

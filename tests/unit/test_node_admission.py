@@ -42,7 +42,7 @@ async def _world(tmp_path: Path, **verification: Any) -> tuple[Harness, Registra
     h = Harness(tmp_path, clock=clock, verifier=ReferenceVerifier({}, CharTokenizer().vocab_size),
                 intake={"spot_check_fraction": 0.05, "new_node_check_rate": 1.0},
                 verification={"assumed_tokens_per_s": 1000.0, "admission_burst": 1,
-                              **verification})  # fmt: skip
+                              "admission_min_nodes": 0, **verification})  # fmt: skip
     h.node()  # takes the bucket's only token
     net = InMemoryNetwork()
     coord = net.endpoint("coord")

@@ -29,7 +29,9 @@ JOIN: dict[str, Any] = {
     "churn": {"per_hour": 0.0, "ramp_s": 10.0},
     "byzantine": {"fraction": 0.0},
     "verification": {"workers": 1, "verifier_tflops": 50.0},
-    "coordinator": {"capacity": {"replan_interval_s": 30.0}},
+    # the budget limits admission from the first node (by default only from 32 registered)
+    "coordinator": {"capacity": {"replan_interval_s": 30.0},
+                    "verification": {"admission_min_nodes": 0}},
 }  # fmt: skip
 #: the coordinator before issue 35: no admission limit, leases expire while their check queues
 WITHOUT = {"verification": {"admission": False, "hold_verifying_leases": False}}

@@ -188,7 +188,8 @@ def test_registrations_beyond_the_spare_budget_are_refused_oldest_first(tmp_path
     h = Harness(tmp_path, clock=clock, verifier=ReferenceVerifier({}, TOK.vocab_size),
                 intake={"spot_check_fraction": 0.05, "new_node_check_rate": 1.0},
                 leases={"target_lease_s": 10.0},
-                verification={"assumed_tokens_per_s": 1000.0, "admission_burst": 2})  # fmt: skip
+                verification={"assumed_tokens_per_s": 1000.0, "admission_burst": 2,
+                              "admission_min_nodes": 0})  # fmt: skip
     ids = [h.node(), h.node()]
     with pytest.raises(Rejection) as refused:
         h.node()
@@ -208,12 +209,13 @@ def test_registrations_beyond_the_spare_budget_are_refused_oldest_first(tmp_path
 
 def test_without_a_verifier_or_a_known_v_nobody_is_refused(tmp_path: Path) -> None:
     h = Harness(tmp_path, intake={"spot_check_fraction": 0.05, "new_node_check_rate": 1.0},
-                verification={"assumed_tokens_per_s": 1.0, "admission_burst": 1})  # fmt: skip
+                verification={"assumed_tokens_per_s": 1.0, "admission_burst": 1,
+                              "admission_min_nodes": 0})  # fmt: skip
     for _ in range(3):  # no verifier: nothing is re-scored, nothing to budget
         h.node()
     g = Harness(tmp_path / "g", verifier=ReferenceVerifier({}, TOK.vocab_size),
                 intake={"spot_check_fraction": 0.05, "new_node_check_rate": 1.0},
-                verification={"admission_burst": 1})  # fmt: skip
+                verification={"admission_burst": 1, "admission_min_nodes": 0})  # fmt: skip
     for _ in range(3):  # V neither measured nor assumed
         g.node()
 
@@ -324,3 +326,19 @@ def test_budget_figures_are_finite_numbers(tmp_path: Path) -> None:
     doc = budget.status()
     assert doc["verify_budget_tokens_per_s"] == pytest.approx(80.0)
     assert all(not isinstance(v, float) or math.isfinite(v) for v in doc.values())
+
+
+def test_a_small_swarm_admits_every_newcomer_whatever_the_budget(tmp_path: Path) -> None:
+    """Below ``admission_min_nodes`` registered nodes the budget refuses nobody (a small swarm's
+    verifier is the coordinator itself); from there on it limits admission as before."""
+    h = Harness(tmp_path, verifier=ReferenceVerifier({}, TOK.vocab_size),
+                intake={"spot_check_fraction": 0.05, "new_node_check_rate": 1.0},
+                verification={"assumed_tokens_per_s": 1.0, "admission_burst": 1,
+                              "admission_min_nodes": 3})  # fmt: skip
+    for _ in range(3):  # whatever the budget says, all three are admitted
+        h.node()
+    assert h.core.budget.admitted == 3 and h.core.budget.pending_demand > 0
+    h.core.budget.planned_demand = 1e9  # the verifiers are saturated: no room at all
+    with pytest.raises(Rejection) as refused:  # the 4th meets the budget
+        h.node()
+    assert refused.value.code is ReasonCode.SWARM_FULL
