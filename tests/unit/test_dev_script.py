@@ -91,3 +91,67 @@ def test_without_apt_dev_deps_says_which_tests_will_skip_and_succeeds(tmp_path: 
     )  # fmt: skip
     assert off.returncode == 0 and not off.stderr.strip(), off.stderr
     assert os.access(ROOT / "dev", os.X_OK) and os.access(ROOT / ".ci" / "run", os.X_OK)
+
+
+def _fake_checkout(tmp_path: Path) -> Path:
+    """A copy of ``./dev`` over a fake ``.venv`` whose python/ruff/mypy log their arguments
+    (``calls``) and exit with the code the environment names (``RC_UNIT``, ``RC_INTEGRATION``,
+    ``RC_MYPY``); the install stamp is current, so ``setup`` installs nothing."""
+    shutil.copy(ROOT / "dev", tmp_path / "dev")
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    log = tmp_path / "calls"
+    tools = {
+        "python": 'case "$*" in *tests/unit*) rc=${RC_UNIT:-0} ;; '
+        "*tests/integration*) rc=${RC_INTEGRATION:-0} ;; *) rc=0 ;; esac",
+        "ruff": "rc=0",
+        "mypy": "sleep 0.3; rc=${RC_MYPY:-0}; echo 'Success: no issues found'",
+    }
+    for name, body in tools.items():
+        tool = bin_dir / name
+        tool.write_text(f'#!/usr/bin/env bash\necho "{name} $*" >> "{log}"\n{body}\nexit $rc\n')
+        tool.chmod(0o755)
+    digest = subprocess.run(
+        ["sha256sum", str(tmp_path / "pyproject.toml")], capture_output=True, text=True, check=True
+    ).stdout.split()[0]
+    (tmp_path / ".venv" / ".rollout-swarm-installed").write_text(f"{digest} dev\n")
+    return tmp_path
+
+
+def _dev_test(checkout: Path, *args: str, **rcs: str) -> tuple[int, list[str]]:
+    env = {**os.environ, "RSWARM_TEST_DEPS": "0", "PATH": "/usr/bin:/bin", **rcs}
+    done = subprocess.run(
+        ["bash", str(checkout / "dev"), "test", *args],
+        cwd=checkout, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    calls = (checkout / "calls").read_text().splitlines()
+    return done.returncode, [c for c in calls if not c.startswith("python -c")]  # setup's probe
+
+
+def test_the_whole_suite_runs_unit_tier_then_integration_tier_and_fails_if_either_does(
+    tmp_path: Path,
+) -> None:
+    checkout = _fake_checkout(tmp_path)
+    rc, calls = _dev_test(checkout, "--durations=5")
+    assert rc == 0
+    pytest_calls = [c for c in calls if c.startswith("python -m pytest")]
+    assert pytest_calls == [
+        'python -m pytest -m not gpu --durations=5 tests/unit',
+        'python -m pytest -m not gpu --durations=5 tests/integration',
+    ]
+    assert any(c.startswith("mypy protocol swarm coordinator node trainer policy") for c in calls)
+    # a failing unit tier, or mypy, still lets the integration tier run, and the command fails
+    for failing in ({"RC_UNIT": "1"}, {"RC_MYPY": "1"}, {"RC_INTEGRATION": "1"}):
+        (checkout / "calls").unlink()
+        rc, calls = _dev_test(checkout, **failing)
+        assert rc != 0, failing
+        assert calls[-1].endswith("tests/integration"), (failing, calls)
+
+
+def test_chosen_tests_run_alone_after_mypy(tmp_path: Path) -> None:
+    checkout = _fake_checkout(tmp_path)
+    rc, calls = _dev_test(checkout, "tests/unit/test_x.py", "-q")
+    assert rc == 0
+    assert [c.split()[0] for c in calls] == ["ruff", "mypy", "python"]
+    assert calls[-1] == "python -m pytest -m not gpu tests/unit/test_x.py -q"
