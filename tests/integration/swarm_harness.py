@@ -65,8 +65,10 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 #: path) that is ~3.7 s of CPU for the embedded model; at the minimum (8) ~0.1 s. The calibration
 #: and every spot check still run; honest test nodes compute in fp32 like the verifier, so their
 #: error is fp32 rounding, which the calibrated tolerance's floors (coordinator/calibration.py
-#: ``FLOORS``) keep clear of however few samples were drawn.
-FAST_CALIBRATION: dict[str, object] = {"calibration_samples": 8}
+#: ``FLOORS``) keep clear of however few samples were drawn. ``calibration_local`` off: no
+#: second (bf16) forward per check, ~5x a check's CPU here (the local slack is tested in
+#: tests/unit/test_calibrated_tolerance.py).
+FAST_CALIBRATION: dict[str, object] = {"calibration_samples": 8, "calibration_local": False}
 
 
 class Proc:
