@@ -142,7 +142,9 @@ class Demo:
             "heartbeat_misses = 3\n"
             f"\n[sampling]\nmax_new_tokens = {o.max_new_tokens}\ntemperature = {o.temperature}\n"
             f"\n[leases]\n{leases}{prompt}"
-            f"\n[intake]\nspot_check_fraction = {spot}\n"
+            # every process shares this CPU: the replay's bf16 second forward (issue 34's local
+            # slack) would cost ~6x an fp32 re-score here, so the demo keeps the global slack
+            f"\n[intake]\nspot_check_fraction = {spot}\ncalibration_local = false\n"
             f"\n[reputation]\nstrikes_to_ban = 3\nban_base_s = 60.0\n"
             f"\n[capacity]\nbatch_rollouts = {o.batch_prompts * o.group_size}\nt_train_s = 0.1\n"
             f'\n[network]\ntrainer_key = "{trainer_fp}"\n'

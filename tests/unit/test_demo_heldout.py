@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from coordinator.config import CoordinatorConfig
 from policy.testing import build_tiny_chat_model
 from swarm.shell.demo import Demo
 from swarm.shell.demo_options import DemoOptions, parse_trainer_settings
@@ -109,6 +110,17 @@ def test_staleness_0_is_on_policy_learning(tmp_path: Path, model_dir: Path) -> N
     assert coordinator["staleness_bound"] == 1
     with pytest.raises(ValueError, match="--staleness must be between 0 and 16"):
         DemoOptions(run_dir=tmp_path / "x", staleness=-1)
+
+
+def test_the_demos_cpu_verifier_keeps_the_global_replay_slack(tmp_path: Path) -> None:
+    """The demo runs every process on one CPU, where the replay's second, bf16 forward costs
+    ~6x an fp32 one: its coordinator turns ``intake.calibration_local`` off (a valid config)."""
+    demo = Demo(DemoOptions(run_dir=tmp_path / "run", live=False))
+    _trainer_toml(demo)  # writes both configs
+    text = (demo.run_dir / "coordinator.toml").read_text()
+    assert tomllib.loads(text)["intake"]["calibration_local"] is False
+    cfg = CoordinatorConfig.model_validate(tomllib.loads(text))
+    assert cfg.intake.calibration_local is False and CoordinatorConfig().intake.calibration_local
 
 
 def test_trainer_set_can_change_the_evaluation() -> None:
