@@ -181,14 +181,14 @@ async def run_trainer(
         source = CoordinatorSource(transport, coordinator_peer, identity)
         # The coordinator may hold a version this trainer has no record of (killed between the
         # coordinator's answer to PublishVersion and published.json): continue after it.
-        if stop.is_set():  # one short status request, not retried
-            publisher.stop()
-            try:
-                latest = await asyncio.wait_for(publisher.latest_version(), REPORT_TIMEOUT_S)
-            except TimeoutError:
-                raise _Stopped from None
-        else:
-            latest = await _race_stop(publisher.latest_version(), stop)
+        answered, latest = await _latest_version(publisher, stop, sharded=trainer.distributed)
+        if not answered:  # a sharded job stopped before the coordinator answered
+            # The other ranks are already in the loop's first collective: leaving now would
+            # strand them. End the job with them (their final checkpoint), publishing nothing.
+            trainer.request_stop()
+            await trainer.run(source, None)
+            trainer.close()
+            return 0
         trainer.sync_published(latest)
         trainer.on_step.append(
             StepReport(
@@ -242,6 +242,28 @@ async def run_trainer(
         if broadcast is not None:  # on failures too: its announcer must not outlive the peer
             await broadcast.stop()
         await peer.stop()
+
+
+async def _latest_version(
+    publisher: Any, stop: asyncio.Event, *, sharded: bool
+) -> tuple[bool, int | None]:
+    """``(answered, the newest version the coordinator holds)``. Stopped before the request:
+    stop the publisher and ask once, within ``REPORT_TIMEOUT_S``. Otherwise wait for the answer
+    (retried by the publisher) unless a stop comes first. No answer: :class:`_Stopped` for one
+    process; ``(False, None)`` for a sharded job, whose other ranks already wait in the loop's
+    first collective (the caller ends the job with them)."""
+    try:
+        if stop.is_set():  # one short status request, not retried
+            publisher.stop()
+            try:
+                return True, await asyncio.wait_for(publisher.latest_version(), REPORT_TIMEOUT_S)
+            except TimeoutError:
+                raise _Stopped from None
+        return True, await _race_stop(publisher.latest_version(), stop)
+    except _Stopped:
+        if not sharded:
+            raise
+        return False, None
 
 
 async def _within_grace(

@@ -1,0 +1,70 @@
+"""A stop that lands while rank 0 asks the coordinator for its newest version (right after the
+set-up, e.g. the launcher SIGKILLed as a resume ends): one process leaves as before; a sharded
+job must not leave its other ranks waiting in the loop's first collective
+(``test_trainer_sharded_cli`` saw them outlive their launcher)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from trainer.network import _latest_version, _Stopped
+
+
+class _SlowCoordinator:
+    """A publisher whose status request answers only after ``answer_after_s`` (never: None)."""
+
+    def __init__(self, answer_after_s: float | None) -> None:
+        self.answer_after_s = answer_after_s
+        self.stopped = False
+        self.asked = 0
+
+    async def latest_version(self) -> int | None:
+        self.asked += 1
+        if self.answer_after_s is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.answer_after_s or 0.0)
+        return 7
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+async def _stop_soon(stop: asyncio.Event) -> None:
+    await asyncio.sleep(0.05)
+    stop.set()
+
+
+async def test_a_stop_during_the_request_hands_a_sharded_job_back_to_end_with_its_ranks() -> None:
+    stop = asyncio.Event()
+    asyncio.get_running_loop().create_task(_stop_soon(stop))
+    answered, latest = await asyncio.wait_for(
+        _latest_version(_SlowCoordinator(None), stop, sharded=True), 5.0
+    )
+    assert (answered, latest) == (False, None)
+
+
+async def test_a_stop_during_the_request_ends_one_process_as_before() -> None:
+    stop = asyncio.Event()
+    asyncio.get_running_loop().create_task(_stop_soon(stop))
+    with pytest.raises(_Stopped):
+        await asyncio.wait_for(_latest_version(_SlowCoordinator(None), stop, sharded=False), 5.0)
+
+
+async def test_stopped_before_the_request_asks_once_and_takes_the_answer() -> None:
+    stop = asyncio.Event()
+    stop.set()
+    coordinator = _SlowCoordinator(0.01)
+    for sharded in (False, True):
+        assert await _latest_version(coordinator, stop, sharded=sharded) == (True, 7)
+    assert coordinator.stopped and coordinator.asked == 2
+
+
+async def test_no_answer_after_a_stop_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("trainer.network.REPORT_TIMEOUT_S", 0.1)
+    stop = asyncio.Event()
+    stop.set()
+    assert await _latest_version(_SlowCoordinator(None), stop, sharded=True) == (False, None)
+    with pytest.raises(_Stopped):
+        await _latest_version(_SlowCoordinator(None), stop, sharded=False)
