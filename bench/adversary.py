@@ -86,6 +86,17 @@ def forge(lease: Any, honest: Any, model: Any) -> Any:
     return msgspec.structs.replace(honest, groups=groups)
 
 
+def with_verifier(h: Harness, model: Any) -> Harness:
+    """``h`` re-scoring with ``model`` (calibrated on 128 samples), reopened, v1 published."""
+    h.verifier = InProcessLogprobVerifier(
+        lambda v: model, h.cfg.intake.tolerances, cache_size=2,
+        calibration=CalibrationSettings(samples=128),
+    )  # fmt: skip
+    h.reopen()
+    h.publish(1)
+    return h
+
+
 def build(tmp: Path, model: Any, args: argparse.Namespace) -> Harness:
     h = Harness(
         tmp,
@@ -99,13 +110,7 @@ def build(tmp: Path, model: Any, args: argparse.Namespace) -> Harness:
         },
         reputation={"strikes_to_ban": 3},
     )
-    h.verifier = InProcessLogprobVerifier(
-        lambda v: model, h.cfg.intake.tolerances, cache_size=2,
-        calibration=CalibrationSettings(samples=128),
-    )  # fmt: skip
-    h.reopen()
-    h.publish(1)
-    return h
+    return with_verifier(h, model)
 
 
 async def play(name: str, model: Any, args: argparse.Namespace, rng: random.Random) -> Tally:
@@ -202,12 +207,7 @@ async def ack_latency(model: Any, leases: int) -> tuple[list[float], list[float]
             leases={"max_prompts_per_lease": 2, "max_active_per_node": 64},
             intake={"spot_check_fraction": 0.5, "new_node_check_rate": 0.5},
         )
-        h.verifier = InProcessLogprobVerifier(
-            lambda v: model, h.cfg.intake.tolerances, cache_size=2,
-            calibration=CalibrationSettings(samples=128),
-        )  # fmt: skip
-        h.reopen()
-        h.publish(1)
+        with_verifier(h, model)
         node = h.node()
         await h.core.submit(node.public_key, sampled(h.lease(node, 2), model))
         checked: list[float] = []
