@@ -18,6 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from protocol.identity import parse_fingerprint
 from swarm.configfile import ConfigFileError, read_toml
 
+#: the default and largest ``drain_s``: a coordinator that is frozen rather than gone would hold a
+#: submission for its 60 s timeout, and the node's stop bound (15 s, docs/operations.md) counts on
+#: at most this much
+DRAIN_S = 8.0
+
 __all__ = ["MISBEHAVIOURS", "ConfigError", "NodeConfig", "load_node_config", "parse_node_config"]
 
 Misbehaviour = Literal["forge_logprobs", "inflate_reward", "wrong_version", "oov_tokens", "greedy"]
@@ -151,6 +156,14 @@ class NodeConfig(BaseModel):
     )
     startup_timeout_s: float = Field(
         default=30.0, gt=0, description="Seconds for the libp2p daemon and DHT to come up"
+    )
+    drain_s: float = Field(
+        default=DRAIN_S,
+        gt=0,
+        le=DRAIN_S,
+        description="After SIGINT/SIGTERM, seconds the lease in hand gets to be handed back "
+        "(submitted or released); then it is left to its deadline. At most 8: the node's stop "
+        "bound (15 s) counts on it",
     )
     status_port: int | None = Field(
         default=None,

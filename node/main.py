@@ -392,13 +392,8 @@ async def _start_status_page(cfg: NodeConfig, worker: NodeWorker) -> NodeStatusP
     return page
 
 
-#: after a stop, seconds the work loop gets to hand back the lease in hand (submit or release);
-#: a coordinator that is frozen rather than gone would hold a submission for its 60 s timeout
-DRAIN_S = 8.0
-
-
-async def _work_until_drained(worker: NodeWorker, stop: asyncio.Event) -> None:
-    """Until the work loop ends; after a stop, at most ``DRAIN_S`` more, then the loop (its task
+async def _work_until_drained(worker: NodeWorker, stop: asyncio.Event, drain_s: float) -> None:
+    """Until the work loop ends; after a stop, at most ``drain_s`` more, then the loop (its task
     ``node-work``) is cancelled: the lease in hand is left to expire at its deadline."""
     work = asyncio.ensure_future(worker.wait())
     waiter = asyncio.ensure_future(stop.wait())
@@ -407,10 +402,10 @@ async def _work_until_drained(worker: NodeWorker, stop: asyncio.Event) -> None:
     finally:
         waiter.cancel()
     if not work.done():
-        await asyncio.wait([work], timeout=DRAIN_S)
+        await asyncio.wait([work], timeout=drain_s)
     if not work.done():
-        log.warning("the lease in hand was not handed back within %.0f s; leaving it to its "
-                    "deadline", DRAIN_S)  # fmt: skip
+        log.warning("the lease in hand was not handed back within %g s; leaving it to its "
+                    "deadline", drain_s)  # fmt: skip
         await worker.abandon_work()  # stop() then no longer waits to drain it
         with contextlib.suppress(asyncio.CancelledError):
             await work
@@ -470,7 +465,7 @@ async def _run_worker(
     print(f"node running: peer {worker.peer_id}, key {identity.fingerprint}", flush=True)
     rc = EXIT_OK
     try:
-        await _work_until_drained(worker, stop)
+        await _work_until_drained(worker, stop, cfg.drain_s)
         if worker.failures.gave_up:  # stopped by a signal after giving up: say so in the code
             rc = EXIT_RUNTIME
     except Exception:

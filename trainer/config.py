@@ -12,6 +12,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+#: the default and largest ``stop_grace_s``: the trainer's stop bound (20 s, docs/operations.md
+#: "Stopping"; the ``--nproc`` launcher's kill deadline) counts on at most this much
+STOP_GRACE_S = 10.0
+
 
 def nones(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` with every string ``"none"`` (any case) as None: how a TOML file or a
@@ -336,6 +340,14 @@ class TrainerConfig(BaseModel):
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (None: run).")
     fetch_timeout_s: float = Field(
         30.0, gt=0.0, description="Seconds one rollout fetch may wait before it is retried/logged."
+    )
+    stop_grace_s: float = Field(
+        STOP_GRACE_S,
+        gt=0.0,
+        le=STOP_GRACE_S,
+        description="After SIGINT/SIGTERM, seconds the learner step, publication or model set-up "
+        "in progress may take to finish; then it is abandoned (the last checkpoint stands). At "
+        "most 10: the trainer's stop bound (20 s) counts on it.",
     )
     overlap: bool = Field(
         True,

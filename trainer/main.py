@@ -151,7 +151,7 @@ def run_from_cli(
             argv += ["--max-steps", str(max_steps)]
         from swarm.signals import exit_now as exit_launcher
 
-        exit_launcher(launch_local(nproc, argv, stop_grace_s=STOP_GRACE_S))
+        exit_launcher(launch_local(nproc, argv, stop_grace_s=cfg.stop_grace_s))
 
     from swarm.signals import (
         become_subreaper,

@@ -12,7 +12,8 @@ learner's figures back, :class:`StepReport`). Before training, the coordinator's
 is handed to :meth:`~trainer.recipe.Trainer.sync_published`, and a ``version_not_newer`` refusal
 becomes :class:`~trainer.sources.VersionNotNewer`: a trainer restarted after a crash in the
 middle of a publication continues with strictly newer versions instead of being refused again
-and again. A stop (SIGINT/SIGTERM) gives the work in progress ``STOP_GRACE_S``.
+and again. A stop (SIGINT/SIGTERM) gives the work in progress ``stop_grace_s`` (the config's;
+at most and by default ``STOP_GRACE_S``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from protocol.identity import Identity
 from swarm.tasks import cancel_and_wait
+from trainer.config import STOP_GRACE_S as STOP_GRACE_S  # re-exported (trainer.main)
 from trainer.swarm_client import CoordinatorError, CoordinatorSource, SwarmPublisher, digest_hex
 
 if TYPE_CHECKING:
@@ -41,16 +43,16 @@ StartEvaluation = Callable[[Any, dict[str, Any], Sequence[int], Any], Any]
 
 log = logging.getLogger(__name__)
 
-#: On SIGINT/SIGTERM, seconds the work in progress (the learner step in its thread, a
-#: publication, the model's set-up) may take to finish; then it is abandoned (docs/operations.md).
-STOP_GRACE_S = 10.0
+# On SIGINT/SIGTERM, the work in progress (the learner step in its thread, a publication, the
+# model's set-up) gets the config's ``stop_grace_s`` (default and most: ``STOP_GRACE_S``, imported
+# above from trainer.config) to finish; then it is abandoned (docs/operations.md).
 #: seconds the last report of the learner's figures may take on the way out
 REPORT_TIMEOUT_S = 3.0
 
 
 class StepAbandoned(Exception):
     """Stopping: the learner's thread (a step, or the model's set-up) did not finish within
-    ``STOP_GRACE_S``; the process must exit without waiting for it
+    ``stop_grace_s``; the process must exit without waiting for it
     (:func:`trainer.main.run_from_cli`)."""
 
 
@@ -89,7 +91,7 @@ async def run_trainer(
     """Join the swarm, publish v0, then train on the coordinator's rollouts until stopped.
 
     On ``stop``: waits for the coordinator end at once; the step, publication or set-up in
-    progress gets ``STOP_GRACE_S`` to finish, failed requests are not retried; then the final
+    progress gets ``config.stop_grace_s`` to finish, failed requests are not retried; then the final
     checkpoint. A step still running after the grace raises :class:`StepAbandoned` (the last
     checkpoint stands; the caller exits without joining the thread).
 
@@ -176,7 +178,7 @@ async def run_trainer(
         setup = asyncio.ensure_future(
             asyncio.to_thread(Trainer.setup, config, dist=dist, lease_stop_ids=lease_stops)
         )
-        await _within_grace(setup, stop, "setting up the model")
+        await _within_grace(setup, stop, "setting up the model", grace_s=config.stop_grace_s)
         trainer = setup.result()
         source = CoordinatorSource(transport, coordinator_peer, identity)
         # The coordinator may hold a version this trainer has no record of (killed between the
@@ -211,9 +213,12 @@ async def run_trainer(
             "the learner step",
             on_stop=[trainer.request_stop, publisher.stop],
             busy=lambda: trainer.training,
+            grace_s=config.stop_grace_s,
         )
         if not run.done():  # a publication's network wait (no thread busy): cut it short
-            log.warning("the learner did not stop within %.0f s; cutting it short", STOP_GRACE_S)
+            log.warning(
+                "the learner did not stop within %g s; cutting it short", config.stop_grace_s
+            )
             run.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await run
@@ -273,8 +278,9 @@ async def _within_grace(
     *,
     on_stop: Any = (),
     busy: Any = lambda: True,
+    grace_s: float,
 ) -> None:
-    """Wait for ``task``; once ``stop`` is set, call ``on_stop`` and give it ``STOP_GRACE_S``.
+    """Wait for ``task``; once ``stop`` is set, call ``on_stop`` and give it ``grace_s``.
     Still running then: :class:`StepAbandoned` if ``busy()`` (a thread that cannot be
     interrupted is at work), else return with ``task`` pending (the caller cancels it)."""
     waiter = asyncio.ensure_future(stop.wait())
@@ -284,13 +290,13 @@ async def _within_grace(
         waiter.cancel()
     if task.done():
         return
-    log.info("stopping: %s may take %.0f s more to finish", what, STOP_GRACE_S)
+    log.info("stopping: %s may take %g s more to finish", what, grace_s)
     for call in on_stop:
         call()
-    await asyncio.wait([task], timeout=STOP_GRACE_S)
+    await asyncio.wait([task], timeout=grace_s)
     if not task.done() and busy():
         raise StepAbandoned(
-            f"{what} did not finish within {STOP_GRACE_S:.0f} s of the stop; abandoned: the last "
+            f"{what} did not finish within {grace_s:g} s of the stop; abandoned: the last "
             "checkpoint stands (a restart resumes from it)"
         )
 

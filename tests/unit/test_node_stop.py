@@ -12,7 +12,6 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-import pytest
 from test_node_worker import Swarm, until
 
 from protocol.messages import Heartbeat, HeartbeatAck
@@ -58,13 +57,13 @@ async def test_stop_ends_a_heartbeat_that_swallowed_one_cancellation(tmp_path: P
 
 
 async def test_a_lease_not_handed_back_within_the_drain_time_is_abandoned(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """``swarm node run`` after a signal: a submission the coordinator holds (frozen, not gone)
-    is given ``DRAIN_S``; then the work loop is cancelled and ``stop()`` no longer waits for it."""
+    is given ``drain_s`` (node.toml); then the work loop is cancelled and ``stop()`` no longer
+    waits for it."""
     import node.main
 
-    monkeypatch.setattr(node.main, "DRAIN_S", 0.2)
     swarm = Swarm(tmp_path)
     await swarm.coord.start()
     swarm.coord.submit_gate = asyncio.Event()  # never set: the verdict never comes
@@ -76,7 +75,7 @@ async def test_a_lease_not_handed_back_within_the_drain_time_is_abandoned(
         stop = asyncio.Event()
         stop.set()
         w.request_stop()
-        await asyncio.wait_for(node.main._work_until_drained(w, stop), 5)
+        await asyncio.wait_for(node.main._work_until_drained(w, stop, drain_s=0.2), 5)
         work = next((t for t in asyncio.all_tasks() if t.get_name() == "node-work"), None)
         assert work is None  # cancelled and ended
         await asyncio.wait_for(w.stop(), 5)  # does not wait for the abandoned submission

@@ -90,3 +90,12 @@ def test_every_staleness_option_of_the_benchmark_is_a_valid_config() -> None:
 def test_every_field_is_documented() -> None:
     for name, field in TrainerConfig.model_fields.items():
         assert field.description, f"{name} has no description"
+
+
+def test_stop_grace_s_defaults_to_the_documented_bound_and_may_not_exceed_it() -> None:
+    # the trainer's stop bound (20 s, docs/operations.md) counts on at most 10 s of grace
+    assert TrainerConfig().stop_grace_s == 10.0
+    assert TrainerConfig(stop_grace_s=2.0).stop_grace_s == 2.0
+    for bad in (0.0, 10.5):
+        with pytest.raises(ValidationError, match="stop_grace_s"):
+            TrainerConfig(stop_grace_s=bad)

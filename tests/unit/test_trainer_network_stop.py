@@ -68,3 +68,21 @@ async def test_no_answer_after_a_stop_is_bounded(monkeypatch: pytest.MonkeyPatch
     assert await _latest_version(_SlowCoordinator(None), stop, sharded=True) == (False, None)
     with pytest.raises(_Stopped):
         await _latest_version(_SlowCoordinator(None), stop, sharded=False)
+
+
+async def test_the_stop_grace_is_the_configs() -> None:
+    """``stop_grace_s`` (trainer config) is the grace a step still running at the stop gets,
+    then it is abandoned: here 0.3 s, not the default 10 s (an outer limit of 5 s)."""
+    from trainer.config import TrainerConfig
+    from trainer.network import StepAbandoned, _within_grace
+
+    grace_s = TrainerConfig(stop_grace_s=0.3).stop_grace_s
+    stop = asyncio.Event()
+    step = asyncio.ensure_future(asyncio.Event().wait())  # a step that never ends
+    asyncio.get_running_loop().create_task(_stop_soon(stop))
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(StepAbandoned, match=r"within 0\.3 s of the stop"):
+        await asyncio.wait_for(_within_grace(step, stop, "the step", grace_s=grace_s), 5.0)
+    took = asyncio.get_running_loop().time() - t0
+    assert 0.3 <= took < 4.0, took  # the grace was given, and it was not the default's 10 s
+    step.cancel()
