@@ -4,8 +4,9 @@ version it runs is the trainer's weights rounded to ``publish_dtype``.
 The node (``hf`` backend) holds ``cast_floats(trainer weights, publish_dtype)`` and samples arith
 prompts rendered with the chat template; the trainer re-scores each completion from its fp32
 weights with ``trainer.loss.token_logprobs`` (the processed distribution). A token outside the
-trainer's support gets π_prox = 0: behaviour weight 0 and 59 nats in ``mismatch_kl``'s k3 sum
-(the ±60 clamp of ``trainer.loss.weight_stats``). Exact counts (a deterministic model, prompts and
+trainer's support gets π_prox = 0: behaviour weight 0, counted apart in ``out_of_support_frac``
+and left out of ``mismatch_kl`` (before issue 32: 59 nats in its k3 sum, the ±60 clamp of
+``trainer.loss.weight_stats``). Exact counts (a deterministic model, prompts and
 seeds); the CPU time is only informative.
 
     python bench/publish_rounding.py                               # bf16 and float32, 1000 prompts

@@ -203,7 +203,19 @@ class TrainerConfig(BaseModel):
         None, ge=0.0, le=1.0, description="Warn when ESS/n of the behaviour weights is below this."
     )
     warn_mismatch_kl_above: float | None = Field(
-        None, ge=0.0, description="Warn when KL(μ‖π_prox) per token is above this."
+        None,
+        ge=0.0,
+        description="Warn when KL(μ‖π_prox) per token (over the tokens both support) is above "
+        "this.",
+    )
+    warn_out_of_support_frac_above: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Warn when more completion tokens than this lie outside the top-k/top-p "
+        "support of π_prox (or μ): weight 0, counted apart from the mismatch KL. bf16 "
+        "publication puts ~1e-4 there; more means the nodes sample from other weights or "
+        "settings.",
     )
     warn_clip_frac_above: float | None = Field(
         None, ge=0.0, le=1.0, description="Warn when the PPO clip binds on more tokens than this."

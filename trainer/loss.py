@@ -29,6 +29,10 @@ WeightLevel = Literal["token", "sequence", "geometric"]
 #: Largest |log ratio| fed to exp(); keeps sequence-level products finite (e^60 ≈ 1e26).
 _MAX_LOG_RATIO = 60.0
 
+#: log-prob given to a token outside the processed distribution's support (removed by top-k or
+#: top-p): finite, so that ratios of two such log-probs stay finite, and constant (no gradient).
+LOGP_FLOOR = -1e4
+
 
 def group_advantages(
     rewards: Tensor, group_index: Tensor, *, std_normalize: bool = True, eps: float = 1e-4
@@ -70,6 +74,27 @@ def admission_mask(staleness: Tensor, max_staleness: int) -> Tensor:
     return (staleness >= 0) & (staleness <= max_staleness)
 
 
+def support_mask(prox_logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> Tensor:
+    """``[N, T]`` 1.0 on the completion tokens both policies support: π_prox and μ both give the
+    token a log-prob above :data:`LOGP_FLOOR` (inside their top-k/top-p support).
+
+    A token outside π_prox's support (a node's sampled token that the trainer's processing
+    removed: the node holds the bf16 rounding of the trainer's weights, or a stale version whose
+    top-p set differed) has π_prox = 0: its ratio π_prox/μ is 0 and its KL term infinite (the ±60
+    clamp made it 59 nats). Such tokens are counted apart (``out_of_support_frac``), get weight 0
+    and no gradient, and the mismatch figures and the weights' ratios are over the shared
+    support (docs/trainer.md, "Tokens outside the trainer's support").
+    """
+    inside = (prox_logp > LOGP_FLOOR) & (behaviour_logp > LOGP_FLOOR)
+    return mask * inside.to(mask.dtype)
+
+
+def shared_log_ratio(prox_logp: Tensor, behaviour_logp: Tensor, shared: Tensor) -> Tensor:
+    """``[N, T]`` log π_prox/μ on the tokens of ``shared`` (:func:`support_mask`), 0 elsewhere
+    (``torch.where``, not a product: a token at −inf times 0 would be NaN)."""
+    return torch.where(shared > 0, prox_logp - behaviour_logp, torch.zeros_like(prox_logp))
+
+
 @dataclass(frozen=True)
 class BehaviourWeights:
     """Result of :func:`behaviour_weights`; all tensors are detached."""
@@ -77,10 +102,12 @@ class BehaviourWeights:
     #: ``[N, T]`` weight per completion token (0 on padding), sequence weights broadcast over T.
     weights: Tensor
     #: ``[N, T]`` 1.0 where the raw weight was truncated ("truncate") or masked ("mask",
-    #: "reject"); at sequence/geometric level every token of a modified sequence is 1.0.
+    #: "reject"); at sequence/geometric level every token of a modified sequence is 1.0. 0 on a
+    #: token outside the shared support (:func:`support_mask`: weight 0, counted apart).
     modified: Tensor
     #: ``[N, T]`` the raw ratio π_prox/μ before truncation/masking/decay, at the chosen level
-    #: (token ratio, sequence product, or geometric mean of the sequence's token ratios).
+    #: (token ratio, sequence product, or geometric mean of the sequence's token ratios, over
+    #: the shared support); 0 outside it.
     raw: Tensor
     #: ``[N, T]`` 1.0 on completion tokens dropped by the second-moment (M2PO) mask.
     m2_masked: Tensor
@@ -101,6 +128,12 @@ def behaviour_weights(
     m2_keep: Tensor | None = None,
 ) -> BehaviourWeights:
     """Importance weights ``w = π_prox/μ`` that correct for sampling from a stale policy μ.
+
+    A token outside the support both policies share (:func:`support_mask`; π_prox = 0 under the
+    trainer's top-k/top-p) gets weight 0 in every mode, and the sequence's product, its
+    geometric mean and the M2PO mask are taken over the shared tokens only, so one such token
+    (a rounding artefact of bf16 publication, measured 1.3e-4 of tokens) neither zeroes its
+    whole sequence nor enters the second moment.
 
     Args:
         prox_logp: ``[N, T]`` log π_prox(o_t) recomputed by the trainer.
@@ -124,45 +157,48 @@ def behaviour_weights(
     """
     if m2_threshold is not None and m2_keep is not None:
         raise ValueError("pass m2_threshold or a precomputed m2_keep, not both")
-    log_ratio = (prox_logp - behaviour_logp) * mask
+    # the tokens both policies support (support_mask): the others get weight 0 in every mode and
+    # stay out of the sequence's product, its geometric mean and the M2PO mask
+    shared = support_mask(prox_logp, behaviour_logp, mask)
+    log_ratio = shared_log_ratio(prox_logp, behaviour_logp, shared)
     if level == "token":
         unit_log = log_ratio
     else:
         unit_log = log_ratio.sum(dim=-1, keepdim=True)
         if level == "geometric":
-            unit_log = unit_log / mask.sum(dim=-1, keepdim=True).clamp(min=1)
+            unit_log = unit_log / shared.sum(dim=-1, keepdim=True).clamp(min=1)
         unit_log = unit_log.expand_as(mask)
-    raw = unit_log.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp() * mask
+    raw = unit_log.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp() * shared
     low = 1.0 / cap if cap_low is None else cap_low
     inside = ((raw >= low) & (raw <= cap)).to(mask.dtype)
     if mode == "off":
-        weights = mask.clone()
+        weights = shared.clone()
         modified = torch.zeros_like(mask)
     elif mode == "raw":
         weights = raw
         modified = torch.zeros_like(mask)
     elif mode == "truncate":
-        modified = (raw > cap).to(mask.dtype) * mask
+        modified = (raw > cap).to(mask.dtype) * shared
         weights = raw.clamp(max=cap)
     elif mode == "mask":
-        modified = (1.0 - inside) * mask
+        modified = (1.0 - inside) * shared
         weights = raw * inside
     elif mode == "reject":
-        modified = (1.0 - inside) * mask
+        modified = (1.0 - inside) * shared
         weights = inside
     else:  # pragma: no cover - guarded by the config's Literal
         raise ValueError(f"unknown weight mode {mode!r}: use truncate, mask, reject, raw or off")
     m2_masked = torch.zeros_like(mask)
     if m2_threshold is not None:
-        m2_keep = second_moment_mask(log_ratio, mask, m2_threshold)
+        m2_keep = second_moment_mask(log_ratio, shared, m2_threshold)
     if m2_keep is not None:
         keep = m2_keep.to(mask.dtype)
-        m2_masked = (1.0 - keep) * mask
+        m2_masked = (1.0 - keep) * shared
         weights = weights * keep
     if decay != 1.0:
         weights = weights * (decay ** staleness.to(mask.dtype)).unsqueeze(-1)
     return BehaviourWeights(
-        weights=(weights * mask).detach(),
+        weights=(weights * shared).detach(),
         modified=modified.detach(),
         raw=raw.detach(),
         m2_masked=m2_masked.detach(),
@@ -234,8 +270,15 @@ def policy_loss(
         eps, eps_high: clip range [1−eps, 1+eps_high] (DAPO's "clip-higher" when eps_high > eps).
         normalizer: Σ|o_i| of the (global) minibatch, so that the loss is a per-token mean that does
             not depend on how the minibatch is sharded over ranks.
+
+    A token outside π_prox's support (``prox_logp`` at :data:`LOGP_FLOOR`) has ρ = 1 and passes no
+    gradient (its weight is 0, :func:`behaviour_weights`): π_θ may take it into its support
+    during the step, and exp(log π_θ − LOGP_FLOOR) would be inf, its product with the weight
+    NaN.
     """
-    ratio = (logp - prox_logp.detach()).exp()
+    prox_logp = prox_logp.detach()
+    log_ratio = torch.where(prox_logp > LOGP_FLOOR, logp - prox_logp, torch.zeros_like(logp))
+    ratio = log_ratio.exp()
     adv = advantages.unsqueeze(-1)
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - eps, 1.0 + eps_high) * adv
@@ -243,11 +286,6 @@ def policy_loss(
     loss = -(weights * surrogate * mask).sum() / normalizer
     binding = ((clipped < unclipped).to(mask.dtype) * mask).sum().detach()
     return PolicyLoss(loss=loss, clipped_tokens=binding)
-
-
-#: log-prob given to a token outside the processed distribution's support (removed by top-k or
-#: top-p): finite, so that ratios of two such log-probs stay finite, and constant (no gradient).
-LOGP_FLOOR = -1e4
 
 
 def processed_log_softmax(
@@ -298,25 +336,30 @@ def token_logprobs_and_entropy(
 class WeightStats:
     """Sums (not means) so that ranks can all-reduce them before dividing."""
 
-    #: Σ mask·(r − 1 − log r), r = π_prox/μ per token: k3 estimator of KL(μ‖π_prox) (×tokens).
+    #: Σ (r − 1 − log r), r = π_prox/μ, over the shared support (:func:`support_mask`): k3
+    #: estimator of KL(μ‖π_prox) there (×support_tokens).
     kl_sum: float
-    #: Σ mask·(log μ − log π_prox): k1 estimator of the same KL (×tokens).
+    #: Σ (log μ − log π_prox) over the shared support: k1 estimator of the same KL.
     kl_k1_sum: float
-    #: Σ mask·(log r)²: the second moment M2PO bounds (×tokens), before any masking.
+    #: Σ (log r)² over the shared support: the second moment M2PO bounds, before any masking.
     m2_sum: float
     #: number of weight units (tokens, or sequences at sequence/geometric level) that were
     #: truncated/masked/rejected.
     modified: float
-    #: completion tokens whose weight is 0 (masked, rejected or dropped by the M2PO mask): they
-    #: contribute nothing to the gradient.
+    #: shared-support tokens whose weight is 0 (masked, rejected or dropped by the M2PO mask):
+    #: they contribute nothing to the gradient (nor do the ``out_of_support`` ones).
     zeroed_tokens: float
     #: Σ w and Σ w² over the weight units (tokens or sequences), for ESS = (Σw)²/Σw².
     w_sum: float
     w_sq_sum: float
-    #: number of weight units.
+    #: number of weight units (over the shared support).
     units: float
     #: number of completion tokens.
     tokens: float
+    #: completion tokens both policies support (the denominator of the mismatch figures).
+    support_tokens: float
+    #: completion tokens outside π_prox's or μ's top-k/top-p support (weight 0, no gradient).
+    out_of_support: float
 
 
 def weight_stats(
@@ -328,19 +371,25 @@ def weight_stats(
 ) -> WeightStats:
     """Mismatch and weight-health sums for one (local) batch; see :class:`WeightStats`.
 
+    Everything but ``tokens`` and ``out_of_support`` is over the tokens both policies support
+    (:func:`support_mask`): the mismatch KL is finite there, and a token outside π_prox's support
+    (π_prox = 0: KL term infinite, 59 nats at the ±60 clamp) is counted apart instead.
     At sequence/geometric level the units are sequences, each counted with the mean weight over
-    its tokens (all equal, unless the M2PO mask dropped some of them).
+    its shared tokens (all equal, unless the M2PO mask dropped some of them).
     """
-    log_r = (prox_logp - behaviour_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO) * mask
-    kl = ((log_r.exp() - 1.0 - log_r) * mask).sum()
-    zeroed = ((bw.weights == 0).to(mask.dtype) * mask).sum()
+    shared = support_mask(prox_logp, behaviour_logp, mask)
+    log_r = shared_log_ratio(prox_logp, behaviour_logp, shared).clamp(
+        -_MAX_LOG_RATIO, _MAX_LOG_RATIO
+    )
+    kl = ((log_r.exp() - 1.0 - log_r) * shared).sum()
+    zeroed = ((bw.weights == 0).to(mask.dtype) * shared).sum()
     if level == "token":
-        sel = mask > 0
+        sel = shared > 0
         w = bw.weights[sel]
         modified = bw.modified.sum()
         units = float(sel.sum())
     else:
-        n_tok = mask.sum(dim=-1)
+        n_tok = shared.sum(dim=-1)
         has_tokens = n_tok > 0
         # one weight per sequence: the mean over its tokens (all equal unless M2PO dropped some)
         w = (bw.weights.sum(dim=-1) / n_tok.clamp(min=1))[has_tokens]
@@ -357,6 +406,8 @@ def weight_stats(
         w_sq_sum=float((w**2).sum()),
         units=units,
         tokens=float(mask.sum()),
+        support_tokens=float(shared.sum()),
+        out_of_support=float(mask.sum() - shared.sum()),
     )
 
 
@@ -364,9 +415,11 @@ def sequence_ratio_sums(
     prox_logp: Tensor, behaviour_logp: Tensor, mask: Tensor
 ) -> tuple[float, float, float]:
     """(Σ w, Σ w², n) over the sequences with completion tokens, w = Π_t π_prox/μ (unclipped):
-    the sums behind the sequence-level ESS that VCPO scales the learning rate with."""
-    log_w = ((prox_logp - behaviour_logp) * mask).sum(dim=-1)
-    has = mask.sum(dim=-1) > 0
+    the sums behind the sequence-level ESS that VCPO scales the learning rate with; the product
+    is over the tokens both policies support (:func:`support_mask`), as the behaviour weights'."""
+    shared = support_mask(prox_logp, behaviour_logp, mask)
+    log_w = shared_log_ratio(prox_logp, behaviour_logp, shared).sum(dim=-1)
+    has = shared.sum(dim=-1) > 0
     w = log_w[has].clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).double().exp()
     return float(w.sum()), float((w * w).sum()), float(has.sum())
 

@@ -32,6 +32,7 @@ GAUGE_KEYS: tuple[str, ...] = (
     "loss",
     "entropy",
     "mismatch_kl",
+    "out_of_support_frac",
     "weight_modified_frac",
     "mask_frac",
     "mismatch_m2",

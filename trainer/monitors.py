@@ -130,6 +130,7 @@ def monitor_from_config(cfg: TrainerConfig) -> StabilityMonitor:
         [
             Bound("ess_frac", cfg.warn_ess_frac_below, above=False),
             Bound("mismatch_kl", cfg.warn_mismatch_kl_above, above=True),
+            Bound("out_of_support_frac", cfg.warn_out_of_support_frac_above, above=True),
             Bound("clip_frac", cfg.warn_clip_frac_above, above=True),
             Bound("mask_frac", cfg.warn_mask_frac_above, above=True),
             Bound("grad_norm", cfg.warn_grad_norm_above, above=True),

@@ -405,6 +405,7 @@ class StepReport:
                 "dropped_stale": record["dropped_stale"],
                 "dropped_uniform": record["dropped_uniform"],
                 "mismatch_kl": record["mismatch_kl"],
+                "out_of_support_frac": record["out_of_support_frac"],
                 "ess_frac": record["ess_frac"],
                 # stability monitors (trainer/monitors.py) and their warning line ("" = healthy)
                 "clip_frac": record["clip_frac"],

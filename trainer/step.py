@@ -37,6 +37,8 @@ from trainer.loss import (
     policy_loss,
     second_moment_keep,
     sequence_ratio_sums,
+    shared_log_ratio,
+    support_mask,
     token_logprobs,
     token_logprobs_and_entropy,
     weight_stats,
@@ -52,7 +54,7 @@ log = logging.getLogger(__name__)
 #: :class:`~trainer.loss.WeightStats` sums accumulated over a step's minibatches.
 _WEIGHT_SUMS = (
     "kl_sum", "kl_k1_sum", "m2_sum", "modified", "zeroed_tokens", "w_sum", "w_sq_sum", "units",
-    "tokens",
+    "tokens", "support_tokens", "out_of_support",
 )  # fmt: skip
 
 
@@ -389,8 +391,10 @@ class LearnerStep:
             keys = torch.zeros(0, dtype=torch.long)
         else:
             mask = mb.completion_mask
-            log_ratio = (prox - mb.behaviour_logprobs) * mask  # as behaviour_weights computes it
-            sel = mask > 0
+            # as behaviour_weights computes it: over the tokens both policies support
+            shared = support_mask(prox, mb.behaviour_logprobs, mask)
+            log_ratio = shared_log_ratio(prox, mb.behaviour_logprobs, shared)
+            sel = shared > 0
             m2 = (log_ratio * log_ratio)[sel].double()  # float32 → float64: exact, same order
             t_idx = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
             row_idx = rows.to(mask.device).unsqueeze(-1).expand_as(mask)
@@ -406,7 +410,8 @@ class LearnerStep:
         start = sum(int(v.numel()) for v in values_by_rank[: self.dist.rank])
         mask = mb.completion_mask
         keep = torch.zeros_like(mask)
-        keep[mask > 0] = kept[start : start + int(m2.numel())].to(mask.device, mask.dtype)
+        sel = support_mask(prox, mb.behaviour_logprobs, mask) > 0
+        keep[sel] = kept[start : start + int(m2.numel())].to(mask.device, mask.dtype)
         return keep
 
     def _update(
@@ -514,6 +519,9 @@ class LearnerStep:
         self.timing.add_consumed(consumed)
         batch_rollouts = self.config.batch_prompts * self.config.group_size
         tokens = max(1.0, g["tokens"])
+        # the mismatch figures are over the tokens both policies support (trainer.loss
+        # support_mask); the others are counted apart: out_of_support_*
+        support = max(1.0, g["support_tokens"])
         ess = effective_sample_size(g["w_sum"], g["w_sq_sum"])
         return {
             "step": self.progress.step,
@@ -531,9 +539,11 @@ class LearnerStep:
             "loss": g["loss"] / max(1, updates),
             "entropy": g["entropy_sum"] / max(1.0, g["update_tokens"]),
             "clip_frac": g["clipped"] / max(1.0, g["update_tokens"]),
-            "mismatch_kl": g["kl_sum"] / tokens,
-            "mismatch_kl_k1": g["kl_k1_sum"] / tokens,
-            "mismatch_m2": g["m2_sum"] / tokens,
+            "mismatch_kl": g["kl_sum"] / support,
+            "mismatch_kl_k1": g["kl_k1_sum"] / support,
+            "mismatch_m2": g["m2_sum"] / support,
+            "out_of_support_tokens": round(g["out_of_support"]),
+            "out_of_support_frac": g["out_of_support"] / tokens,
             "weight_modified_frac": g["modified"] / max(1.0, g["units"]),
             "mask_frac": g["zeroed_tokens"] / tokens,
             "ess": ess,
