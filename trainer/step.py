@@ -331,7 +331,10 @@ class LearnerStep:
         prox: list[Tensor | None],
     ) -> float:
         """How far this step moved the policy on its own tokens (rollback.kl_k3_sums), one
-        forward pass per micro-batch after the updates; the same value on every rank."""
+        forward pass per micro-batch after the updates; the same value on every rank. Over the
+        tokens both π_prox and π_new support (trainer.loss.support_mask): with top-k/top-p a
+        token the step took into its support or out of it has an infinite KL term (e^60 ≈ 1e26
+        or 59 at the ±60 clamp), which would undo the step or cut the learning rate."""
         kl_sum = tokens = 0.0
         for mb, plan, p in zip(minibatches, plans, prox, strict=True):
             for micro in plan:
@@ -340,7 +343,9 @@ class LearnerStep:
                     continue
                 assert mb is not None and p is not None
                 new = self._forward(micro.batch, entropy=False)[0]
-                k, n = kl_k3_sums(new, micro.take(p), micro.batch.completion_mask)
+                old = micro.take(p)
+                both = support_mask(new, old, micro.batch.completion_mask)
+                k, n = kl_k3_sums(new, old, both)
                 kl_sum += k
                 tokens += n
         kl_sum, tokens = self.dist.sum_floats([kl_sum, tokens])

@@ -243,3 +243,52 @@ def test_the_step_record_reports_them_apart(tmp_path: Path) -> None:
     # |log r| up to ~2 here: float32 rounding of exp/log in the model's log-probs (~1e-6 rel)
     assert record["mismatch_kl"] == pytest.approx(_k3_mean(prox, mu), rel=1e-4)
     assert math.isfinite(record["ess_frac"]) and record["updates"] == 1
+
+
+def _top3_logprobs(tr: Trainer, rollouts: list[Rollout]) -> list[list[float | None]]:
+    """Per rollout, log p of each completion token under the model's top 3 (float64, from the
+    model's own logits), None where the token is not among them."""
+    out: list[list[float | None]] = []
+    with torch.no_grad():
+        for r in rollouts:
+            ids = torch.tensor([r.prompt_ids + r.completion_ids])
+            logits = tr.model(input_ids=ids).logits[0, len(r.prompt_ids) - 1 : -1].double()
+            top = logits.topk(3, dim=-1)
+            norm = torch.logsumexp(top.values, dim=-1)
+            out.append(
+                [
+                    float(logits[t, tok] - norm[t]) if tok in top.indices[t].tolist() else None
+                    for t, tok in enumerate(r.completion_ids)
+                ]
+            )
+    return out
+
+
+def test_step_kl_is_over_the_tokens_both_weights_support(tmp_path: Path) -> None:
+    """A step at top-k 3 that takes tokens into (or out of) the model's top 3: step_kl (what
+    target_step_kl and max_step_kl act on) is the k3 KL(π_prox‖π_new) over the tokens inside both
+    top-3 sets; a token entering them was exp(60) ≈ 1e26 at the ±60 clamp, one leaving 59."""
+    cfg = TrainerConfig(
+        out_dir=str(tmp_path / "run"), batch_prompts=3, group_size=4, minibatches=1,
+        resume=False, top_k=3, target_step_kl=0.02, lr=0.05,
+    )  # fmt: skip
+    tr = Trainer.setup(cfg)
+    rollouts = _rollouts(11, 3)
+    before = _top3_logprobs(tr, rollouts)
+    record = tr.train_step(rollouts)
+    after = _top3_logprobs(tr, rollouts)
+    pairs = [
+        (b, a)
+        for rb, ra in zip(before, after, strict=True)
+        for b, a in zip(rb, ra, strict=True)
+        if a is not None and b is not None
+    ]
+    moved = sum(
+        (b is None) != (a is None)
+        for rb, ra in zip(before, after, strict=True)
+        for b, a in zip(rb, ra, strict=True)
+    )
+    assert moved > 0 and pairs  # the case: some tokens changed sides, others stayed inside
+    expected = sum(math.exp(a - b) - 1.0 - (a - b) for b, a in pairs) / len(pairs)
+    # float32 log-probs (~1e-6 rel) of a move of ~0.1–1 nat: rel 1e-3 is generous
+    assert record["step_kl"] == pytest.approx(expected, rel=1e-3)
