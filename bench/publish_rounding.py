@@ -6,7 +6,9 @@ prompts rendered with the chat template; the trainer re-scores each completion f
 weights with ``trainer.loss.token_logprobs`` (the processed distribution). A token outside the
 trainer's support gets π_prox = 0: behaviour weight 0, counted apart in ``out_of_support_frac``
 and left out of ``mismatch_kl`` (before issue 32: 59 nats in its k3 sum, the ±60 clamp of
-``trainer.loss.weight_stats``). Exact counts (a deterministic model, prompts and
+``trainer.loss.weight_stats``). Each row gives both: ``mismatch_kl`` (per shared token, as the
+step record now has it) and ``mismatch_kl_clamped`` (per token, as it was). Exact counts (a
+deterministic model, prompts and
 seeds); the CPU time is only informative.
 
     python bench/publish_rounding.py                               # bf16 and float32, 1000 prompts
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     from policy.sampling import SamplingConfig
     from policy.testing import build_tiny_chat_model
     from swarm.checkpoint_io import cast_floats
-    from trainer.loss import LOGP_FLOOR, token_logprobs
+    from trainer.loss import LOGP_FLOOR, shared_log_ratio, support_mask, token_logprobs
 
     torch.set_num_threads(1)
     tmp = tempfile.TemporaryDirectory(prefix="publish-rounding-")
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         )
         rng = random.Random(args.seed)
         tokens = outside = 0
+        kl_shared = kl_clamped = shared_tokens = 0.0
         cases: list[list[int]] = []
         t0 = time.process_time()
         for _ in range(args.prompts):
@@ -84,6 +87,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
                     logits = trainer(input_ids=ids).logits[0, len(req.prompt_token_ids) - 1 : -1]
                 lp = token_logprobs(logits, torch.tensor(sample.token_ids), **processing)
                 tokens += len(sample.token_ids)
+                # the step record's mismatch_kl (k3 over the shared support) and what the ±60
+                # clamp made of the same tokens before issue 32 (float64 sums)
+                mu = torch.tensor(sample.logprobs, dtype=lp.dtype)
+                shared = support_mask(lp, mu, torch.ones_like(lp))
+                log_r = shared_log_ratio(lp, mu, shared).double()
+                kl_shared += float((log_r.exp() - 1.0 - log_r).sum())
+                shared_tokens += float(shared.sum())
+                log_c = (lp - mu).clamp(-60.0, 60.0).double()
+                kl_clamped += float((log_c.exp() - 1.0 - log_c).sum())
                 for t in (lp <= LOGP_FLOOR).nonzero().flatten().tolist():
                     outside += 1
                     cases.append([index, req.seed, j, t])
@@ -93,6 +105,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
             "tokens": tokens,
             "outside_support": outside,
             "rate": outside / max(1, tokens),
+            "mismatch_kl": kl_shared / max(1.0, shared_tokens),
+            "mismatch_kl_clamped": kl_clamped / max(1, tokens),
             "cases": cases[:10],  # [arith problem index, lease seed, sample, position]
             "cpu_s": round(time.process_time() - t0, 1),
         }
