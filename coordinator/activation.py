@@ -19,9 +19,19 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from coordinator.capacity import NodeCapacity, Plan, plan_activation, with_verification
+from coordinator.capacity import (
+    NodeCapacity,
+    PeriodFn,
+    Pipeline,
+    Plan,
+    _Pool,
+    plan_activation,
+    plan_pool,
+    with_verification,
+)
 from coordinator.config import CoordinatorConfig
 from coordinator.liveness import Liveness
+from coordinator.planner_inputs import PlannerInputs, Predictions
 from coordinator.store import NodeRecord, Store
 from coordinator.throughput import NodeFigures, ThroughputBook
 from coordinator.verify_budget import PlannerRow, VerificationBudget
@@ -95,8 +105,10 @@ class ActiveSet:
         #: when the plan was made (clock seconds; -inf: never)
         self.planned_at = -math.inf
         self._standby: frozenset[str] = frozenset()
-        #: node_key -> (inputs stamp, its NodeCapacity): soft state, rebuilt after a restart
-        self._capacity_cache: dict[bytes, tuple[tuple[object, ...], NodeCapacity | None]] = {}
+        #: the planner's inputs in memory and its reused predictions: soft state, rebuilt
+        #: after a restart
+        self.inputs = PlannerInputs(store, throughput)
+        self.predictions = Predictions(clock)
         self._g_active = Gauge("swarm_nodes_active", "Nodes in the active set", registry=registry)
 
     def horizon(self, now: float) -> float:
@@ -119,55 +131,65 @@ class ActiveSet:
             node.node_key, fig, node.price_per_hour, node.rollouts_per_s, node.reliability
         )
 
-    def _planner_inputs(self) -> tuple[list[PlannerRow], list[NodeCapacity], float]:
-        """(live nodes' rows, the measured ones' :class:`NodeCapacity`, t_gen) from bare rows
-        (:meth:`Store.planner_rows`); a node's NodeCapacity is rebuilt only when its inputs
-        changed (a completed lease, a price, its lease record), so a re-plan of 10,000 nodes
-        does not construct 10,000 objects every 5 s."""
+    def _pipeline(self, t_gen: float) -> Pipeline:
+        figures = self.learner
+        return Pipeline(
+            figures.batch_rollouts, figures.t_train_s, figures.effective_kappa,
+            figures.t_bcast_s, self.config.staleness_bound, t_gen, figures.t_train_cv,
+        )  # fmt: skip
+
+    def replan(self) -> Plan:
+        """Recompute the active set (call when nodes join/leave or their μ changes).
+
+        The inputs come from :class:`~coordinator.planner_inputs.PlannerInputs` (in memory,
+        updated by the writes that change them); the step-period predictions of a large pool
+        are reused for up to a minute (:class:`~coordinator.planner_inputs.Predictions`). The
+        plan is :meth:`plan_from_scratch`'s (tests/unit/test_planner_incremental.py)."""
+        self.liveness.flush()
+        now = self.clock()
+        inputs = self.inputs
+        live = inputs.refresh(self.horizon(now), now)
+        at = inputs.measured(live)
+        t_gen = self.config.group_size * self.config.sampling.max_new_tokens
+        pool, rank = inputs.pool(at, self._pipeline(t_gen * inputs.t_gen_rate(live)))
+        plan = plan_pool(
+            pool, headroom=self.config.capacity.headroom, rank=rank, period=self.predictions
+        )
+        rows = inputs.rows(live) if self.verification is not None else []
+        return self._keep(plan, rows, len(live), len(at))
+
+    def plan_from_scratch(self, period: PeriodFn | None = None) -> Plan:
+        """The plan of every live node's row read from the store and its figures rebuilt, the
+        predictions made afresh (what :meth:`replan` did before issue 35; the reference the
+        incremental inputs are tested against), or by ``period``. Keeps the plan like
+        :meth:`replan`."""
         self.liveness.flush()
         now = self.clock()
         rows = self.store.planner_rows(self.horizon(now), now)
-        cache = self._capacity_cache
         measured: list[NodeCapacity] = []
         fastest_gen = 0.0
         for key, price, tps, rps, done, expired in rows:
             if tps:
                 fastest_gen = max(fastest_gen, 1.0 / tps)
             fig = self.throughput.get(key)
-            stamp = (id(fig), fig.leases if fig else 0, fig.lease_s if fig else 0.0, price, rps,
-                     done, expired)  # fmt: skip
-            hit = cache.get(key)
-            if hit is not None and hit[0] == stamp:
-                capacity = hit[1]
-            else:
-                capacity = _capacity(key, fig, price, rps, (done + 1) / (done + expired + 2))
-                cache[key] = (stamp, capacity)
+            capacity = _capacity(key, fig, price, rps, (done + 1) / (done + expired + 2))
             if capacity is not None:
                 measured.append(capacity)
-        if len(cache) > 2 * max(1, len(rows)):  # forget departed nodes now and then
-            live = {r[0] for r in rows}
-            for key in [k for k in cache if k not in live]:
-                del cache[key]
         t_gen = self.config.group_size * self.config.sampling.max_new_tokens * fastest_gen
-        return rows, measured, t_gen
+        pipe = self._pipeline(t_gen)
+        headroom = self.config.capacity.headroom
+        if period is not None:
+            plan = plan_pool(_Pool(measured, pipe), headroom=headroom, period=period)
+        else:
+            plan = plan_activation(
+                measured, batch=pipe.batch, t_train=pipe.t_train, kappa=pipe.kappa,
+                t_bcast=pipe.t_bcast, headroom=headroom, staleness_bound=pipe.staleness_bound,
+                t_gen=t_gen, t_train_cv=pipe.t_train_cv,
+            )  # fmt: skip
+        return self._keep(plan, rows, len(rows), len(measured))
 
-    def replan(self) -> Plan:
-        """Recompute the active set (call when nodes join/leave or their μ changes)."""
+    def _keep(self, plan: Plan, rows: list[PlannerRow], alive: int, measured: int) -> Plan:
         cap = self.config.capacity
-        rows, measured, t_gen = self._planner_inputs()
-        alive = len(rows)
-        figures = self.learner
-        plan = plan_activation(
-            measured,
-            batch=figures.batch_rollouts,
-            t_train=figures.t_train_s,
-            kappa=figures.effective_kappa,
-            t_bcast=figures.t_bcast_s,
-            t_train_cv=figures.t_train_cv,
-            headroom=cap.headroom,
-            staleness_bound=self.config.staleness_bound,
-            t_gen=t_gen,
-        )
         budget = self.verification
         if budget is not None:  # D <= (1 − h)·V beside the learner's rule (issue 35)
             demand = budget.observe(rows, plan.standby if cap.activation else ())
@@ -175,7 +197,7 @@ class ActiveSet:
         self.plan = plan
         self.planned_at = self.clock()
         self._standby = frozenset(plan.standby)
-        self._g_active.set(len(plan.active) + alive - len(measured))
+        self._g_active.set(len(plan.active) + alive - measured)
         return plan
 
     def replan_due(self) -> bool:

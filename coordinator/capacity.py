@@ -32,7 +32,8 @@ Public API (kept stable for ``swarm simulate`` and ``swarm coordinator plan``):
 :class:`NodeCapacity`, :class:`Pipeline`, :class:`Plan`, :func:`node_rate`, :func:`supply`,
 :func:`step_period`, :func:`predicted_idle`, :func:`required_rate`,
 :func:`admissible_fraction`, :func:`choose_active`, :func:`plan_activation`,
-:func:`verification_rule`, :func:`with_verification`.
+:func:`verification_rule`, :func:`with_verification`; for the coordinator's in-memory inputs
+(:mod:`coordinator.planner_inputs`) :func:`plan_pool` and :func:`capacity_columns`.
 
 The verification rule (issue 35): the active nodes' re-scoring demand D = Σ_i rate_i·ρ_i·τ
 (check rate, rollouts/s, re-scored tokens per rollout) within (1 − h)·V, V the verifiers'
@@ -171,6 +172,31 @@ def supply(nodes: Sequence[NodeCapacity], pipe: Pipeline, period: float | None =
     return sum(node_rate(n, pipe, period) for n in nodes)
 
 
+def capacity_columns(nodes: Sequence[NodeCapacity]) -> np.ndarray:
+    """One row per node: μ_i, r_i, g_i (NaN when unknown), o_i, d_i, c_i (0 when free)."""
+    nan = math.nan
+    # one pass over the objects (reading attributes is what costs at 10,000 nodes)
+    return np.array(
+        [
+            (
+                x.rollouts_per_s, x.reliability, nan if x.lease_s is None else x.lease_s,
+                x.overhead_s, x.load_s, 0.0 if x.price_per_hour is None else x.price_per_hour,
+            )
+            for x in nodes
+        ],
+        dtype=float,
+    ).reshape(len(nodes), 6)  # fmt: skip
+
+
+def _node_of(node_id: str, row: Sequence[float]) -> NodeCapacity:
+    """The NodeCapacity of one :func:`capacity_columns` row (an unknown g_i is None)."""
+    rate, rel, lease, over, load, price = row
+    return NodeCapacity(
+        node_id, rate, price, rel, overhead_s=over, lease_s=None if math.isnan(lease) else lease,
+        load_s=load,
+    )  # fmt: skip
+
+
 class _Pool:
     """The per-node inputs of ``nodes`` as arrays, read once: ρ_i(T) of every node for any period
     at numpy speed (a re-plan evaluates it ~50 times while it bisects the step period; node by
@@ -178,23 +204,29 @@ class _Pool:
     :func:`node_rate` (IEEE operations in the same order, so the same figures); sums run in node
     order as :func:`supply`'s do."""
 
-    def __init__(self, nodes: Sequence[NodeCapacity], pipe: Pipeline) -> None:
-        n = len(nodes)
+    def __init__(
+        self,
+        nodes: Sequence[NodeCapacity] | None,
+        pipe: Pipeline,
+        *,
+        cols: np.ndarray | None = None,
+        ids: Sequence[str] | None = None,
+    ) -> None:
+        """From ``nodes``, or from ``cols`` (one row per node: μ_i, r_i, g_i (NaN: unknown), o_i,
+        d_i, c_i (0: free), the columns :func:`capacity_columns` gives) and their ``ids``
+        (:mod:`coordinator.planner_inputs` keeps them in memory; no NodeCapacity objects)."""
         self.pipe = pipe
-        self.nodes = nodes
-        nan = math.nan
-        # one pass over the objects (reading attributes is what costs at 10,000 nodes)
-        cols = np.array(
-            [
-                (
-                    x.rollouts_per_s, x.reliability,
-                    nan if x.lease_s is None else x.lease_s, x.overhead_s, x.load_s,
-                    0.0 if x.price_per_hour is None else x.price_per_hour,
-                )
-                for x in nodes
-            ],
-            dtype=float,
-        ).reshape(n, 6)  # fmt: skip
+        self._nodes = nodes
+        if cols is None:
+            if nodes is None:
+                raise ValueError("_Pool: give nodes or cols")
+            cols = capacity_columns(nodes)
+            ids = [x.node_id for x in nodes]
+        elif ids is None or len(ids) != len(cols):
+            raise ValueError("_Pool: cols need one id per row")
+        n = len(cols)
+        self.cols = cols
+        self.ids: Sequence[str] = ids if ids is not None else []
         rate, rel = cols[:, 0], cols[:, 1]
         with np.errstate(invalid="ignore"):
             finite = np.isfinite(rate) & np.isfinite(rel)
@@ -219,6 +251,28 @@ class _Pool:
         with np.errstate(divide="ignore", invalid="ignore"):
             self.duty = np.where(go > 0, self.g / np.where(go > 0, go, 1.0), 1.0)
         self.cycle = go + self.d  # g + o + d
+
+    @property
+    def nodes(self) -> Sequence[NodeCapacity]:
+        """The nodes (built from the columns, once, when the pool was made from them)."""
+        if self._nodes is None:
+            self._nodes = [self.node(i) for i in range(len(self.ids))]
+        return self._nodes
+
+    def node(self, i: int) -> NodeCapacity:
+        """The ``i``-th node (built from its columns when the pool was made from them)."""
+        if self._nodes is not None:
+            return self._nodes[i]
+        return _node_of(self.ids[i], self.cols[i].tolist())
+
+    def subset(self, at: np.ndarray) -> _Pool:
+        """The nodes at indices ``at``, in that order (the same figures, element by element, as
+        a pool made from those nodes)."""
+        nodes = self._nodes
+        return _Pool(
+            None if nodes is None else [nodes[i] for i in at.tolist()], self.pipe,
+            cols=self.cols[at], ids=[self.ids[i] for i in at.tolist()],
+        )  # fmt: skip
 
     def rates(self, period: float | None = None) -> np.ndarray:
         """ρ_i(period) of every node (T_train by default)."""
@@ -386,7 +440,7 @@ def step_period(nodes: Sequence[NodeCapacity], pipe: Pipeline) -> float:
 def _period_of(pool: _Pool) -> float:
     """:func:`step_period` of a pool already read into arrays."""
     pipe = pool.pipe
-    period = _supply_period(pool.nodes, pipe, pool)
+    period = _supply_period((), pipe, pool)
     if math.isinf(period) or pipe.staleness_bound is None:
         return period
     flows = pool.flows()
@@ -536,31 +590,43 @@ def _greedy_arrays(
     rate: np.ndarray,
     target: float,
 ) -> tuple[NodeCapacity, ...] | None:
-    """:func:`_greedy` over the nodes at indices ``at``, sorted with numpy (the same keys and so
-    the same order: price/rate, then −rate, then id; the prune by −price, rate, id): at 10,000
-    nodes the Python sorts with their key functions were most of a re-plan."""
+    """:func:`_greedy` over the nodes at indices ``at``, with numpy (:func:`_greedy_at`)."""
+    rank = np.argsort(np.argsort(np.array([n.node_id for n in nodes]), kind="stable"))
+    picked = _greedy_at(rank, at, price, rate, target)
+    return None if picked is None else tuple(nodes[i] for i in picked.tolist())
+
+
+def _greedy_at(
+    rank: np.ndarray, at: np.ndarray, price: np.ndarray, rate: np.ndarray, target: float
+) -> np.ndarray | None:
+    """:func:`_greedy` over the nodes at indices ``at`` (``rank``: each node's place in id
+    order), with numpy: the same keys and so the same order (price/rate, then −rate, then id;
+    the prune by −price, rate, id), the running sum a cumulative sum (the same additions in the
+    same order). Returns the picked indices in the order :func:`_greedy` returns them."""
     usable = at[rate[at] > 0]
     if len(usable) == 0:
-        return None if not _meets(0.0, target) else ()
-    ids = np.array([nodes[i].node_id for i in usable.tolist()])
-    order = usable[np.lexsort((ids, -rate[usable], price[usable] / rate[usable]))]
-    chosen: list[int] = []
-    total = 0.0
-    for i in order.tolist():
-        if _meets(total, target):
-            break
-        chosen.append(i)
-        total += float(rate[i])
-    if not _meets(total, target):
+        return None if not _meets(0.0, target) else usable
+    order = usable[np.lexsort((rank[usable], -rate[usable], price[usable] / rate[usable]))]
+    if not math.isfinite(target):
         return None
-    pick = np.asarray(chosen)
-    pick_ids = np.array([nodes[i].node_id for i in chosen])
-    dropped: set[int] = set()
-    for i in pick[np.lexsort((pick_ids, rate[pick], -price[pick]))].tolist():
-        if _meets(total - float(rate[i]), target):
-            dropped.add(i)
-            total -= float(rate[i])
-    return tuple(nodes[i] for i in chosen if i not in dropped)
+    # _meets(x, target) is x + eps >= target; x the sum of the first j picks (0 for j = 0)
+    eps = _EPS * max(1.0, target)
+    prefix = np.concatenate(([0.0], np.cumsum(rate[order])))
+    enough = np.nonzero(prefix + eps >= target)[0]
+    if len(enough) == 0:
+        return None
+    k = int(enough[0])
+    chosen = order[:k]
+    total = float(prefix[k])
+    # Prune: drop the most expensive members (then the slowest) while the rule still holds.
+    keep = np.ones(k, dtype=bool)
+    pos = np.lexsort((rank[chosen], rate[chosen], -price[chosen]))
+    for j, r in zip(pos.tolist(), rate[chosen][pos].tolist(), strict=True):
+        if total - r + eps >= target:
+            keep[j] = False
+            total -= r
+    out: np.ndarray = chosen[keep]
+    return out
 
 
 def choose_active(
@@ -576,6 +642,15 @@ def choose_active(
     if len(nodes) <= exact_limit:
         return _exact(nodes, rates, target)
     return _greedy(nodes, rates, target)
+
+
+#: (pool, which) -> the step period of ``pool`` (:func:`_period_of`); ``which`` is "pool" (every
+#: node) or "active" (the chosen set). :class:`coordinator.planner_inputs.Predictions` reuses them.
+PeriodFn = Callable[["_Pool", str], float]
+
+
+def _fresh_period(pool: _Pool, which: str) -> float:
+    return _period_of(pool)
 
 
 def plan_activation(
@@ -596,31 +671,53 @@ def plan_activation(
 
     ``t_gen`` is the generation time of one lease for nodes whose ``lease_s`` is unknown."""
     pipe = Pipeline(batch, t_train, kappa, t_bcast, staleness_bound, t_gen or 0.0, t_train_cv)
-    ids = sorted(n.node_id for n in nodes)
-    pool = _Pool(nodes, pipe)
-    rate_list = pool.rates().tolist()
-    rates = dict(zip((n.node_id for n in nodes), rate_list, strict=True))
-    available = sum(rates.values())
+    return plan_pool(_Pool(nodes, pipe), headroom=headroom, exact_limit=exact_limit)
+
+
+def plan_pool(
+    pool: _Pool,
+    *,
+    headroom: float = 0.2,
+    exact_limit: int = EXACT_LIMIT,
+    rank: np.ndarray | None = None,
+    period: PeriodFn = _fresh_period,
+) -> Plan:
+    """:func:`plan_activation` of a pool already read into arrays. ``rank`` (each node's place
+    in id order) and ``period`` (the step-period predictions, informative only: the choice never
+    reads them) let :mod:`coordinator.planner_inputs` reuse what has not changed."""
+    pipe = pool.pipe
+    batch, t_train = pipe.batch, pipe.t_train
+    ids = pool.ids
+    n = len(ids)
+    if rank is None:
+        rank = np.argsort(np.argsort(np.array(ids, dtype=str), kind="stable"))
+    by_id = np.argsort(rank)  # node indices in id order
+    rates = pool.rates()
+    rate_list = rates.tolist()
+    available = sum(rate_list)
     required = required_rate(batch, t_train)
     target = required * (1.0 + headroom)
-    pool_period = _period_of(pool)
+    pool_period = period(pool, "pool")
     pool_idle = 1.0 if math.isinf(pool_period) else max(0.0, 1.0 - t_train / pool_period)
     # Free volunteers (price 0 or unpriced) are always active: standing one down saves nothing and
     # only adds staleness. The paid nodes cover what the free ones leave of the target.
     is_free = (pool.price <= 0.0) & (pool.raw_eff > 0)
-    free = tuple(n for n, f in zip(nodes, is_free.tolist(), strict=True) if f)
+    free_at = np.nonzero(is_free)[0]
     paid_at = np.nonzero(~is_free)[0]
-    paid = [nodes[i] for i in paid_at.tolist()]
-    residual = target - sum(rates[n.node_id] for n in free)
+    residual = target - sum(rates[free_at].tolist())
+    picked: np.ndarray | None
     if _meets(0.0, residual):
-        picked: tuple[NodeCapacity, ...] | None = ()
-    elif len(paid) <= exact_limit:
-        picked = choose_active(paid, residual, exact_limit=exact_limit, rates=rates)
+        picked = paid_at[:0]
+    elif len(paid_at) <= exact_limit:
+        paid = [pool.node(i) for i in paid_at.tolist()]
+        exact = _exact(paid, dict(zip(ids, rate_list, strict=True)), residual)
+        at = {id(x): i for x, i in zip(paid, paid_at.tolist(), strict=True)}
+        picked = None if exact is None else np.array([at[id(x)] for x in exact], dtype=np.intp)
     else:
-        picked = _greedy_arrays(nodes, paid_at, pool.price, np.asarray(rate_list), residual)
-    method = "exact search" if len(paid) <= exact_limit else "greedy by price/rate + prune"
+        picked = _greedy_at(rank, paid_at, pool.price, rates, residual)
+    method = "exact search" if len(paid_at) <= exact_limit else "greedy by price/rate + prune"
     if picked is None:
-        chosen: tuple[NodeCapacity, ...] = tuple(nodes)
+        chosen = np.arange(n)
         meets = False
         why = (
             f"short of capacity: need {target:.3g} admissible rollouts/s (B/T_train "
@@ -628,22 +725,25 @@ def plan_activation(
             f"all nodes active, predicted learner idle {pool_idle:.0%}"
         )
     else:
-        chosen = free + picked
+        chosen = np.concatenate((free_at, picked))
         meets = True
         why = ""
-    active = tuple(sorted(n.node_id for n in chosen))
-    active_ids = set(active)
-    standby = tuple(i for i in ids if i not in active_ids)
-    rate = sum(rates[n.node_id] for n in chosen)
-    period = pool_period if picked is None else step_period(chosen, pipe)
-    idle = 1.0 if math.isinf(period) else max(0.0, 1.0 - t_train / period)
-    adm = dict(zip((n.node_id for n in nodes), pool.admissible().tolist(), strict=True))
+    mask = np.zeros(n, dtype=bool)
+    mask[chosen] = True
+    in_order = mask[by_id].tolist()
+    id_list = [ids[i] for i in by_id.tolist()]
+    active = tuple(i for i, m in zip(id_list, in_order, strict=True) if m)
+    standby = tuple(i for i, m in zip(id_list, in_order, strict=True) if not m)
+    rate = sum(rates[chosen].tolist())
+    step = pool_period if picked is None else period(pool.subset(chosen), "active")
+    idle = 1.0 if math.isinf(step) else max(0.0, 1.0 - t_train / step)
+    late_mask = pool.admissible()[chosen] < 1.0
     staleness_ok = None
-    if staleness_bound is not None:
-        staleness_ok = all(adm[n.node_id] >= 1.0 for n in chosen)
-    cost = sum(n.price for n in chosen)
+    if pipe.staleness_bound is not None:
+        staleness_ok = not bool(late_mask.any())
+    cost = sum(pool.price[chosen].tolist())
     if meets:
-        late = sum(1 for n in chosen if adm[n.node_id] < 1.0)
+        late = int(late_mask.sum())
         note = (
             f"; {late} active node(s) deliver some results more than S versions late "
             "(only the rest is counted)"
@@ -652,7 +752,7 @@ def plan_activation(
         )
         why = (
             f"need {target:.3g} admissible rollouts/s (B/T_train {required:.3g} + "
-            f"{headroom:.0%} headroom); {len(active)} of {len(ids)} nodes active give "
+            f"{headroom:.0%} headroom); {len(active)} of {n} nodes active give "
             f"{rate:.3g} at {cost:.3g}/h ({method}); {len(standby)} on standby; predicted "
             f"learner idle {idle:.0%}{note}"
         )
@@ -668,5 +768,5 @@ def plan_activation(
         explanation=why,
         predicted_idle=idle,
         pool_idle=pool_idle,
-        step_period=period,
+        step_period=step,
     )

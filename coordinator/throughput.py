@@ -26,6 +26,7 @@ soft state, rebuilt from the next leases after a restart (the durable end-to-end
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 #: figures beyond this are not believed (seconds; a lease is never this long)
@@ -67,12 +68,16 @@ class ThroughputBook:
             raise ValueError("ThroughputBook: alpha must be in (0, 1]")
         self.alpha = alpha
         self._figures: dict[bytes, NodeFigures] = {}
+        #: called with a node's key whenever its figures change (the planner's inputs follow)
+        self.listeners: list[Callable[[bytes], None]] = []
 
     def get(self, node_key: bytes) -> NodeFigures | None:
         return self._figures.get(node_key)
 
     def forget(self, node_key: bytes) -> None:
         self._figures.pop(node_key, None)
+        for fn in self.listeners:
+            fn(node_key)
 
     def record(
         self,
@@ -88,6 +93,8 @@ class ThroughputBook:
         """Fold one accepted lease in; ``observed_s`` = receipt − issue on the coordinator's clock.
 
         Returns the node's figures (None when the lease carries nothing to measure)."""
+        for fn in self.listeners:
+            fn(node_key)
         observed = _clean(observed_s)
         gen = min(_clean(generate_s), observed) if observed > 0 else _clean(generate_s)
         if samples <= 0 or gen <= 0:

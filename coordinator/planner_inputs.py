@@ -1,0 +1,279 @@
+"""The planner's inputs kept in memory, updated by the events that change them (issue 35).
+
+A re-plan of 10,000 nodes used to read every live node's row from SQLite and rebuild its figures
+(~45 ms of its ~90). :class:`PlannerInputs` keeps, per registered node, the
+:func:`coordinator.capacity.capacity_columns` row the planner reads, as numpy arrays, and re-reads
+only what changed since the last re-plan:
+
+* **node rows** (a registration or advert: price, token rate; a completed or expired lease: the
+  durable rate and the lease counts; a node deleted): temporary SQLite triggers on the ``nodes``
+  table, installed on the store's connection (``TEMP``: nothing in the database file changes),
+  note the key of every inserted, deleted or changed row in a temporary table, which a re-plan
+  reads and empties. Every writer of the table is caught, whichever module it is in. A commit
+  by another connection (another process opening the database) changes ``PRAGMA data_version``;
+  the next re-plan then reads every row again;
+* **measured figures** (:class:`~coordinator.throughput.ThroughputBook`, a completed lease): the
+  book calls :meth:`PlannerInputs.figures_changed` with the node's key;
+* **liveness and bans** change with time, not with a write: each re-plan reads the keys of the
+  registered nodes that are *not* live (last seen before the horizon, or banned now) — one
+  indexed-free scan done in SQLite that returns few rows, not 10,000.
+
+:class:`Predictions` reuses the two step-period predictions (the pool's and the active set's;
+informative, the choice never reads them) of large pools for up to :data:`PREDICT_MAX_AGE_S`
+while their inputs move by less than :data:`PREDICT_TOLERANCE`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from coordinator.capacity import Pipeline, _period_of, _Pool
+from coordinator.store import Store
+from coordinator.throughput import NodeFigures, ThroughputBook
+from coordinator.verify_budget import PlannerRow
+
+#: a prediction is reused for at most this long (clock seconds)
+PREDICT_MAX_AGE_S = 60.0
+#: ... and while every figure it depends on stays within this relative distance
+PREDICT_TOLERANCE = 0.02
+#: pools smaller than this are always predicted afresh (it is cheap; demos compare it per second)
+PREDICT_MIN_NODES = 500
+
+_COLS = "node_key, price_per_hour, tokens_per_s, rollouts_per_s, leases_completed, leases_expired"
+_WATCHED = ("price_per_hour", "tokens_per_s", "rollouts_per_s", "leases_completed",
+            "leases_expired")  # fmt: skip
+_instances = itertools.count()
+
+
+class PlannerInputs:
+    """Per registered node: its planner row and capacity columns (module docstring)."""
+
+    def __init__(self, store: Store, throughput: ThroughputBook) -> None:
+        self.store = store
+        self.throughput = throughput
+        self._table = f"planner_dirty_{next(_instances)}"
+        self._install()
+        throughput.listeners.append(self.figures_changed)
+        self._version: int | None = None  # PRAGMA data_version at the last read; None: read all
+        self._slot: dict[bytes, int] = {}
+        self._ids: list[str] = []
+        self._rows: list[PlannerRow | None] = []
+        self._fig_dirty: set[bytes] = set()
+        self._cols = np.zeros((0, 6))
+        self._measured = np.zeros(0, dtype=bool)
+        self._present = np.zeros(0, dtype=bool)
+        self._inv_tps = np.zeros(0)
+        self._rank_for: np.ndarray | None = None
+        self._rank = np.zeros(0, dtype=np.intp)
+        #: full reads of the table so far (the first one, and one per foreign commit)
+        self.full_reads = 0
+
+    def _install(self) -> None:
+        t = self._table
+        changed = " OR ".join(f"OLD.{c} IS NOT NEW.{c}" for c in ("node_key", *_WATCHED))
+        note = f"INSERT OR IGNORE INTO {t} VALUES"
+        self.store.ensure_schema(
+            f"CREATE TEMP TABLE IF NOT EXISTS {t} (node_key BLOB PRIMARY KEY);"
+            f"CREATE TEMP TRIGGER IF NOT EXISTS {t}_ins AFTER INSERT ON main.nodes"
+            f" BEGIN {note} (NEW.node_key); END;"
+            f"CREATE TEMP TRIGGER IF NOT EXISTS {t}_del AFTER DELETE ON main.nodes"
+            f" BEGIN {note} (OLD.node_key); END;"
+            f"CREATE TEMP TRIGGER IF NOT EXISTS {t}_upd AFTER UPDATE OF node_key,"
+            f" {', '.join(_WATCHED)} ON main.nodes WHEN {changed}"
+            f" BEGIN {note} (OLD.node_key); {note} (NEW.node_key); END;"
+        )
+
+    def figures_changed(self, node_key: bytes) -> None:
+        """The throughput book's figures of ``node_key`` changed (its listener)."""
+        self._fig_dirty.add(node_key)
+
+    # --- reading ---------------------------------------------------------------------------------
+    def refresh(self, seen_after: float, now: float) -> np.ndarray:
+        """Bring the arrays up to date; returns the slots of the live nodes (last seen at or after
+        ``seen_after``, not banned at ``now``: :meth:`Store.planner_rows`' rule)."""
+        store = self.store
+        with store.locked():
+            version = int(store.query("PRAGMA data_version")[0][0])
+            if version != self._version:
+                rows = store.query(f"SELECT {_COLS} FROM nodes")
+                store.query(f"DELETE FROM temp.{self._table}")
+                gone = set(self._slot)
+                self._fig_dirty.clear()
+                self.full_reads += 1
+            else:
+                rows = store.query(
+                    f"SELECT {_COLS} FROM nodes WHERE node_key IN"
+                    f" (SELECT node_key FROM temp.{self._table})"
+                )
+                gone = {bytes(r[0]) for r in store.query(
+                    f"DELETE FROM temp.{self._table} RETURNING node_key")}  # fmt: skip
+            self._version = version
+            out = store.query(
+                "SELECT node_key FROM nodes WHERE last_seen < ?"
+                " UNION SELECT node_key FROM bans WHERE banned_until > ?",
+                (seen_after, now),
+            )
+        for k, p, t, r, c, e in rows:
+            key = bytes(k)
+            gone.discard(key)
+            self._fig_dirty.discard(key)
+            self._put(key, (key, p, t, r, int(c), int(e)))
+        for key in gone:
+            self._drop(key)
+        for key in self._fig_dirty:
+            slot = self._slot.get(key)
+            row = None if slot is None else self._rows[slot]
+            if row is not None:
+                self._put(key, row)
+        self._fig_dirty.clear()
+        live = self._present.copy()
+        for (k,) in out:
+            slot = self._slot.get(bytes(k))
+            if slot is not None:
+                live[slot] = False
+        return np.nonzero(live)[0]
+
+    def _put(self, key: bytes, row: PlannerRow) -> None:
+        slot = self._slot.get(key)
+        if slot is None:
+            slot = len(self._ids)
+            if slot == len(self._present):
+                self._grow()
+            self._slot[key] = slot
+            self._ids.append(key.hex())
+            self._rows.append(row)
+            self._present[slot] = True
+        self._rows[slot] = row
+        _key, price, tps, rps, done, expired = row
+        cols = _columns(self.throughput.get(key), price, rps, (done + 1) / (done + expired + 2))
+        self._measured[slot] = cols is not None
+        if cols is not None:
+            self._cols[slot] = cols
+        self._inv_tps[slot] = 1.0 / tps if tps is not None and tps > 0 else 0.0
+
+    def _drop(self, key: bytes) -> None:
+        slot = self._slot.pop(key, None)
+        if slot is None:
+            return
+        self._rows[slot] = None
+        self._present[slot] = False
+        self._measured[slot] = False
+        if len(self._slot) < len(self._ids) // 2:  # mostly holes: compact
+            self._compact()
+
+    def _grow(self) -> None:
+        n = max(64, 2 * len(self._present))
+        extra = n - len(self._present)
+        self._cols = np.concatenate((self._cols, np.zeros((extra, 6))))
+        self._measured = np.concatenate((self._measured, np.zeros(extra, dtype=bool)))
+        self._present = np.concatenate((self._present, np.zeros(extra, dtype=bool)))
+        self._inv_tps = np.concatenate((self._inv_tps, np.zeros(extra)))
+
+    def _compact(self) -> None:
+        keep = np.nonzero(self._present[: len(self._ids)])[0]
+        at = keep.tolist()
+        self._ids = [self._ids[i] for i in at]
+        self._rows = [self._rows[i] for i in at]
+        self._slot = {row[0]: i for i, row in enumerate(self._rows) if row is not None}
+        n = len(at)
+        for name in ("_cols", "_measured", "_present", "_inv_tps"):
+            arr = getattr(self, name)
+            fresh = np.zeros((len(arr), *arr.shape[1:]), dtype=arr.dtype)
+            fresh[:n] = arr[keep]
+            setattr(self, name, fresh)
+        self._rank_for = None
+
+    # --- what a re-plan takes --------------------------------------------------------------------
+    def rows(self, live: np.ndarray) -> list[PlannerRow]:
+        """The planner rows of the slots ``live`` (for the verification budget)."""
+        rows = self._rows
+        return [r for r in (rows[i] for i in live.tolist()) if r is not None]
+
+    def measured(self, live: np.ndarray) -> np.ndarray:
+        """The slots of ``live`` whose node has measured figures (they enter the plan)."""
+        out: np.ndarray = live[self._measured[live]]
+        return out
+
+    def t_gen_rate(self, live: np.ndarray) -> float:
+        """max over ``live`` of 1 / tokens_per_s (0 when none advertises a rate)."""
+        return float(self._inv_tps[live].max()) if len(live) else 0.0
+
+    def pool(self, at: np.ndarray, pipe: Pipeline) -> tuple[_Pool, np.ndarray]:
+        """The :class:`~coordinator.capacity._Pool` of the slots ``at`` and each one's place in
+        id order (re-sorted only when the set changed)."""
+        ids = [self._ids[i] for i in at.tolist()]
+        if self._rank_for is None or not np.array_equal(self._rank_for, at):
+            self._rank = np.argsort(np.argsort(np.array(ids, dtype=str), kind="stable"))
+            self._rank_for = at.copy()
+        return _Pool(None, pipe, cols=self._cols[at], ids=ids), self._rank
+
+
+def _columns(
+    fig: NodeFigures | None, price: float | None, rps: float | None, reliability: float
+) -> tuple[float, float, float, float, float, float] | None:
+    """The capacity columns of one node (:func:`coordinator.activation._capacity`'s figures, in
+    :func:`coordinator.capacity.capacity_columns`' layout); None when it has completed no lease."""
+    cost = 0.0 if price is None else price
+    if fig is not None:
+        load = fig.load_s or 0.0
+        return (fig.gen_rate, reliability, fig.lease_s, fig.overhead_s, load, cost)
+    if not rps:
+        return None
+    return (rps, reliability, math.nan, 0.0, 0.0, cost)
+
+
+class Predictions:
+    """The step-period predictions of :func:`coordinator.capacity.plan_pool`, reused (module
+    docstring). A prediction is made afresh when the pool has fewer than ``min_nodes`` nodes,
+    when ``max_age_s`` has passed, when κ or S changed, or when the node count, the pool's rate
+    (Σ μ_i·r_i·g_i/(g_i + o_i)), its admissible supply at T_train, its rate-weighted lags, B,
+    T_train, T_bcast, t_gen or the step-time variability moved by more than ``tolerance``."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        *,
+        max_age_s: float = PREDICT_MAX_AGE_S,
+        tolerance: float = PREDICT_TOLERANCE,
+        min_nodes: int = PREDICT_MIN_NODES,
+    ) -> None:
+        self.clock = clock
+        self.max_age_s = max_age_s
+        self.tolerance = tolerance
+        self.min_nodes = min_nodes
+        #: which -> (made at, exact key, figures, period)
+        self._memo: dict[str, tuple[float, tuple[object, ...], np.ndarray, float]] = {}
+        #: predictions made afresh (for tests and the bench)
+        self.made = 0
+
+    def __call__(self, pool: _Pool, which: str) -> float:
+        if len(pool.ids) < self.min_nodes:
+            self.made += 1
+            return _period_of(pool)
+        pipe = pool.pipe
+        q = pool.eff * pool.duty
+        total = float(q.sum())
+        lag = float((q * (pool.g + pool.o + pool.d)).sum()) / total if total > 0 else 0.0
+        load = float((q * pool.d).sum()) / total if total > 0 else 0.0
+        figures = np.array([
+            len(pool.ids), total, float(pool.rates().sum()), lag, load, pipe.batch,
+            pipe.t_train, pipe.t_bcast, pipe.t_gen, pipe.t_train_cv,
+        ])  # fmt: skip
+        exact = (pipe.kappa, pipe.staleness_bound)
+        now = self.clock()
+        memo = self._memo.get(which)
+        if memo is not None:
+            at, key, old, period = memo
+            close = np.abs(figures - old) <= self.tolerance * np.maximum(
+                np.abs(figures), np.abs(old)
+            )
+            if key == exact and 0.0 <= now - at < self.max_age_s and bool(close.all()):
+                return period
+        period = _period_of(pool)
+        self.made += 1
+        self._memo[which] = (now, exact, figures, period)
+        return period
