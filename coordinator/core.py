@@ -10,12 +10,16 @@ durable books over the store (:class:`~coordinator.leases.LeaseManager`,
 :class:`~coordinator.activation.LearnerFigures`, :class:`~coordinator.activation.ActiveSet`), and
 the submission pipeline (:class:`~coordinator.submissions.SubmissionDesk` over
 :class:`~coordinator.intake.Intake` and :class:`~coordinator.slots.PromptSlots`) with the
-trainer's :class:`~coordinator.feed.RolloutFeed`. Each receives what it uses as constructor
-arguments; the coordinator keeps registration, heartbeats, leases, publication and upkeep, and
-delegates the rest. Its methods take decoded protocol messages plus the signer's public key (from
-the envelope) and return protocol messages. Refusals raise :class:`~coordinator.errors.Rejection`
-(the service answers ``Reject(code, detail)``), except :meth:`submit`, which returns the verdict
-(``Ack`` or ``Reject``) because verdicts are stored and replayed to an identical re-send.
+trainer's :class:`~coordinator.feed.RolloutFeed`, heartbeats and lease requests
+(:class:`~coordinator.lease_desk.LeaseDesk`), registration
+(:class:`~coordinator.registration.RegistrationDesk`) and version publication
+(:class:`~coordinator.publication_desk.PublicationDesk`). Each receives what it uses as
+constructor arguments; the coordinator keeps admission at the envelope, releases and upkeep,
+and delegates the rest. Its methods take decoded protocol messages plus the signer's public key
+(from the envelope) and return protocol messages. Refusals raise
+:class:`~coordinator.errors.Rejection` (the service answers ``Reject(code, detail)``), except
+:meth:`submit`, which returns the verdict (``Ack`` or ``Reject``) because verdicts are stored
+and replayed to an identical re-send.
 
 Every state change is committed to SQLite before the method returns, except liveness: the
 ``last_seen`` of a heartbeat or lease request is soft state, kept in memory and written for all
@@ -39,14 +43,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry
 
 from coordinator.activation import ActiveSet, LearnerFigures
 from coordinator.admission import Admission
 from coordinator.audits import RewardAudits
 from coordinator.capacity import NodeCapacity, Plan
 from coordinator.config import CoordinatorConfig
-from coordinator.errors import Rejection
 from coordinator.feed import RolloutFeed
 from coordinator.intake import Intake, IntakeMetrics
 from coordinator.lease_desk import LeaseDesk
@@ -56,7 +59,9 @@ from coordinator.liveness import Liveness
 from coordinator.logprobs import LogprobVerifier
 from coordinator.outcome import AcceptRules
 from coordinator.problems import Task
+from coordinator.publication_desk import PublicationDesk
 from coordinator.receipts import ReceiptLog
+from coordinator.registration import RegistrationDesk
 from coordinator.reputation import Reputation
 from coordinator.retention import Retention
 from coordinator.slots import PromptSlots
@@ -68,11 +73,8 @@ from coordinator.trust import Trust
 from coordinator.verify_budget import VerificationBudget
 from policy.model import Tokenizer
 from policy.prompts import PromptRenderer
-from protocol.codec import decode, encode
 from protocol.envelope import ReplayGuard, open_envelope
-from protocol.errors import ReasonCode
 from protocol.identity import Identity, fingerprint_of
-from protocol.manifest import verify_manifest
 from protocol.messages import (
     Ack,
     CapabilityAdvert,
@@ -89,7 +91,6 @@ from protocol.messages import (
     SignedEnvelope,
     Standby,
 )
-from swarm.faults import fault_point
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -122,7 +123,6 @@ class Coordinator:
         self.task = task
         self.tokenizer = tokenizer
         self.clock = clock
-        self.publisher_key = publisher_key
         self.replay = replay if replay is not None else ReplayGuard()
         self.registry = registry if registry is not None else CollectorRegistry()
         #: renders a task's question into the prompt tokens a lease carries
@@ -189,9 +189,11 @@ class Coordinator:
             registry=self.registry,
             verification=self.budget,
         )
-        self._g_version = Gauge(
-            "swarm_policy_version", "Latest published version", registry=self.registry
-        )
+        #: records the trainer's signed manifests (rswarm/publish): newest, a delta's base held
+        self.publication = PublicationDesk(
+            store=store, clock=clock, publisher_key=publisher_key, lease_lag=self.lease_lag,
+            learner=self.learner, registry=self.registry,
+        )  # fmt: skip
 
         # --- the submission pipeline and the trainer's feed ---
         self.metrics = IntakeMetrics(self.registry)
@@ -239,6 +241,17 @@ class Coordinator:
             servable=servable,
         )
         self.feed = RolloutFeed(store, self.ledger, clock)
+        #: rswarm/register: one read, the pure decision, room for a newcomer, one write
+        self.registration = RegistrationDesk(
+            config,
+            store=store,
+            clock=clock,
+            liveness=self.liveness,
+            budget=self.budget,
+            receipts=self.receipts,
+            replan=lambda: self.replan(),  # late-bound: the one re-plan entry point
+            lease_version=self.lease_desk.lease_version,
+        )
 
         # --- resume ---
         self.leases.expire_due()
@@ -372,125 +385,12 @@ class Coordinator:
         # numerical glitch, must not be banned for it; the refusal is all it gets.
         msg = open_envelope(env, type_, now=self.clock(), replay=self.replay)
         if not isinstance(msg, Register):
-            self._admit(env.signer)
+            self.admission.admit(env.signer)
         return env.signer, msg
 
-    def _admit(self, node_key: bytes) -> NodeRecord:
-        return self.admission.admit(node_key)
-
     def register(self, node_key: bytes, advert: CapabilityAdvert) -> RegisterAck:
-        now = self.clock()
-        if advert.node_key != node_key:
-            raise Rejection(ReasonCode.SCHEMA, "advert.node_key differs from the envelope signer")
-        accepted = self.config.intake.accepted_dtypes
-        if advert.dtype not in accepted:  # the calibration measures only these (issue 34)
-            raise Rejection(
-                ReasonCode.REGISTRATION_MISMATCH,
-                f"dtype {advert.dtype} is not accepted here (intake.accepted_dtypes: "
-                f"{', '.join(accepted)}); run the node in one of them",
-                strike=False,
-            )
-        if self.reputation.banned(node_key, now) is not None:
-            self._admit(node_key)  # raises banned
-        old = self.store.get_node(node_key)
-        if old is None:
-            self._make_room(now)
-            self.budget.admit_new(  # issue 35
-                node_key, advert.tokens_per_s or None, now, registered=self.store.node_count()
-            )
-        relabel = old is not None and (old.backend, old.dtype) != (advert.backend, advert.dtype)
-        if relabel:
-            assert old is not None
-            self._check_relabel(node_key, old, advert, now)
-        record = NodeRecord(
-            node_key=node_key,
-            fingerprint=fingerprint_of(node_key),
-            advert=encode(advert),
-            registered_at=old.registered_at if old else now,
-            last_seen=now,
-            tokens_per_s=old.tokens_per_s
-            if old and old.tokens_per_s
-            else advert.tokens_per_s or None,
-            rollouts_per_s=old.rollouts_per_s if old and old.rollouts_per_s else None,
-            price_per_hour=advert.price_per_hour,
-            backend=advert.backend,
-            dtype=advert.dtype,
-            leases_completed=old.leases_completed if old else 0,
-            leases_expired=old.leases_expired if old else 0,
-        )
-        with self.store.transaction():
-            self.store.upsert_node(record)
-            if old is None or relabel:
-                if relabel:
-                    self.trust.relabelled(node_key, now)
-                self.receipts.append(
-                    "register",
-                    {
-                        "node": record.fingerprint,
-                        "held_to": f"{advert.backend}/{advert.dtype}",
-                        "previous": f"{old.backend}/{old.dtype}" if old is not None else None,
-                    },
-                    now,
-                )
-        # Re-planning scans the whole swarm: only when the plan's inputs changed (a new or
-        # returning node, another price or throughput), so repeated re-registrations stay cheap.
-        horizon = now - self.config.heartbeat_interval_s * self.config.heartbeat_misses
-        # A node never seen before has no measured rate, so it cannot change the plan (unmeasured
-        # nodes are always active); re-planning for each of 10,000 joining nodes would scan the
-        # swarm 10,000 times. Its gauge count follows at the next tick.
-        if old is not None and (
-            max(old.last_seen, self.liveness.unwritten(node_key)) < horizon
-            or old.price_per_hour != record.price_per_hour
-            or old.tokens_per_s != record.tokens_per_s
-        ):
-            self.replan()
-        return RegisterAck(
-            node_fingerprint=fingerprint_of(node_key),
-            heartbeat_interval_s=self.config.heartbeat_interval_s,
-            current_policy_version=self.lease_version(),
-            server_time=now,
-        )
-
-    def _check_relabel(
-        self, node_key: bytes, old: NodeRecord, advert: CapabilityAdvert, now: float
-    ) -> None:
-        """A registered node asks to be held to another backend/dtype: allowed at most every
-        ``intake.registration_change_interval_s`` (logged; its clean history restarts)."""
-        last = self.trust.state(node_key).label_changed_at or old.registered_at
-        wait = last + self.config.intake.registration_change_interval_s - now
-        if wait > 0:
-            raise Rejection(
-                ReasonCode.REGISTRATION_MISMATCH,
-                f"registered as {old.backend}/{old.dtype}; a change to {advert.backend}/"
-                f"{advert.dtype} is allowed in {wait:.0f}s (one change per "
-                f"{self.config.intake.registration_change_interval_s:.0f}s)",
-                strike=False,
-                retry_after_s=wait,
-            )
-        log.warning(
-            "node %s re-registered as %s/%s (was %s/%s); its checks restart as for a new node",
-            fingerprint_of(node_key), advert.backend, advert.dtype, old.backend, old.dtype,
-        )  # fmt: skip
-
-    def _make_room(self, now: float) -> None:
-        """Keep the node table within ``max_nodes``: forget the longest-gone node that holds
-        nothing (no active lease, no ban in force), or refuse the newcomer if there is none."""
-        cap = self.config.max_nodes
-        if self.store.node_count() < cap:
-            return
-        self.flush_liveness()
-        horizon = self.config.heartbeat_interval_s * self.config.heartbeat_misses
-        victim = self.store.evictable_node(now - horizon, now)
-        if victim is None:
-            raise Rejection(
-                ReasonCode.SWARM_FULL,
-                f"the swarm is full ({cap} registered nodes, all alive, holding leases or banned);"
-                " try again later",
-                retry_after_s=horizon,
-            )
-        self.store.delete_node(victim)
-        self.liveness.forget(victim)
-        log.info("node table full (%d): forgot %s, gone the longest", cap, fingerprint_of(victim))
+        """Register or re-register a node (:meth:`RegistrationDesk.register`)."""
+        return self.registration.register(node_key, advert)
 
     # --- heartbeats and leases (coordinator.lease_desk) ------------------------------------------
     def heartbeat(self, node_key: bytes, hb: Heartbeat) -> HeartbeatAck:
@@ -518,7 +418,7 @@ class Coordinator:
     def release(self, node_key: bytes, lease_id: str, epoch: int, reason: str = "") -> list[int]:
         """A node gives a lease back; its prompts are reassignable at once. A reason other than
         a shutdown is kept as the node's last problem (``/status`` ``node_problems``)."""
-        self._admit(node_key)
+        self.admission.admit(node_key)
         prompts = self.leases.release(node_key, lease_id, epoch)
         if reason and reason != "node shutting down":
             if len(self.node_problems) >= self.config.max_nodes:
@@ -528,39 +428,8 @@ class Coordinator:
 
     # --- versions --------------------------------------------------------------------------------
     def publish_version(self, manifest_env: SignedEnvelope) -> Manifest:
-        """Record a signed manifest (verified against ``publisher_key``) as the newest version."""
-        if self.publisher_key is None:
-            raise Rejection(ReasonCode.INTERNAL, "coordinator has no publisher key configured")
-        manifest = verify_manifest(manifest_env, self.publisher_key, self.clock())
-        with self.store.transaction():
-            latest = self.store.latest_version()
-            if latest is not None and manifest.version <= latest:
-                raise Rejection(
-                    ReasonCode.VERSION_NOT_NEWER,
-                    f"version {manifest.version} is not newer than {latest}",
-                )
-            self._check_delta_base(manifest)
-            self.store.put_version(manifest.version, encode(manifest_env), self.clock())
-        fault_point("publish.after_commit")
-        self.lease_lag.published(manifest.version, self.clock())
-        self.learner.published(manifest.version)
-        self._g_version.set(manifest.version)
-        log.info("published policy version %d", manifest.version)
-        return manifest
-
-    def _check_delta_base(self, manifest: Manifest) -> None:
-        """A delta version must name, by its exact root hash, a version published here: the
-        swarm could not apply it otherwise (the trainer then publishes a keyframe)."""
-        if manifest.delta is None:
-            return
-        base, raw = manifest.delta.base_version, self.store.get_version(manifest.delta.base_version)
-        held = None if raw is None else decode(decode(raw, SignedEnvelope).payload, Manifest)
-        if held is None or held.root_hash != manifest.delta.base_root_hash:
-            why = "was never published here" if held is None else "was published with other bytes"
-            raise Rejection(
-                ReasonCode.DELTA_BASE_MISSING,
-                f"v{manifest.version} is a delta against v{base}, which {why}; publish a keyframe",
-            )
+        """Record a signed manifest as the newest version (:meth:`PublicationDesk.publish`)."""
+        return self.publication.publish(manifest_env)
 
     def tick(self) -> None:
         """Periodic upkeep: write liveness, expire overdue leases, seal new receipts, and re-plan

@@ -118,6 +118,12 @@ def flagged_state(state: TrustState, now: float) -> TrustState:
     return TrustState(0, True, now, state.label_changed_at, 0)
 
 
+def relabelled_state(state: TrustState, now: float) -> TrustState:
+    """``state`` after the node registered another backend/dtype at ``now``: its clean history
+    no longer applies (a suspect stays one)."""
+    return TrustState(0, state.suspect, state.flagged_at, now, 0)
+
+
 def leases_to_floor(config: IntakeSection, clean_leases: int = 0) -> int:
     """Clean leases after ``clean_leases`` until the rate reaches the floor."""
     if config.new_node_check_rate <= config.spot_check_fraction:
@@ -231,11 +237,6 @@ class Trust:
         """Flagged by the reward audit: checked in full like a struck node (no strike: the
         audit is statistical, the full checks then find what is wrong, if anything)."""
         self._put(node_key, flagged_state(self.state(node_key), now), detail)
-
-    def relabelled(self, node_key: bytes, now: float) -> None:
-        """The node registered another backend/dtype: its clean history no longer applies."""
-        s = self.state(node_key)
-        self._put(node_key, TrustState(0, s.suspect, s.flagged_at, now, 0))
 
     def all_states(self) -> dict[bytes, TrustState]:
         """Every node with a trust row (one query; nodes without one are new)."""
