@@ -730,10 +730,10 @@ def plan_pool(
         why = ""
     mask = np.zeros(n, dtype=bool)
     mask[chosen] = True
-    in_order = mask[by_id].tolist()
+    in_order = mask[by_id]
     id_list = [ids[i] for i in by_id.tolist()]
-    active = tuple(i for i, m in zip(id_list, in_order, strict=True) if m)
-    standby = tuple(i for i, m in zip(id_list, in_order, strict=True) if not m)
+    active = tuple(itertools.compress(id_list, in_order.tolist()))
+    standby = tuple(itertools.compress(id_list, (~in_order).tolist()))
     rate = sum(rates[chosen].tolist())
     step = pool_period if picked is None else period(pool.subset(chosen), "active")
     idle = 1.0 if math.isinf(step) else max(0.0, 1.0 - t_train / step)

@@ -47,6 +47,7 @@ _COLS = "node_key, price_per_hour, tokens_per_s, rollouts_per_s, leases_complete
 _WATCHED = ("price_per_hour", "tokens_per_s", "rollouts_per_s", "leases_completed",
             "leases_expired")  # fmt: skip
 _instances = itertools.count()
+_NO_COLUMNS = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)  # an unmeasured node's (never read: not measured)
 
 
 class PlannerInputs:
@@ -104,32 +105,35 @@ class PlannerInputs:
                 gone = set(self._slot)
                 self._fig_dirty.clear()
                 self.full_reads += 1
-            else:
+            else:  # the changed rows; a deleted one comes back as NULLs
+                cols = ", ".join(f"n.{c}" for c in _COLS.split(", ")[1:])
                 rows = store.query(
-                    f"SELECT {_COLS} FROM nodes WHERE node_key IN"
-                    f" (SELECT node_key FROM temp.{self._table})"
+                    f"SELECT d.node_key, n.node_key IS NULL, {cols} FROM temp.{self._table} d"
+                    " LEFT JOIN nodes n ON n.node_key = d.node_key"
                 )
-                gone = {bytes(r[0]) for r in store.query(
-                    f"DELETE FROM temp.{self._table} RETURNING node_key")}  # fmt: skip
+                store.query(f"DELETE FROM temp.{self._table}")
+                gone = {bytes(r[0]) for r in rows if r[1]}
+                rows = [(r[0], *r[2:]) for r in rows if not r[1]]
             self._version = version
             out = store.query(
                 "SELECT node_key FROM nodes WHERE last_seen < ?"
                 " UNION SELECT node_key FROM bans WHERE banned_until > ?",
                 (seen_after, now),
             )
+        fresh: dict[bytes, PlannerRow] = {}
         for k, p, t, r, c, e in rows:
             key = bytes(k)
-            gone.discard(key)
-            self._fig_dirty.discard(key)
-            self._put(key, (key, p, t, r, int(c), int(e)))
+            fresh[key] = (key, p, t, r, int(c), int(e))
+        gone.difference_update(fresh)
         for key in gone:
             self._drop(key)
-        for key in self._fig_dirty:
+        for key in self._fig_dirty.difference(fresh):
             slot = self._slot.get(key)
             row = None if slot is None else self._rows[slot]
             if row is not None:
-                self._put(key, row)
+                fresh[key] = row
         self._fig_dirty.clear()
+        self._put(fresh)
         live = self._present.copy()
         for (k,) in out:
             slot = self._slot.get(bytes(k))
@@ -137,23 +141,35 @@ class PlannerInputs:
                 live[slot] = False
         return np.nonzero(live)[0]
 
-    def _put(self, key: bytes, row: PlannerRow) -> None:
-        slot = self._slot.get(key)
-        if slot is None:
-            slot = len(self._ids)
-            if slot == len(self._present):
-                self._grow()
-            self._slot[key] = slot
-            self._ids.append(key.hex())
-            self._rows.append(row)
-            self._present[slot] = True
-        self._rows[slot] = row
-        _key, price, tps, rps, done, expired = row
-        cols = _columns(self.throughput.get(key), price, rps, (done + 1) / (done + expired + 2))
-        self._measured[slot] = cols is not None
-        if cols is not None:
-            self._cols[slot] = cols
-        self._inv_tps[slot] = 1.0 / tps if tps is not None and tps > 0 else 0.0
+    def _put(self, rows: dict[bytes, PlannerRow]) -> None:
+        """Set the rows and columns of these nodes (new ones get a slot), in one array write."""
+        slots: list[int] = []
+        cols: list[tuple[float, float, float, float, float, float]] = []
+        measured: list[bool] = []
+        inv_tps: list[float] = []
+        get = self.throughput.get
+        for key, row in rows.items():
+            slot = self._slot.get(key)
+            if slot is None:
+                slot = len(self._ids)
+                if slot == len(self._present):
+                    self._grow()
+                self._slot[key] = slot
+                self._ids.append(key.hex())
+                self._rows.append(row)
+                self._present[slot] = True
+            self._rows[slot] = row
+            _key, price, tps, rps, done, expired = row
+            got = _columns(get(key), price, rps, (done + 1) / (done + expired + 2))
+            slots.append(slot)
+            measured.append(got is not None)
+            cols.append(_NO_COLUMNS if got is None else got)
+            inv_tps.append(1.0 / tps if tps is not None and tps > 0 else 0.0)
+        if slots:
+            at = np.array(slots, dtype=np.intp)
+            self._cols[at] = np.array(cols, dtype=float).reshape(len(at), 6)
+            self._measured[at] = measured
+            self._inv_tps[at] = inv_tps
 
     def _drop(self, key: bytes) -> None:
         slot = self._slot.pop(key, None)
@@ -191,7 +207,7 @@ class PlannerInputs:
     def rows(self, live: np.ndarray) -> list[PlannerRow]:
         """The planner rows of the slots ``live`` (for the verification budget)."""
         rows = self._rows
-        return [r for r in (rows[i] for i in live.tolist()) if r is not None]
+        return [r for r in [rows[i] for i in live.tolist()] if r is not None]
 
     def measured(self, live: np.ndarray) -> np.ndarray:
         """The slots of ``live`` whose node has measured figures (they enter the plan)."""
