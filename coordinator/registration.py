@@ -103,11 +103,9 @@ def decide_registration(
         assert refusal is not None  # a ban in force always refuses
         raise refusal
     relabel = old is not None and (old.backend, old.dtype) != (advert.backend, advert.dtype)
-    trust: TrustState | None = None
     if relabel:
         assert old is not None and ctx.trust is not None  # loaded for a relabel
         _check_relabel(node_key, old, advert, ctx.trust, now, config)
-        trust = relabelled_state(ctx.trust, now)
     record = NodeRecord(
         node_key=node_key,
         fingerprint=fingerprint_of(node_key),
@@ -122,6 +120,7 @@ def decide_registration(
         leases_completed=old.leases_completed if old else 0,
         leases_expired=old.leases_expired if old else 0,
     )
+    trust = relabelled_state(ctx.trust, now) if relabel and ctx.trust is not None else None
     receipt = None
     if old is None or relabel:
         receipt = {
@@ -222,13 +221,19 @@ class RegistrationDesk:
         store = self.store
         with store.locked():
             node = store.get_node(node_key)
-            ban = ban_in_force(store.get_ban(node_key), now)
-            trust = None
-            if node is not None and (node.backend, node.dtype) != (advert.backend, advert.dtype):
-                row = store.trust_row(node_key)
-                trust = trust_state(row, row is None and store.has_record(node_key))
+            ban = store.get_ban(node_key)
+            held_to = (advert.backend, advert.dtype)
+            relabel = node is not None and (node.backend, node.dtype) != held_to
+            row = store.trust_row(node_key) if relabel else None
+            suspect = relabel and row is None and store.has_record(node_key)
             registered = store.node_count() if node is None else None
-        return RegistrationContext(node, ban, trust, registered, self.liveness.unwritten(node_key))
+        return RegistrationContext(
+            node,
+            ban_in_force(ban, now),
+            trust_state(row, suspect) if relabel else None,
+            registered,
+            self.liveness.unwritten(node_key),
+        )
 
     def make_room(self, registered: int, now: float) -> int:
         """Keep the node table within ``max_nodes`` for a newcomer (``registered``: the nodes

@@ -204,6 +204,16 @@ def test_the_desk_registers_relabels_and_writes_once(tmp_path: Path) -> None:
     assert p.replans == 0  # alive (heard), same price: the plan's inputs did not change
 
 
+def test_a_relabelled_node_with_a_strike_on_record_stays_a_suspect(tmp_path: Path) -> None:
+    p = Parts(tmp_path)
+    ident = p.join()
+    p.store.add_strike(ident.public_key, "bad_logprobs", "", p.clock())  # no trust row yet
+    p.clock.advance(p.cfg.intake.registration_change_interval_s + 1.0)
+    p.desk.register(ident.public_key, advert(ident, p.clock(), dtype="bfloat16"))
+    state = Trust(p.store, p.cfg.intake).state(ident.public_key)
+    assert state == TrustState(0, True, None, p.clock(), 0)
+
+
 def test_a_full_table_forgets_the_longest_gone_node_or_refuses(tmp_path: Path) -> None:
     p = Parts(tmp_path, max_nodes=2)
     first = p.join()
