@@ -340,7 +340,8 @@ class CapacitySection(_Section):
         default=5.0,
         ge=0,
         description="Re-plan the active set at most this often on the upkeep tick (seconds; a "
-        "re-plan reads every live node); a returning or re-priced node re-plans at once",
+        "re-plan reads the nodes whose rows changed); a returning or re-priced node re-plans at "
+        "once",
     )
 
 
