@@ -86,6 +86,8 @@ class CheckReport:
     figures: dict[str, float] = field(default_factory=dict)
     #: the check that refused the submission ("" when accepted)
     failed: str = ""
+    #: drawn for check 7, which runs after the ack (the rows are held until it passes)
+    deferred: bool = False
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -95,6 +97,7 @@ class CheckReport:
             "passed": self.passed,
             "figures": {k: _finite_round(v) for k, v in sorted(self.figures.items())},
             "failed": self.failed,
+            **({"deferred": True} if self.deferred else {}),
         }
 
 
@@ -130,6 +133,8 @@ class IntakeContext:
     lease_seed: int = 0
     #: filled in by the intake as the checks run
     report: CheckReport = field(default_factory=CheckReport)
+    #: check 7 runs after the ack (:meth:`Intake.rescore`): a drawn lease is only marked
+    defer_check: bool = False
 
 
 @dataclass(frozen=True)
@@ -360,7 +365,15 @@ class Intake:
         does not know."""
         return self.verifier is not None and self._u(f"spot:{lease_id}") < rate
 
+    def drawn(self, ctx: IntakeContext) -> bool:
+        """Is this submission's lease re-scored (check 7): a suspect's always, another's when
+        drawn at its check rate (:meth:`spot_checked`); never without a verifier."""
+        suspect = ctx.suspect and self.verifier is not None
+        return suspect or self.spot_checked(ctx.lease.lease_id, ctx.check_rate)
+
     async def verify(self, sub: RolloutSubmission, ctx: IntakeContext) -> list[AcceptedSample]:
+        """Checks 3–7; with ``ctx.defer_check``, a lease drawn for check 7 is not re-scored here
+        (``ctx.report.deferred`` says so: its rows are held until :meth:`rescore`)."""
         report = ctx.report
         report.rate = 1.0 if ctx.suspect else ctx.check_rate
         check_labels(sub, ctx)
@@ -402,10 +415,12 @@ class Intake:
                         seed,  # the lease's (check_seeds)
                     )
                 )
-        suspect = ctx.suspect and self.verifier is not None
-        if accepted and (suspect or self.spot_checked(ctx.lease.lease_id, ctx.check_rate)):
+        if accepted and self.drawn(ctx):
             report.full = True  # a checked lease is re-scored in full (issue 34, finding 5)
-            await self.spot_check(sub, ctx, accepted)
+            if ctx.defer_check:
+                report.deferred = True
+            else:
+                await self.spot_check(sub, ctx, accepted)
         return accepted
 
     async def spot_check(
@@ -417,20 +432,35 @@ class Intake:
         """Check 7: re-score every sample of the lease (one batched forward; a subset let a node
         forge a few samples per lease and be caught on a fraction of a percent of its leases):
         claimed log-probs, the sampling statistic and each token against its seeded uniform."""
+        await self.rescore(
+            sub.policy_version, ctx.lease, ctx.backend, ctx.dtype, samples, ctx.report
+        )
+
+    async def rescore(
+        self,
+        version: int,
+        lease: LeaseRecord,
+        backend: str,
+        dtype: str,
+        samples: Sequence[AcceptedSample],
+        report: CheckReport,
+    ) -> None:
+        """Check 7 on ``samples`` of ``lease`` drawn at ``version``, held to ``backend``/``dtype``
+        (the registration's, never a submission's labels); the figures go into ``report``;
+        raises :class:`IntakeRejection` on a failure."""
         assert self.verifier is not None
-        lease = ctx.lease
         lease_id = lease.lease_id
         picked = [s for s in samples if s.completion_tokens]
         if not picked:
             return
         try:
             verdict = await self.verifier.check(
-                sub.policy_version,
+                version,
                 [list(s.prompt_tokens) for s in picked],
                 [s.completion_tokens for s in picked],
                 [s.logprobs for s in picked],
-                backend=ctx.backend,  # the registration's, never the submission's labels
-                dtype=ctx.dtype,
+                backend=backend,
+                dtype=dtype,
                 seeds=[s.seed for s in picked],
                 steps=lease.max_new_tokens,
             )
@@ -438,14 +468,14 @@ class Intake:
             # The reference weights are not here (yet): the node is not at fault, so the lease is
             # not refused; the skip is counted and logged so an operator sees coverage drop.
             self.metrics.spot_checks.labels(result="skipped").inc()
-            ctx.report.figures["skipped"] = 1.0
+            report.figures["skipped"] = 1.0
             log.warning("spot check of %s skipped: %s", lease_id, exc)
             return
         self.metrics.spot_checks.labels(result="pass" if verdict.ok else "fail").inc()
-        ctx.report.spot_checked = True
-        ctx.report.passed = verdict.ok
-        ctx.report.figures.update(verdict.figures)
+        report.spot_checked = True
+        report.passed = verdict.ok
+        report.figures.update(verdict.figures)
         if not verdict.ok:
-            ctx.report.failed = verdict.metric
-            ctx.report.figures["severity"] = severity(verdict.value, verdict.threshold)
+            report.failed = verdict.metric
+            report.figures["severity"] = severity(verdict.value, verdict.threshold)
             raise _reject(verdict.code, verdict.detail)

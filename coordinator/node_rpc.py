@@ -6,10 +6,18 @@ leasable version while one is on its way from the trainer waits for it
 (:meth:`~coordinator.holding.VersionHolder.until_leasable`), and a submission whose version is
 still being fetched waits for its weights (its spot check needs them). It keeps which libp2p peer
 each node last called from (register, heartbeat): the service's dial-back measures that peer.
+
+A submission is answered with :meth:`~coordinator.submissions.SubmissionDesk.receive`'s ack,
+which does not wait for the lease's re-score (issue 34: its latency told a node which leases
+were checked); the re-score of a lease drawn for one runs after the answer, in a task here
+(:meth:`NodeHandlers.settle_later`), and the learner's fetch is woken when its rows are released.
+Leases a restart left unchecked are checked at the start (:meth:`NodeHandlers.resume_checks`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
@@ -17,6 +25,7 @@ import msgspec
 
 from coordinator.core import Coordinator
 from coordinator.errors import Rejection
+from coordinator.submissions import HeldCheck
 from protocol.codec import decode, encode
 from protocol.errors import ProtocolError, ReasonCode
 from protocol.identity import fingerprint_of
@@ -32,6 +41,8 @@ from protocol.messages import (
 )
 
 M = TypeVar("M", bound=msgspec.Struct)
+
+log = logging.getLogger(__name__)
 
 #: a submission waits at most this long for the coordinator to hold its version (spot checks)
 SPOT_CHECK_WAIT_S = 5.0
@@ -67,6 +78,8 @@ class NodeHandlers:
         self._lease_wait_s = lease_wait_s
         self._spot_check_wait_s = spot_check_wait_s
         self._peer_ids: dict[str, str] = {}  # node fingerprint -> libp2p peer id (register, hb)
+        #: re-scores running after their lease's ack (held rows: durable if they never end)
+        self._checks: set[asyncio.Task[None]] = set()
 
     def peer_of(self, fingerprint: str) -> str | None:
         """The libp2p peer the node ``fingerprint`` last registered or beat from (None: never)."""
@@ -111,10 +124,44 @@ class NodeHandlers:
         with core.budget.verifying.waiting(msg.lease_id, node_key, arrived):
             # spot checks need the weights here
             await self._versions.wait_held(msg.policy_version, self._spot_check_wait_s)
-            verdict = await core.submit(node_key, msg, arrived)
-        if not isinstance(verdict, Reject):
+            verdict, held = await core.desk.receive(node_key, msg)
+        if held is not None:  # acknowledged as any other; its re-score runs after the answer
+            self.settle_later(held, msg.policy_version)
+        elif not isinstance(verdict, Reject):
             self._on_rollouts()
         return encode(verdict)
+
+    def settle_later(self, held: HeldCheck, version: int) -> None:
+        """Run an acknowledged lease's re-score in a task; its rows join the feed if it passes."""
+        task = asyncio.get_running_loop().create_task(self._settle(held, version))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _settle(self, held: HeldCheck, version: int) -> None:
+        try:
+            await self._versions.wait_held(version, self._spot_check_wait_s)
+            verdict = await self._core.desk.settle(held)
+        except Exception:  # its rows stay held; the next start checks the lease again
+            log.exception("the re-score of lease %s did not finish", held.lease_id)
+            return
+        if not isinstance(verdict, Reject):
+            self._on_rollouts()
+
+    def resume_checks(self) -> int:
+        """Re-score the leases a restart left acknowledged and unchecked (their rows held);
+        returns how many were started."""
+        pending = self._core.desk.records.held.pending()
+        for lease in pending:
+            self.settle_later(HeldCheck(lease.lease_id, lease.digest), lease.version)
+        if pending:
+            log.info("re-scoring %d leases acknowledged before the restart", len(pending))
+        return len(pending)
+
+    async def stop(self) -> None:
+        """Cancel the re-scores still running (their rows stay held: checked at the next start)."""
+        for task in list(self._checks):
+            task.cancel()
+        await asyncio.gather(*self._checks, return_exceptions=True)
 
     async def on_release(self, caller: str, request: bytes) -> bytes:
         node_key, msg = self._open(request, ReleaseLease)

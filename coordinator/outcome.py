@@ -9,9 +9,16 @@ one transaction::
     (+ checks' samples) (pure)      rows, lease progress, trust, forgiveness,
                                     audit work, flags, verdict + receipt
                                                 ├─► SubmissionRecords.record (one transaction)
-    loaded standing ─► refused() ─► Refused ───┘
+    loaded standing ─► refused() ─► Refused ───┤
     (ban row, live     (pure)       verdict + receipt (lease-bound), strike or ban,
      strikes, trust)                trust, withdrawal, lease closed if unfulfillable
+                                                │
+    held lease's check passed ─► released() ─► Released
+                                    rows into the feed, the clean check's trust, receipt
+
+A lease drawn for the re-score is acknowledged before it (``Accepted.hold``: its rows are held
+out of the feed, :mod:`coordinator.held`); its check then ends in :func:`released` or in a
+:func:`refused` whose ``Refused.held`` replaces the stored ack and drops the held rows.
 
 No function here reads the store or a clock: the rules they apply are the pure ones of
 :mod:`coordinator.reputation` (:func:`~coordinator.reputation.decide_strike`),
@@ -28,6 +35,7 @@ from dataclasses import dataclass, replace
 from coordinator.audits import AuditBook, AuditWork, audit_work
 from coordinator.config import IntakeSection, ReputationSection, RewardAuditSection
 from coordinator.errors import Rejection
+from coordinator.held import HeldLease
 from coordinator.intake import AcceptedSample, CheckReport
 from coordinator.leases import measured_throughput, open_prompts_of
 from coordinator.pipeline import Proceed, Refusal, decide
@@ -43,7 +51,16 @@ from coordinator.trust import (
 from protocol.errors import ReasonCode
 from protocol.messages import RolloutSubmission, pack_logprobs, pack_tokens
 
-__all__ = ["AcceptRules", "Accepted", "LeaseProgress", "Refused", "accepted", "refused"]
+__all__ = [
+    "AcceptRules",
+    "Accepted",
+    "LeaseProgress",
+    "Refused",
+    "Released",
+    "accepted",
+    "refused",
+    "released",
+]
 
 
 @dataclass(frozen=True)
@@ -85,6 +102,24 @@ class Accepted:
     report: CheckReport
     node: NodeRecord | None
     now: float
+    #: drawn for the re-score, which runs after the ack: the rows are held out of the feed
+    #: (with ``seeds``, each row's sample seed) until it passes; None: in the feed now
+    hold: HeldLease | None = None
+    seeds: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Released:
+    """A held lease whose check passed (or was skipped): what its one transaction records."""
+
+    held: HeldLease
+    #: the lease and its stored (ack) verdict, for the receipt
+    lease: LeaseRecord
+    verdict: Verdict
+    report: CheckReport
+    #: the sender's trust after the clean check
+    trust: TrustState
+    now: float
 
 
 @dataclass(frozen=True)
@@ -105,6 +140,8 @@ class Refused:
     #: the lease's version only ages (``too_stale``): close the lease now, prompts re-queued
     close_lease: bool
     now: float
+    #: the failed check of a held lease: its stored ack becomes this refusal, its held rows go
+    held: bool = False
 
     @property
     def verdict(self) -> Verdict:
@@ -170,11 +207,13 @@ def accepted(
     audit_book: AuditBook,
     now: float,
     rules: AcceptRules,
+    hold: HeldLease | None = None,
 ) -> Accepted:
     """The record of an accepted submission whose lease checks passed again (``proceed``, on
     the ``prompt_states``, ``node`` and ``trust`` re-read in the write transaction): the
     samples of prompts still open, the lease's progress, the sender's trust, the reward audit's
-    work and the flags it raises (``others``: the trust of the audited originals' nodes)."""
+    work and the flags it raises (``others``: the trust of the audited originals' nodes).
+    ``hold``: the lease's re-score runs after the ack; its rows are held until then."""
     lease = proceed.lease
     kept = [a for a in samples if a.prompt_index in proceed.open_prompts]
     tokens = sum(len(a.completion_tokens) for a in kept)
@@ -209,8 +248,33 @@ def accepted(
     rows = tuple(_row(lease, node_key, sub, a, now) for a in kept)
     return Accepted(
         node_key, digest, lease, decision.verdict, sub.policy_version, rows, progress, after,
-        forgive, work, tuple(flagged), report, node, now,
+        forgive, work, tuple(flagged), report, node, now, hold,
+        tuple(a.seed for a in kept) if hold is not None else (),
     )  # fmt: skip
+
+
+def released(
+    held: HeldLease,
+    lease: LeaseRecord,
+    verdict: Verdict,
+    report: CheckReport,
+    trust: TrustState,
+    *,
+    now: float,
+    release_checks: int,
+) -> Released:
+    """The record of a held lease whose check passed: its rows released, and the check counted
+    for ``trust`` (read in the write transaction) as :func:`~coordinator.trust.accepted_state`
+    counts one with the ack (the lease itself was counted at the ack). A skipped check (no
+    weights) releases the rows and counts nothing."""
+    after = trust
+    if report.spot_checked and report.passed:
+        clean = trust.clean_checks + 1
+        if trust.suspect and clean >= release_checks:  # released: starts again from h = 0
+            after = TrustState(0, False, trust.flagged_at, trust.label_changed_at, 0)
+        else:
+            after = replace(trust, clean_checks=clean)
+    return Released(held, lease, verdict, report, after, now)
 
 
 #: the trust of a node with no row and no record (flagging it keeps nothing of it)

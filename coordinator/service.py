@@ -213,6 +213,8 @@ class CoordinatorService:
         await dialback.start()
         rollouts_stored = asyncio.Event()  # set by a submission, waited on by the learner's fetch
         nodes = NodeHandlers(core, versions=holder, on_rollouts=rollouts_stored.set)
+        running.push_async_callback(nodes.stop)
+        nodes.resume_checks()  # leases acknowledged before a restart, their re-score not done
 
         def reachability(fingerprint: str) -> str | None:
             peer_id = nodes.peer_of(fingerprint)

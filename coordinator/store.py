@@ -457,9 +457,14 @@ class Store:
     def rollout_count(self) -> int:
         """Rollouts ever accepted and still counted: the stored ones plus those pruned after
         the learner consumed them (:mod:`coordinator.retention`); a banned node's withdrawn
-        rollouts are gone from both."""
+        rollouts are gone from both. Rollouts acknowledged with their re-score pending (held
+        out of the feed, :mod:`coordinator.held`) count too: the count does not tell which
+        leases are checked."""
         stored = int(self._all("SELECT COUNT(*) FROM rollouts")[0][0])
-        return stored + int(self.get_meta("rollouts_pruned") or 0)
+        held = 0
+        if self._all("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'held_rollouts'"):
+            held = int(self._all("SELECT COUNT(*) FROM held_rollouts")[0][0])
+        return stored + held + int(self.get_meta("rollouts_pruned") or 0)
 
     def prune_rollouts(self, through_seq: int, accepted_before: float, limit: int) -> int:
         """Delete up to ``limit`` rollouts with ``seq <= through_seq`` accepted before

@@ -9,8 +9,11 @@ reads and writes and nothing else:
   transaction, what may have changed while the checks awaited and what the acceptance rules
   read (the audit copies' sources and pairs, the audited nodes' trust);
   :meth:`~SubmissionRecords.load_standing`: what a strike decision reads;
-* :meth:`~SubmissionRecords.record`: the decision (:class:`coordinator.outcome.Accepted` or
-  :class:`~coordinator.outcome.Refused`, computed by pure functions) written in one transaction.
+* :meth:`~SubmissionRecords.record`: the decision (:class:`coordinator.outcome.Accepted`,
+  :class:`~coordinator.outcome.Refused` or, for a held lease whose check passed,
+  :class:`~coordinator.outcome.Released`, computed by pure functions) written in one
+  transaction. An acceptance with ``hold`` keeps its rows in :class:`coordinator.held.
+  HeldRollouts` (out of the feed) until its check ends.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import math
 from collections.abc import Sequence
 
 from coordinator.audits import AuditBook, RewardAudits
+from coordinator.held import HeldRollouts
 from coordinator.ledger import Ledger
-from coordinator.outcome import Accepted, Refused
+from coordinator.outcome import Accepted, Refused, Released
 from coordinator.receipts import ReceiptLog
 from coordinator.records import SubmissionContext
 from coordinator.reputation import Standing, record_strike
@@ -45,6 +49,8 @@ class SubmissionRecords:
         self.receipts = receipts
         self.ledger = ledger
         self.audits = audits
+        #: rollouts of acknowledged leases whose re-score has not finished (out of the feed)
+        self.held = HeldRollouts(store)
 
     # --- reads -----------------------------------------------------------------------------------
     def load(self, node_key: bytes, lease_id: str, digest: bytes) -> SubmissionContext:
@@ -116,18 +122,23 @@ class SubmissionRecords:
             return standing, self.trust(node_key)
 
     # --- the one write ---------------------------------------------------------------------------
-    def record(self, outcome: Accepted | Refused) -> None:
+    def record(self, outcome: Accepted | Refused | Released) -> None:
         """Write a decision in one transaction."""
         with self.store.transaction():
             if isinstance(outcome, Accepted):
                 self._accepted(outcome)
+            elif isinstance(outcome, Released):
+                self._released(outcome)
             else:
                 self._refused(outcome)
 
     def _accepted(self, o: Accepted) -> None:
         store, lease, p = self.store, o.lease, o.progress
         first_seq = store.max_rollout_seq() + 1
-        store.insert_rollouts(o.rows)
+        if o.hold is not None:  # out of the feed until its check passes
+            self.held.hold(o.hold, o.rows, o.seeds)
+        else:
+            store.insert_rollouts(o.rows)
         store.mark_prompts_done(p.prompts, lease.lease_id)
         store.add_lease_progress(lease.lease_id, p.tokens, p.samples)
         if p.completes:
@@ -146,15 +157,28 @@ class SubmissionRecords:
             o.audit, lease_id=lease.lease_id, node_key=o.node_key, version=o.version, now=o.now
         )
         last_seq = store.max_rollout_seq()  # one transaction: seqs are contiguous
-        self.ledger.verdict(
-            lease, o.digest, o.verdict, o.report, (first_seq, last_seq), o.now, node=o.node
-        )
+        if o.hold is None:  # a held lease's one verdict receipt is written when its check ends
+            seqs = (first_seq, last_seq)
+            self.ledger.verdict(lease, o.digest, o.verdict, o.report, seqs, o.now, node=o.node)
         for key, state, detail in o.flagged:
             store.execute(PUT_SQL, put_args(key, state, detail))
             self.receipts.append("flag", {"node": fingerprint_of(key), "detail": detail}, o.now)
 
+    def _released(self, o: Released) -> None:
+        """A held lease's check passed: its rows join the feed (new seqs) and the check counts."""
+        seqs = self.held.release(o.held.lease_id)
+        self.store.execute(PUT_SQL, put_args(o.held.node_key, o.trust))
+        self.ledger.verdict(o.lease, o.held.digest, o.verdict, o.report, seqs, o.now)
+
     def _refused(self, o: Refused) -> None:
         store = self.store
+        if o.held:  # the failed check of an acknowledged lease: the ack stored becomes this
+            store.execute(
+                "UPDATE verdicts SET code = ?, detail = ?, accepted = 0, duplicates = 0, at = ?"
+                " WHERE lease_id = ? AND digest = ?",
+                (o.verdict.code, o.verdict.detail, o.now, o.ref, o.digest),
+            )
+            self.held.drop(o.ref)
         if o.lease is not None:  # lease-bound: remember the verdict for re-sends
             store.put_verdict(o.ref, o.digest, o.verdict, o.now)
             self.ledger.verdict(o.lease, o.digest, o.verdict, o.report, None, o.now)
@@ -164,6 +188,7 @@ class SubmissionRecords:
             store.execute(PUT_SQL, put_args(o.node_key, o.trust))
         if o.withdraw:
             withdraw_unconsumed(store, self.receipts, o.node_key, o.now)
+            self.held.drop_node(o.node_key)  # nothing of a banned node reaches the feed
 
 
 def withdraw_unconsumed(store: Store, receipts: ReceiptLog, node_key: bytes, now: float) -> int:

@@ -19,6 +19,18 @@ in its constructor. :meth:`SubmissionDesk.submit` runs in one direction:
    or ban, trust, a banned node's withdrawal) and writes it
    (:meth:`~coordinator.submission_records.SubmissionRecords.record`).
 
+**The ack does not wait for the re-score** (issue 34: it told a node which of its leases were
+checked by its latency). :meth:`SubmissionDesk.receive` runs steps 1–4 with check 7 deferred:
+a lease drawn for the re-score is acknowledged exactly as an unchecked one (same verdict, same
+transaction, same counters) with its rows held out of the trainer's feed
+(:mod:`coordinator.held`), and returns the :class:`HeldCheck` to run;
+:meth:`SubmissionDesk.settle` runs it: passed, the rows join the feed; failed, the stored ack
+becomes the refusal, the held rows are dropped (prompts re-queued) and the node is struck or
+banned. :meth:`SubmissionDesk.submit` is both in one call (the final verdict: in-process
+callers); the node RPC answers with :meth:`~SubmissionDesk.receive`'s ack and settles in the
+background. Held leases are durable: :meth:`SubmissionDesk.settle_stored` checks those a
+restart left.
+
 Verdicts are stored by (lease, digest of the submission): the same bytes sent again get the same
 answer (:meth:`SubmissionDesk.replayed_submission`), and a lease stores at most
 :data:`~coordinator.pipeline.MAX_VERDICTS_PER_LEASE` distinct ones.
@@ -29,12 +41,14 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass, replace
 
 from coordinator.config import IntakeSection, ReputationSection
 from coordinator.errors import IntakeRejection
+from coordinator.held import HeldLease
 from coordinator.intake import AcceptedSample, CheckReport, Intake, IntakeMetrics
 from coordinator.leases import LeaseManager
-from coordinator.outcome import AcceptRules, accepted, refused
+from coordinator.outcome import AcceptRules, accepted, refused, released
 from coordinator.pipeline import (
     MAX_VERDICTS_PER_LEASE,
     Refusal,
@@ -44,7 +58,7 @@ from coordinator.pipeline import (
     screen,
     trust_of,
 )
-from coordinator.records import ACK, LeaseRecord, SubmissionContext, Verdict
+from coordinator.records import ACK, LeaseRecord, RolloutRow, SubmissionContext, Verdict
 from coordinator.slots import PromptSlots
 from coordinator.store import Store
 from coordinator.submission_records import SubmissionRecords, withdraw_unconsumed
@@ -54,12 +68,28 @@ from protocol.codec import decode, encode
 from protocol.envelope import verify_envelope
 from protocol.errors import ProtocolError, ReasonCode
 from protocol.identity import fingerprint_of
-from protocol.messages import Ack, Reject, RolloutSubmission, SignedEnvelope
+from protocol.messages import (
+    Ack,
+    Reject,
+    RolloutSubmission,
+    SignedEnvelope,
+    unpack_logprobs,
+    unpack_tokens,
+)
 from swarm.faults import fault_point
 
-__all__ = ["MAX_VERDICTS_PER_LEASE", "SubmissionDesk", "withdraw_unconsumed"]
+__all__ = ["MAX_VERDICTS_PER_LEASE", "HeldCheck", "SubmissionDesk", "withdraw_unconsumed"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HeldCheck:
+    """The re-score an acknowledged lease still owes (:meth:`SubmissionDesk.settle` runs it)."""
+
+    lease_id: str
+    #: the digest its (ack) verdict is stored under
+    digest: bytes
 
 
 class SubmissionDesk:
@@ -107,15 +137,25 @@ class SubmissionDesk:
         self.problems = problems
 
     async def submit(self, node_key: bytes, sub: RolloutSubmission) -> Ack | Reject:
-        """Verify and store a submission; durable before returning. Same bytes → same verdict."""
+        """Verify and store a submission, its re-score included: the final verdict, durable
+        before returning (:meth:`receive`, then :meth:`settle`). Same bytes → same verdict."""
+        answer, held = await self.receive(node_key, sub)
+        return answer if held is None else await self.settle(held)
+
+    async def receive(
+        self, node_key: bytes, sub: RolloutSubmission
+    ) -> tuple[Ack | Reject, HeldCheck | None]:
+        """The answer a node is sent: every check but the re-score, which a lease drawn for it
+        owes (the :class:`HeldCheck`, to :meth:`settle`; its rows are held meanwhile); durable
+        before returning. Same bytes → same answer."""
         digest = hashlib.sha256(encode(sub)).digest()
         self.leases.expire_due()  # the lease book's upkeep: a lease past its deadline is expired
         ctx = self.records.load(node_key, sub.lease_id, digest)
         first = screen(ctx, node_key, sub, self.clock())
         if isinstance(first, Replay):
-            return _message(first.ref, first.verdict)
+            return _message(first.ref, first.verdict), None
         if isinstance(first, Refusal):
-            return self._refuse(node_key, first, digest, known=ctx.node is not None)
+            return self._refuse(node_key, first, digest, known=ctx.node is not None), None
         lease = first.lease
         trust = trust_of(ctx)
         check = intake_context(
@@ -125,14 +165,92 @@ class SubmissionDesk:
             suspect=trust.suspect and self.config.suspect_full_check,
             check_rate=self.check_rate(trust), lease_seed=self.leases.seed_of(lease.lease_id),
         )  # fmt: skip
+        check = replace(check, defer_check=True)  # the ack does not wait for the re-score
         try:
             samples = await self.intake.verify(sub, check)
         except IntakeRejection as exc:
             check.report.failed = check.report.failed or exc.code.value
             refusal = Refusal(lease.lease_id, exc, lease)
-            return self._refuse(node_key, refusal, digest, check.report, known=True)
+            return self._refuse(node_key, refusal, digest, check.report, known=True), None
         fault_point("submit.before_commit")
-        return self._accept(node_key, sub, digest, samples, check.report, ctx)
+        hold = None
+        if check.report.deferred:
+            hold = HeldLease(
+                lease.lease_id, node_key, digest, sub.policy_version, check.backend,
+                check.dtype, check.suspect, check.check_rate, self.clock(),
+            )  # fmt: skip
+        answer, held = self._accept(node_key, sub, digest, samples, check.report, ctx, hold)
+        return answer, HeldCheck(lease.lease_id, digest) if held else None
+
+    async def settle(self, held: HeldCheck) -> Ack | Reject:
+        """Run the re-score an acknowledged lease owes and record its end: passed (or skipped:
+        no weights), its held rows join the feed; failed, its stored ack becomes the refusal,
+        the rows are dropped and the node struck or banned. Returns the lease's verdict now
+        (a lease no longer held, settled already or withdrawn: its stored verdict)."""
+        records = self.records
+        lease_id = held.lease_id
+        pending = records.held.get(lease_id)
+        lease = self.store.get_lease(lease_id)
+        if pending is None or lease is None:
+            return self._stored(lease_id, held.digest)
+        samples = [_sample(row, seed) for row, seed in records.held.rows(lease_id)]
+        report = CheckReport(rate=1.0 if pending.suspect else pending.rate, full=True)
+        try:
+            await self.intake.rescore(
+                pending.version, lease, pending.backend, pending.dtype, samples, report
+            )
+        except IntakeRejection as exc:
+            report.failed = report.failed or exc.code.value
+            return self._refuse_held(pending, lease, exc, report)
+        now = self.clock()
+        with self.store.transaction():
+            if records.held.get(lease_id) is None:  # settled meanwhile (or withdrawn: banned)
+                return self._stored(lease_id, held.digest)
+            verdict = self.store.get_verdict(lease_id, pending.digest)
+            assert verdict is not None  # stored with the ack, in the hold's transaction
+            outcome = released(
+                pending, lease, verdict, report, records.trust(pending.node_key), now=now,
+                release_checks=self.config.suspect_release_checks,
+            )  # fmt: skip
+            records.record(outcome)
+        return _message(lease_id, verdict)
+
+    async def settle_stored(self) -> int:
+        """Settle every held lease in the store (those a restart left between ack and check,
+        or whose check failed to run); returns how many were settled."""
+        done = 0
+        for pending in self.records.held.pending():
+            await self.settle(HeldCheck(pending.lease_id, pending.digest))
+            done += 1
+        return done
+
+    def _refuse_held(
+        self, held: HeldLease, lease: LeaseRecord, exc: IntakeRejection, report: CheckReport
+    ) -> Ack | Reject:
+        """The failed re-score of an acknowledged lease, recorded as a refusal in the ack was."""
+        self.metrics.rejected.labels(reason=exc.code.value).inc()
+        node_key = held.node_key
+        with self.store.transaction():
+            if self.records.held.get(held.lease_id) is None:
+                return self._stored(held.lease_id, held.digest)
+            standing = self.records.load_standing(node_key) if exc.strike else None
+            outcome = refused(
+                Refusal(lease.lease_id, exc, None), node_key, held.digest, report,
+                standing=standing, now=self.clock(), reputation=self.reputation,
+                ban_multiple=self.config.ban_multiple,
+            )  # fmt: skip
+            self.records.record(replace(outcome, held=True, lease=lease))
+        log.info(
+            "rejected %s from %s after its ack: %s", lease.lease_id, fingerprint_of(node_key), exc
+        )
+        return Reject(ref=lease.lease_id, code=exc.code, detail=exc.detail)
+
+    def _stored(self, lease_id: str, digest: bytes) -> Ack | Reject:
+        """The stored verdict of a settled lease's submission."""
+        verdict = self.store.get_verdict(lease_id, digest)
+        if verdict is None:
+            raise ValueError(f"lease {lease_id} has no stored verdict to settle")
+        return _message(lease_id, verdict)
 
     def _accept(
         self,
@@ -142,30 +260,32 @@ class SubmissionDesk:
         samples: list[AcceptedSample],
         report: CheckReport,
         loaded: SubmissionContext,
-    ) -> Ack | Reject:
+        hold: HeldLease | None = None,
+    ) -> tuple[Ack | Reject, bool]:
         """Re-read what may have changed (under the write lock), decide, record: one
-        transaction."""
+        transaction. Also returns whether the rows were held (``hold``: for the re-score)."""
         now = self.clock()
         with self.store.transaction():
             self.leases.expire_due()  # a release or an expiry may have landed meanwhile
             ctx = self.records.reload(loaded, digest)
             again = recheck(ctx, node_key, sub, [a.prompt_index for a in samples])
             if isinstance(again, Replay):  # an identical submission won the race
-                return _message(again.ref, again.verdict)
+                return _message(again.ref, again.verdict), False
             if isinstance(again, Refusal):
-                return self._refuse(node_key, again, digest, known=ctx.node is not None)
+                return self._refuse(node_key, again, digest, known=ctx.node is not None), False
             book, others = self.records.audit_inputs(node_key, again.lease.prompts)
             outcome = accepted(
                 node_key=node_key, digest=digest, sub=sub, proceed=again, samples=samples,
                 report=report, prompt_states=ctx.prompt_states, node=ctx.node,
                 trust=trust_of(ctx), others=others, audit_book=book, now=now, rules=self.rules,
+                hold=hold,
             )  # fmt: skip
             self.records.record(outcome)
         self._measure(sub, outcome.lease, now)  # soft state, once the verdict is durable
         fault_point("submit.after_commit")
         self.problems.pop(node_key, None)  # it works again
         self.metrics.accepted.inc(len(outcome.rows))
-        return _message(outcome.lease.lease_id, outcome.verdict)
+        return _message(outcome.lease.lease_id, outcome.verdict), hold is not None
 
     def _measure(self, sub: RolloutSubmission, lease: LeaseRecord, now: float) -> None:
         t = sub.timings
@@ -221,6 +341,14 @@ class SubmissionDesk:
             return None
         stored = self.store.get_verdict(lease.lease_id, hashlib.sha256(encode(sub)).digest())
         return None if stored is None else _message(lease.lease_id, stored)
+
+
+def _sample(row: RolloutRow, seed: int) -> AcceptedSample:
+    return AcceptedSample(
+        row.prompt_index, row.prompt_id, row.sample_index, tuple(unpack_tokens(row.prompt_tokens)),
+        unpack_tokens(row.completion_tokens), unpack_logprobs(row.logprobs), row.finish_reason,
+        row.reward, row.exact, seed,
+    )  # fmt: skip
 
 
 def _message(ref: str, verdict: Verdict) -> Ack | Reject:
