@@ -26,6 +26,7 @@ from coordinator.sim.calibration import (
 from coordinator.sim.catalogue import load_catalogue
 from coordinator.sim.costs import load_figures
 from coordinator.sim.report import DOC, policy_table, timeline_table
+from coordinator.sim.results import RunResult
 from coordinator.sim.runner import run_one, run_scenario
 from coordinator.sim.scenario import load_scenario, parse_scenario
 
@@ -115,8 +116,15 @@ def test_a_learner_that_never_steps_is_idle_all_the_measured_window() -> None:
     assert all(row["learner_idle"] == pytest.approx(1.0) for row in r.timeline)
 
 
-def test_the_timeline_covers_the_run_and_adds_up() -> None:
-    r = run_one(parse_scenario(TINY), "cost_aware", CATALOGUE, load_figures())
+@pytest.fixture(scope="module")
+def tiny_run() -> RunResult:
+    """TINY under cost_aware with the checked-in calibration: one run for the tests that read
+    it (a seed gives one result, so a second run would give the same)."""
+    return run_one(parse_scenario(TINY), "cost_aware", CATALOGUE, load_figures())
+
+
+def test_the_timeline_covers_the_run_and_adds_up(tiny_run: RunResult) -> None:
+    r = tiny_run
     rows = r.timeline
     assert len(rows) == 12 and rows[0]["start_min"] == 0.0
     assert rows[-1]["end_min"] == pytest.approx(4.0)
@@ -131,7 +139,9 @@ def test_the_timeline_covers_the_run_and_adds_up() -> None:
     assert table.count("(warm-up)") == 3  # 1 of 4 minutes, in 20-s stretches
 
 
-def test_a_saturated_coordinator_core_delays_answers_and_costs_rollouts() -> None:
+def test_a_saturated_coordinator_core_delays_answers_and_costs_rollouts(
+    tiny_run: RunResult,
+) -> None:
     # The coordinator's core is a resource: with a status document that takes 0.95 s to build
     # every 1-s tick (what build_status cost at 10,000 nodes before issue 35) and messages 30
     # times dearer, it cannot keep up: answers wait for it and fewer rollouts are accepted.
@@ -143,7 +153,7 @@ def test_a_saturated_coordinator_core_delays_answers_and_costs_rollouts() -> Non
         op_s={k: v * 30 for k, v in cal.op_s.items()},
         status_small_s=0.95,
     )
-    base = run_one(sc, "cost_aware", CATALOGUE, load_figures(), calibration=cal)
+    base = tiny_run  # the same scenario and policy under `cal`, the checked-in calibration
     jammed = run_one(sc, "cost_aware", CATALOGUE, load_figures(), calibration=slow)
     assert base.coordinator_utilisation < 0.5 and jammed.coordinator_utilisation > 0.9
     assert jammed.coordinator_wait_mean_s > 10 * max(base.coordinator_wait_mean_s, 1e-3)
