@@ -71,6 +71,7 @@ from coordinator.submissions import SubmissionDesk
 from coordinator.throughput import LeaseLag, ThroughputBook
 from coordinator.trust import Trust
 from coordinator.verify_budget import VerificationBudget
+from coordinator.verifying import VerifyingLeases
 from policy.model import Tokenizer
 from policy.prompts import PromptRenderer
 from protocol.envelope import ReplayGuard, open_envelope
@@ -141,12 +142,16 @@ class Coordinator:
         self.node_problems: dict[bytes, str] = {}
 
         # --- durable books over the store ---
+        #: leases whose submission waits for its check do not expire (issue 35): shared by the
+        #: lease manager (expiry) and the verification budget (its figures)
+        verifying = VerifyingLeases(enabled=config.verification.hold_verifying_leases)
         self.leases = LeaseManager(
             store,
             config.leases,
             clock=clock,
             group_size=config.group_size,
             max_new_tokens=config.sampling.max_new_tokens,
+            verifying=verifying.holds,
         )
         self.reputation = Reputation(store, config.reputation)
         self.trust = Trust(store, config.intake)
@@ -166,9 +171,8 @@ class Coordinator:
         #: absorbs, leases whose submission waits for its check kept from expiring
         self.budget = VerificationBudget(
             config, trust=self.trust, clock=clock, lease_size=self.leases.lease_size,
-            checks_on=verifier is not None,
+            checks_on=verifier is not None, verifying=verifying,
         )  # fmt: skip
-        self.leases.verifying = self.budget.verifying.holds
 
         # --- soft state: liveness, measured figures, the plan ---
         self.liveness = Liveness(store)

@@ -190,6 +190,7 @@ class LeaseManager:
         clock: Clock,
         group_size: int,
         max_new_tokens: int,
+        verifying: Callable[[LeaseRecord], bool] | None = None,
     ) -> None:
         self.store = store
         self.config = config
@@ -202,9 +203,9 @@ class LeaseManager:
         #: the coordinator's secret (kept in its state database): lease seeds are keyed with it
         self._secret = store.secret()
         #: whether a due lease's expiry waits: a submission of it that arrived by the deadline is
-        #: queued for verification (the core sets :meth:`coordinator.verifying.VerifyingLeases.
-        #: holds`; issue 35)
-        self.verifying: Callable[[LeaseRecord], bool] = _never
+        #: queued for verification (the core passes :meth:`coordinator.verifying.VerifyingLeases.
+        #: holds`; issue 35); None: never
+        self.verifying: Callable[[LeaseRecord], bool] = verifying or _never
 
     def seed_of(self, lease_id: str) -> int:
         """The lease's sampling seed, ``u64be(HMAC-SHA256(secret, SEED_LABEL + id)[:8]) >> 1``.

@@ -175,7 +175,9 @@ class MeteredVerifier:
 class VerificationBudget:
     """V, D, the admission of new identities and the leases held for verification (module
     docstring). ``lease_size(tokens_per_s)`` is the lease manager's sizing (prompts of a node's
-    lease); ``checks_on``: the intake has a verifier and some check rate is above 0."""
+    lease); ``checks_on``: the intake has a verifier and some check rate is above 0;
+    ``verifying``: the leases held for verification, shared with the lease manager (None: its
+    own)."""
 
     def __init__(
         self,
@@ -185,6 +187,7 @@ class VerificationBudget:
         clock: Callable[[], float],
         lease_size: Callable[[float | None], int],
         checks_on: bool,
+        verifying: VerifyingLeases | None = None,
     ) -> None:
         cfg = self.config = config.verification
         self.trust = trust
@@ -198,7 +201,7 @@ class VerificationBudget:
         self.bucket = ProbationBucket(
             burst=cfg.admission_burst, retry_s=cfg.admission_retry_s, max_waiting=config.max_nodes
         )
-        self.verifying = VerifyingLeases(enabled=cfg.hold_verifying_leases)
+        self.verifying = verifying or VerifyingLeases(enabled=cfg.hold_verifying_leases)
         #: D at the last re-plan, and the demand of the newcomers admitted since (tokens/s)
         self.planned_demand = 0.0
         self.pending_demand = 0.0

@@ -224,9 +224,10 @@ def test_without_a_verifier_or_a_known_v_nobody_is_refused(tmp_path: Path) -> No
 def _lease_book(tmp_path: Path, clock: FakeClock) -> tuple[LeaseManager, VerifyingLeases, Store]:
     cfg = _cfg(tmp_path)
     store = Store(cfg.db_path)
-    leases = LeaseManager(store, cfg.leases, clock=clock, group_size=2, max_new_tokens=4)
     verifying = VerifyingLeases()
-    leases.verifying = verifying.holds
+    leases = LeaseManager(
+        store, cfg.leases, clock=clock, group_size=2, max_new_tokens=4, verifying=verifying.holds
+    )
     return leases, verifying, store
 
 
