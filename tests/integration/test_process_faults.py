@@ -68,16 +68,24 @@ def note(what: str) -> None:
 
 
 def node_proc(
-    tmp: Path, maddr: str, key: str, name: str, *, max_prompts: int, log: str | None = None
+    tmp: Path,
+    maddr: str,
+    key: str,
+    name: str,
+    *,
+    max_prompts: int,
+    log: str | None = None,
+    extra: str = "",
 ) -> Proc:
-    """``swarm node run`` (hf backend, DEBUG log: it names each lease it generates)."""
+    """``swarm node run`` (hf backend, DEBUG log: it names each lease it generates); ``extra``:
+    more node.toml lines."""
     state = tmp / name
     state.mkdir(parents=True, exist_ok=True)
     cfg = state / "node.toml"
     cfg.write_text(
         'host_maddrs = ["/ip4/127.0.0.1/tcp/0"]\nprobe_budget_s = 0.2\nstatus_interval_s = 2.0\n'
         f"max_prompts = {max_prompts}\nadvert_period_s = 5.0\nheartbeat_interval_s = 1.0\n"
-        'log_level = "DEBUG"\n'
+        f'log_level = "DEBUG"\n{extra}'
     )
     args = ["node", "run", "--coordinator", maddr, "--coordinator-key", key, "--backend", "hf"]
     args += ["--config", str(cfg), "--state-dir", str(state)]
@@ -450,13 +458,14 @@ async def test_node_resumed_after_its_deadline_is_fenced_and_never_double_counte
 # the trainer
 
 
-def trainer_toml(tmp: Path, state: Path, entropy_coef: float = 0.1) -> Path:
-    """Tiny steps (4 groups of 4), a version published and a checkpoint saved every step."""
+def trainer_toml(tmp: Path, state: Path, entropy_coef: float = 0.1, extra: str = "") -> Path:
+    """Tiny steps (4 groups of 4), a version published and a checkpoint saved every step;
+    ``extra``: more lines."""
     path = tmp / f"trainer-{entropy_coef:g}.toml"
     path.write_text(
         f"batch_prompts = 4\ngroup_size = 4\nminibatches = 1\nmax_staleness = 2\n"
         f"checkpoint_every = 1\nkeep_checkpoints = 3\nentropy_coef = {entropy_coef}\n"
-        f'out_dir = "{state}"\n'
+        f'out_dir = "{state}"\n{extra}'
     )
     return path
 

@@ -10,10 +10,15 @@ States covered:
   more than 20 s and had to be killed, leaving its DHT process and p2pd behind); the coordinator
   itself while they run;
 * the trainer and a node while their coordinator is frozen (SIGSTOP: requests in flight wait for
-  their timeouts, up to 60 s): the node gives the lease in hand 8 s to be handed back;
+  their timeouts, up to 60 s): the node gives the lease in hand its drain time to be handed back;
 * the trainer in the middle of a learner step that outlasts the stop grace (a stall injected at
   the end of the step, on the step's thread: ``RSWARM_STALLS``): the step is abandoned, the last
   checkpoint stands; a node at work and the coordinator it works for;
+
+The last two spend the node's drain and the trainer's grace in full. They run with shorter ones
+(``drain_s``, ``stop_grace_s``: :data:`SHORT`) and are held to their role's bound minus what that
+saved, which proves the bound with the defaults (the rest of the shutdown does not depend on
+them) in up to 13 s (frozen) and 7 s (abandoned step) less.
 * the sharded trainer's launcher (``--nproc 2``) while the coordinator is gone;
 * a node and a trainer started while their coordinator is gone (start-up: joining, registering,
   waiting for the coordinator's record), stopped by SIGINT;
@@ -51,12 +56,18 @@ from swarm_harness import (
 )
 from test_process_faults import node_proc, published_versions, trainer_toml
 
+from node.config import DRAIN_S
 from protocol.identity import Identity
 from swarm.peerproc import PeerProcess
 from swarm.signals import SELF_ENDING, STOP_BOUND_S, descendants, process_name
+from trainer.config import STOP_GRACE_S
 
 #: seconds torch's shared-memory manager may take to notice its client exited
 SELF_ENDING_S = 10.0
+#: the drain (node) and grace (trainer) of the tests that spend them in full, in seconds; each is
+#: held to its role's bound less what this saves on the default (DRAIN_S, STOP_GRACE_S)
+SHORT = {"node": 2.0, "trainer": 3.0}
+SAVED = {"node": DRAIN_S - SHORT["node"], "trainer": STOP_GRACE_S - SHORT["trainer"]}
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -69,18 +80,27 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def stop_within(proc: Proc, role: str, *, sig: int = signal.SIGTERM, code: int = 0) -> float:
-    """Signal ``proc``; assert it exits with ``code`` within its role's bound and that every
-    descendant it had is gone; returns the seconds it took."""
-    return stop_all_within([(proc, role)], sig=sig, code=code)[0]
+def stop_within(
+    proc: Proc, role: str, *, sig: int = signal.SIGTERM, code: int = 0, saved: float = 0.0
+) -> float:
+    """Signal ``proc``; assert it exits with ``code`` within its role's bound (less ``saved``
+    seconds: a shorter drain or grace than the default) and that every descendant it had is
+    gone; returns the seconds it took."""
+    return stop_all_within([(proc, role)], sig=sig, code=code, saved={role: saved})[0]
 
 
 def stop_all_within(
-    stops: list[tuple[Proc, str]], *, sig: int = signal.SIGTERM, code: int = 0
+    stops: list[tuple[Proc, str]],
+    *,
+    sig: int = signal.SIGTERM,
+    code: int = 0,
+    saved: dict[str, float] | None = None,
 ) -> list[float]:
     """:func:`stop_within` for several processes signalled at once (as a host's service manager
-    stops them): each is held to its own role's bound from its own signal, its exit code and
-    its descendants; returns the seconds each took (its exit seen within 50 ms)."""
+    stops them): each is held to its own role's bound (less ``saved[role]``) from its own signal,
+    its exit code and its descendants; returns the seconds each took (its exit seen within
+    50 ms)."""
+    bound = {role: STOP_BOUND_S[role] - (saved or {}).get(role, 0.0) for _, role in stops}
     trees = [descendants(proc.popen.pid) for proc, _ in stops]
     names = [{p: process_name(p) for p in tree} for tree in trees]
     started = []
@@ -94,14 +114,14 @@ def stop_all_within(
             if took[i] is None and proc.popen.poll() is not None:
                 took[i] = now - started[i]
         waiting = [i for i, t in enumerate(took) if t is None]
-        late = [i for i in waiting if now - started[i] > STOP_BOUND_S[stops[i][1]]]
+        late = [i for i in waiting if now - started[i] > bound[stops[i][1]]]
         if late or not waiting:
             break
         time.sleep(0.05)
     for i in late:
         proc, role = stops[i]
         raise AssertionError(
-            f"{role} (pid {proc.popen.pid}) still running {STOP_BOUND_S[role]:.0f} s after "
+            f"{role} (pid {proc.popen.pid}) still running {bound[role]:.0f} s after "
             f"{signal.Signals(sig).name}\n{proc.text()[-3000:]}"
         )
     for (proc, role), tree, named, t in zip(stops, trees, names, took, strict=True):
@@ -118,7 +138,7 @@ def stop_all_within(
         left = [p for p in tree if _alive(p)]
         assert not left, f"{role}: descendants {left} of {named} outlived it\n{proc.text()[-2000:]}"
         assert tree, f"{role}: no child process was seen (DHT process, p2pd)"
-        print(f"{role} stopped in {t:.1f} s (bound {STOP_BOUND_S[role]:.0f} s), "
+        print(f"{role} stopped in {t:.1f} s (bound {bound[role]:.0f} s), "
               f"{len(tree)} descendants gone")  # fmt: skip
     return [t for t in took if t is not None]
 
@@ -164,6 +184,9 @@ SWARMS: dict[str, tuple[list[str], dict[str, str]]] = {
     "sharded": (["--nproc", "2"], {}),
 }
 
+
+#: trainer settings beyond trainer_toml's, per swarm: the two that spend the grace in full
+TRAINER_EXTRA = {name: f"stop_grace_s = {SHORT['trainer']}\n" for name in ("frozen", "abandon")}
 
 #: the test that uses each swarm
 _TESTS = {
@@ -222,7 +245,8 @@ class Starter:
             time.sleep(0.1)
         up = coordinator_up(tmp, coord)
         state = tmp / "trainer"
-        cmd = ["trainer", "run", *args, "--config", str(trainer_toml(tmp, state))]
+        extra = TRAINER_EXTRA.get(tmp.name, "")
+        cmd = ["trainer", "run", *args, "--config", str(trainer_toml(tmp, state, extra=extra))]
         cmd += ["--coordinator", up.maddr, "--coordinator-key", up.fingerprint]
         trainer = Proc([*cmd, "--state-dir", str(state)], tmp / "trainer.log", env=env or None)
         self.procs.append(trainer)
@@ -289,15 +313,16 @@ async def test_trainer_and_node_stop_while_their_coordinator_is_frozen(
     so every request in flight waits for its timeout (up to 60 s for a submission)."""
     sw = await starter.swarm("frozen", procs)
     coord, trainer = sw.coord, sw.trainer
-    node = node_proc(sw.tmp, coord.maddr, coord.fingerprint, "n1", max_prompts=8)
+    node = node_proc(sw.tmp, coord.maddr, coord.fingerprint, "n1", max_prompts=8,
+                     extra=f"drain_s = {SHORT['node']}\n")  # fmt: skip
     procs.append(node)
     await until(lambda: published_versions(trainer.text())[-1:] >= [1], "a trained step", 240,
                 trainer)  # fmt: skip
     coord.proc.signal(signal.SIGSTOP)
     try:
         await asyncio.sleep(4.0)  # the node's next submission or lease request is in flight
-        stop_within(node, "node")
-        stop_within(trainer, "trainer")
+        stop_within(node, "node", saved=SAVED["node"])
+        stop_within(trainer, "trainer", saved=SAVED["trainer"])
     finally:
         coord.proc.signal(signal.SIGCONT)
     stop_within(coord.proc, "coordinator")
@@ -313,10 +338,13 @@ async def test_trainer_abandons_a_step_that_outlasts_the_grace(
     await until(lambda: "trainer.step stalls" in trainer.text(), "a stalled step", 240, trainer)
     before = sorted(p.name for p in (state / "checkpoints").glob("step-*"))
     # the node (at work for a live coordinator) is stopped meanwhile
-    took, _ = stop_all_within([(trainer, "trainer"), (node, "node")])
-    assert took >= 10.0 - 0.5, "the step was given no grace"  # STOP_GRACE_S
+    took, _ = stop_all_within(
+        [(trainer, "trainer"), (node, "node")], saved={"trainer": SAVED["trainer"]}
+    )
+    assert took >= SHORT["trainer"] - 0.5, "the step was given no grace"  # stop_grace_s
     text = trainer.text()
-    assert "did not finish within 10 s of the stop; abandoned" in text, text[-3000:]
+    grace = f"{SHORT['trainer']:g}"
+    assert f"did not finish within {grace} s of the stop; abandoned" in text, text[-3000:]
     after = sorted(p.name for p in (state / "checkpoints").glob("step-*"))
     assert after == before, (before, after)  # the last checkpoint stands, nothing half-written
     stop_within(coord.proc, "coordinator")
