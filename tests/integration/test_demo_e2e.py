@@ -1,6 +1,6 @@
 """``swarm demo`` end to end: a real local swarm (coordinator, trainer, three hf nodes, each its own
-process with its own libp2p daemon) trains the embedded default until its exact match reaches 0.5
-(a level no policy that ignores the order of the prompt can reach, see the test), and
+process with its own libp2p daemon) trains the embedded default until its exact match reaches 0.42
+(a level no policy that ignores the order of the prompt reaches but by chance: TARGET_EXACT), and
 ``swarm inspect`` reads the nodes' adverts from the DHT while it runs.
 
 The demo is started as a subprocess in its own session; its children are its own business (it
@@ -56,9 +56,18 @@ DEMO_TIMEOUT_S = DEMO_TIME_LIMIT_S + 60.0  # plus start-up and shutdown
 DEMO_LR = 2e-3
 #: The learning bar: the demo must reach this exact match on reverse3 (3 letters over `abcd`). A
 #: uniform random policy over the 26 symbols scores (1/26)^4 ≈ 2e-6; the best answer that ignores
-#: the prompt 1/64; echoing the prompt 1/4 (the palindromes); a random permutation of the prompt's
-#: letters 1/16·1 + 36/64·1/3 + 24/64·1/6 = 0.31. Only a policy that reverses gets past 0.5.
-TARGET_EXACT = 0.5
+#: the prompt 1/64; echoing the prompt 1/4 (the palindromes); the best answer that ignores the
+#: order of the prompt's letters (one fixed arrangement of its multiset) 4/64·1 + 36/64·1/3 +
+#: 24/64·1/6 = 0.3125, the most any order-blind policy scores on average. The demo stops on the
+#: mean of three learner steps' batches, 3 × 32 prompts × 8 samples: for that best order-blind
+#: policy, a prompt's 8-sample mean has variance Var(p) + E[p(1-p)]/8 = 0.0378 + 0.0221 = 0.060
+#: over the prompt mix, so the mean of 96 prompts has std 0.025 and 0.42 is 4.3 std above 0.3125
+#: (p ≈ 1e-5 per look; the running mean over a run's ~30 independent windows: ~3e-4). Only a
+#: policy that uses the order gets there. It was 0.5: in three earlier runs of this test at DEMO_LR
+#: (their curve.jsonl, a loaded machine) the three-step mean crossed 0.42 at steps 55, 73 and 74,
+#: and 0.5 at 57, 89 and not by step 78 (that run hit its time limit): 2-16 learner steps sooner
+#: (the steps are most of the test's time and all of its spread).
+TARGET_EXACT = 0.42
 
 
 def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
