@@ -152,6 +152,7 @@ class ActiveSet:
         at = inputs.measured(live)
         t_gen = self.config.group_size * self.config.sampling.max_new_tokens
         pool, rank = inputs.pool(at, self._pipeline(t_gen * inputs.t_gen_rate(live)))
+        self.predictions.next_plan()
         plan = plan_pool(
             pool, headroom=self.config.capacity.headroom, rank=rank, period=self.predictions
         )

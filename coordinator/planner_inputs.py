@@ -247,7 +247,9 @@ class Predictions:
     docstring). A prediction is made afresh when the pool has fewer than ``min_nodes`` nodes,
     when ``max_age_s`` has passed, when κ or S changed, or when the node count, the pool's rate
     (Σ μ_i·r_i·g_i/(g_i + o_i)), its admissible supply at T_train, its rate-weighted lags, B,
-    T_train, T_bcast, t_gen or the step-time variability moved by more than ``tolerance``."""
+    T_train, T_bcast, t_gen or the step-time variability moved by more than ``tolerance``; but
+    at most one stale one per re-plan (:meth:`next_plan`) unless κ or S changed or it is twice
+    ``max_age_s`` old (so neither waits for ever)."""
 
     def __init__(
         self,
@@ -265,6 +267,7 @@ class Predictions:
         self._memo: dict[str, tuple[float, tuple[object, ...], np.ndarray, float]] = {}
         #: predictions made afresh (for tests and the bench)
         self.made = 0
+        self._made_this_plan = False
 
     def __call__(self, pool: _Pool, which: str) -> float:
         if len(pool.ids) < self.min_nodes:
@@ -282,14 +285,22 @@ class Predictions:
         exact = (pipe.kappa, pipe.staleness_bound)
         now = self.clock()
         memo = self._memo.get(which)
-        if memo is not None:
-            at, key, old, period = memo
+        if memo is not None and memo[1] == exact:
+            at, _key, old, period = memo
             close = np.abs(figures - old) <= self.tolerance * np.maximum(
                 np.abs(figures), np.abs(old)
             )
-            if key == exact and 0.0 <= now - at < self.max_age_s and bool(close.all()):
+            if 0.0 <= now - at < self.max_age_s and bool(close.all()):
                 return period
+            if self._made_this_plan and now - at < 2 * self.max_age_s:
+                return period  # one prediction per re-plan: this one waits for the next
         period = _period_of(pool)
         self.made += 1
+        self._made_this_plan = True
         self._memo[which] = (now, exact, figures, period)
         return period
+
+    def next_plan(self) -> None:
+        """A re-plan starts: it may make one stale prediction afresh (a second one, whose κ and
+        S are unchanged, is reused until the next re-plan, so a re-plan rarely pays for both)."""
+        self._made_this_plan = False

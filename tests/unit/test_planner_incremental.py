@@ -172,22 +172,35 @@ def test_predictions_are_reused_within_the_tolerance_and_the_age_limit(tmp_path:
     pipe = Pipeline(64, 10.0, 2, 1.0, 4, 3.0)
     nodes = [NodeCapacity(f"n{i}", 1.0 + i / 10, 0.5, lease_s=5.0, load_s=2.0) for i in range(8)]
     pool = _Pool(nodes, pipe)
+    predict.next_plan()
     first = predict(pool, "pool")
     assert first == _period_of(pool) and predict.made == 1
     assert predict(pool, "pool") == first and predict.made == 1  # reused
-    assert predict(pool, "active") == first and predict.made == 2  # each kind its own
+    assert predict(pool, "active") == first and predict.made == 2  # each kind its own (new)
     slower = [NodeCapacity(n.node_id, n.rollouts_per_s * 0.99, 0.5, lease_s=5.0, load_s=2.0)
               for n in nodes]  # fmt: skip
+    predict.next_plan()
     predict(_Pool(slower, pipe), "pool")  # 1 % less: within 2 %
     assert predict.made == 2
     slower = [NodeCapacity(n.node_id, n.rollouts_per_s * 0.9, 0.5, lease_s=5.0, load_s=2.0)
               for n in nodes]  # fmt: skip
     assert predict(_Pool(slower, pipe), "pool") == _period_of(_Pool(slower, pipe))
     assert predict.made == 3  # 10 % less: made afresh
+    assert predict(_Pool(slower, pipe), "active") == first  # stale too, but one per re-plan
+    assert predict.made == 3
+    predict.next_plan()
+    assert predict(_Pool(slower, pipe), "active") == _period_of(_Pool(slower, pipe))
+    assert predict.made == 4  # the next re-plan makes it
     clock.advance(61.0)
+    predict.next_plan()
     predict(_Pool(slower, pipe), "pool")
-    assert predict.made == 4  # older than a minute
+    assert predict.made == 5  # older than a minute
     predict(_Pool(slower, Pipeline(64, 10.0, 3, 1.0, 4, 3.0)), "pool")
-    assert predict.made == 5  # κ changed
+    assert predict.made == 6  # κ changed: made whatever else this re-plan made
     predict(_Pool(slower[:1], pipe), "pool")
-    assert predict.made == 6  # below min_nodes: always afresh
+    assert predict.made == 7  # below min_nodes: always afresh
+    clock.advance(121.0)
+    predict.next_plan()
+    predict(_Pool(slower, pipe), "pool")
+    predict(_Pool(slower, pipe), "active")
+    assert predict.made == 9  # the second one was two minutes old: made in the same re-plan
