@@ -4,9 +4,13 @@ Not a test. A real :class:`~coordinator.core.Coordinator` on an in-memory store 
 heartbeating nodes whose throughput the coordinator has measured (each node's figures folded in
 as an accepted lease would), priced from a small catalogue. Then, with ``time.process_time``:
 
-* ``replan``: :meth:`Coordinator.replan` (the live-node query, the per-node figures and
-  :func:`~coordinator.capacity.plan_activation`), once with a learner the pool can feed ("meets")
-  and once with one it cannot ("short");
+* ``replan``: :meth:`Coordinator.replan` (the planner's inputs brought up to date,
+  :func:`~coordinator.capacity.plan_pool`), once with a learner the pool can feed ("meets") and
+  once with one it cannot ("short"); before each (not timed) the clock moves on 5 s, every node
+  heartbeats and :data:`CHURN` of them complete a lease, as between two re-plans of a running
+  coordinator; then the same with the clock moved past the predictions' age limit (a
+  prediction made afresh, at most once a minute), and the pre-issue-35 re-plan from the store
+  (:meth:`ActiveSet.plan_from_scratch`);
 * ``status``: :func:`coordinator.status.build_status` (the ``/status`` document the service builds
   every tick), cold (after a change) and warm (nothing changed);
 * ``tick``: :meth:`Coordinator.tick` without a re-plan (liveness flush and expiries).
