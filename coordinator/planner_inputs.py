@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -64,6 +65,7 @@ class PlannerInputs:
         self._ids: list[str] = []
         self._rows: list[PlannerRow | None] = []
         self._fig_dirty: set[bytes] = set()
+        self._fig_lock = threading.Lock()  # the book may be written from another thread
         self._cols = np.zeros((0, 6))
         self._measured = np.zeros(0, dtype=bool)
         self._present = np.zeros(0, dtype=bool)
@@ -90,7 +92,8 @@ class PlannerInputs:
 
     def figures_changed(self, node_key: bytes) -> None:
         """The throughput book's figures of ``node_key`` changed (its listener)."""
-        self._fig_dirty.add(node_key)
+        with self._fig_lock:
+            self._fig_dirty.add(node_key)
 
     # --- reading ---------------------------------------------------------------------------------
     def refresh(self, seen_after: float, now: float) -> np.ndarray:
@@ -103,7 +106,6 @@ class PlannerInputs:
                 rows = store.query(f"SELECT {_COLS} FROM nodes")
                 store.query(f"DELETE FROM temp.{self._table}")
                 gone = set(self._slot)
-                self._fig_dirty.clear()
                 self.full_reads += 1
             else:  # the changed rows; a deleted one comes back as NULLs
                 cols = ", ".join(f"n.{c}" for c in _COLS.split(", ")[1:])
@@ -127,12 +129,13 @@ class PlannerInputs:
         gone.difference_update(fresh)
         for key in gone:
             self._drop(key)
-        for key in self._fig_dirty.difference(fresh):
+        with self._fig_lock:
+            figures, self._fig_dirty = self._fig_dirty, set()
+        for key in figures.difference(fresh):
             slot = self._slot.get(key)
             row = None if slot is None else self._rows[slot]
             if row is not None:
                 fresh[key] = row
-        self._fig_dirty.clear()
         self._put(fresh)
         live = self._present.copy()
         for (k,) in out:

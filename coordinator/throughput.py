@@ -76,8 +76,7 @@ class ThroughputBook:
 
     def forget(self, node_key: bytes) -> None:
         self._figures.pop(node_key, None)
-        for fn in self.listeners:
-            fn(node_key)
+        self._changed(node_key)
 
     def record(
         self,
@@ -93,8 +92,6 @@ class ThroughputBook:
         """Fold one accepted lease in; ``observed_s`` = receipt − issue on the coordinator's clock.
 
         Returns the node's figures (None when the lease carries nothing to measure)."""
-        for fn in self.listeners:
-            fn(node_key)
         observed = _clean(observed_s)
         gen = min(_clean(generate_s), observed) if observed > 0 else _clean(generate_s)
         if samples <= 0 or gen <= 0:
@@ -106,6 +103,7 @@ class ThroughputBook:
         if old is None:  # its first load is the start-up download, not a steady-state switch
             fig = NodeFigures(rate, gen, overhead, None, version, samples=samples)
             self._figures[node_key] = fig
+            self._changed(node_key)
             return fig
         a = self.alpha
         old.samples = (1 - a) * old.samples + a * samples
@@ -116,7 +114,12 @@ class ThroughputBook:
             old.load_s = load if old.load_s is None else (1 - a) * old.load_s + a * load
         old.version = version
         old.leases += 1
+        self._changed(node_key)
         return old
+
+    def _changed(self, node_key: bytes) -> None:
+        for fn in self.listeners:
+            fn(node_key)
 
 
 class LeaseLag:
