@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from swarm_harness import Proc, coordinator_toml, launch_coordinator, until
+from swarm_harness import FAST_CALIBRATION, Proc, coordinator_toml, launch_coordinator, until
 from test_process_faults import (
     checkpoint_states,
     http_status,
@@ -61,7 +61,7 @@ async def test_sharded_trainer_fails_cleanly_resumes_and_publishes(
         trainer_key,
         sampling={"max_new_tokens": 5},
         leases={"min_deadline_s": 10.0, "target_lease_s": 0.5, "max_prompts_per_lease": 8},
-        intake={"spot_check_fraction": 0.1},
+        intake={"spot_check_fraction": 0.1, **FAST_CALIBRATION},  # not about the tolerance
     )
     coord = await launch_coordinator(tmp_path, config)
     procs.append(coord.proc)
