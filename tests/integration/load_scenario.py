@@ -241,7 +241,7 @@ async def run_load(tmp: Path, spec: LoadSpec, log: bool = False) -> LoadResult:
         out.loadavg = os.getloadavg()
         out.alive = coord.proc.popen.poll() is None
         out.status = await trainer.status()
-        out.feed = await fetch_all(trainer)
+        out.feed = await fetch_settled(trainer, coord)
         out.metrics = read_metrics(coord)
         out.alive = out.alive and coord.proc.popen.poll() is None
         text = coord.proc.text()
@@ -274,6 +274,28 @@ async def fetch_all(trainer: Trainer) -> list[AcceptedRollout]:
         if not page:
             return rows
         rows += page
+
+
+async def fetch_settled(
+    trainer: Trainer, coord: CoordinatorProc, wait_s: float = 120.0
+) -> list[AcceptedRollout]:
+    """The whole feed once no acknowledged lease waits for its re-score (``held_rollouts``
+    empty): those re-scores run after their acks, their rows held until then (issue 34)."""
+    import sqlite3
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        db = sqlite3.connect(f"file:{coord.state / 'state.sqlite'}?mode=ro", uri=True)
+        try:
+            held = db.execute("SELECT COUNT(*) FROM held_rollouts").fetchone()[0]
+        except sqlite3.OperationalError:  # no such table: nothing was ever held
+            held = 0
+        finally:
+            db.close()
+        if held == 0:
+            break
+        await asyncio.sleep(0.1)
+    return await fetch_all(trainer)  # (past the wait: the invariants report what is missing)
 
 
 def read_metrics(coord: CoordinatorProc) -> dict[str, float]:

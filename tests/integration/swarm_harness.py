@@ -438,3 +438,62 @@ def start_node(
     args = ["node", "run", "--coordinator", coord.maddr, "--coordinator-key", coord.fingerprint]
     args += ["--backend", "hf", "--config", str(cfg), "--state-dir", str(state)]
     return Proc(args, tmp / f"{name}.log")
+
+
+def lease_keys(lease: Lease) -> set[tuple[str, str, int]]:
+    """(lease, prompt, sample) of every sample a whole answer to ``lease`` carries."""
+    return {
+        (lease.lease_id, p.prompt_id, j) for p in lease.prompts for j in range(lease.group_size)
+    }
+
+
+async def until_in_feed(
+    trainer: Trainer, keys: set[tuple[str, str, int]], wait_s: float = 60.0
+) -> list[AcceptedRollout]:
+    """The trainer's feed once every (lease, prompt, sample) of ``keys`` is in it: a lease drawn
+    for the re-score is acknowledged before it, its rows held until it passes (issue 34)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        feed = await trainer.fetch(0)
+        missing = keys - {(r.lease_id, r.prompt_id, r.sample_index) for r in feed}
+        if not missing:
+            return feed
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{len(missing)} acknowledged samples not in the feed")
+        await asyncio.sleep(0.05)
+
+
+async def settled(
+    trainer: Trainer,
+    node: TestNode,
+    sub: RolloutSubmission,
+    first: Ack | Reject,
+    wait_s: float = 60.0,
+) -> Ack | Reject:
+    """The verdict of ``sub`` once its re-score, if it was drawn for one, has run: the ack does
+    not wait for it (issue 34). Final once the lease's rows are in the trainer's feed (accepted)
+    or a re-send of the same submission gets the stored refusal (after a ban at once, the ban's
+    detail names the refusal's code: that code is returned)."""
+    import re
+
+    from protocol.errors import ReasonCode
+
+    if not isinstance(first, Ack):
+        return first
+    deadline = time.monotonic() + wait_s
+    while True:
+        if any(r.lease_id == sub.lease_id for r in await trainer.fetch(0)):
+            return first
+        again = await node.submit(sub)
+        if isinstance(again, Reject):
+            named = [
+                c
+                for c in ReasonCode
+                if c is not ReasonCode.BANNED and re.search(rf"\b{c.value}\b", again.detail)
+            ]
+            if again.code is ReasonCode.BANNED and named:  # "(ban #1: <code> far beyond ...)"
+                return Reject(ref=sub.lease_id, code=named[0], detail=again.detail)
+            return again
+        if time.monotonic() > deadline:
+            raise AssertionError(f"lease {sub.lease_id}: its re-score never ended")
+        await asyncio.sleep(0.05)

@@ -16,11 +16,9 @@ honest node whose rounding differs (another CPU) is never struck for boundary to
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import random
-import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -37,6 +35,9 @@ from swarm_harness import (
     coordinator_toml,
     honest_submission,
     launch_coordinator,
+    lease_keys,
+    settled,
+    until_in_feed,
 )
 
 from coordinator.receipts import load_entries, verify_chain
@@ -384,46 +385,6 @@ async def swarm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm
             coord.proc.stop()
 
 
-async def in_feed(swarm: Swarm, keys: set[tuple[str, str, int]], wait_s: float = 60.0) -> None:
-    """Wait until every (lease, prompt, sample) of ``keys`` is in the trainer's feed: a lease
-    drawn for the re-score is acknowledged before it, its rows held until it passes (issue 34)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        feed = await swarm.trainer.fetch(0)
-        missing = keys - {(r.lease_id, r.prompt_id, r.sample_index) for r in feed}
-        if not missing:
-            return
-        assert time.monotonic() < deadline, f"{len(missing)} acknowledged samples not in the feed"
-        await asyncio.sleep(0.05)
-
-
-async def settled(
-    swarm: Swarm, node: TestNode, sub: RolloutSubmission, first: Ack | Reject, wait_s: float = 60.0
-) -> Ack | Reject:
-    """The verdict of ``sub`` once its re-score, if it was drawn for one, has run: the ack does
-    not wait for it (issue 34). Final once the lease's rows are in the trainer's feed (accepted)
-    or a re-send of the same submission gets the stored refusal (a ban at once: the ban names
-    the refusal's code)."""
-    if not isinstance(first, Ack):
-        return first
-    deadline = time.monotonic() + wait_s
-    while True:
-        if any(r.lease_id == sub.lease_id for r in await swarm.trainer.fetch(0)):
-            return first
-        again = await node.submit(sub)
-        if isinstance(again, Reject):
-            named = [
-                c
-                for c in ReasonCode
-                if c is not ReasonCode.BANNED and re.search(rf"\b{c.value}\b", again.detail)
-            ]
-            if again.code is ReasonCode.BANNED and named:  # "(ban #1: <code> far beyond ...)"
-                return Reject(ref=sub.lease_id, code=named[0], detail=again.detail)
-            return again
-        assert time.monotonic() < deadline, f"lease {sub.lease_id}: never settled"
-        await asyncio.sleep(0.05)
-
-
 async def lease_or_refusal(node: TestNode) -> Lease | ReasonCode | None:
     """A lease, the refusal code (banned), or None on standby."""
     try:
@@ -487,7 +448,8 @@ async def test_every_cheat_is_refused_struck_and_banned_while_honest_nodes_train
             else:
                 assert cheat.make is not None
                 sub = cheat.make(got)
-                verdict = await settled(swarm, cheat.node, sub, await cheat.node.submit(sub))
+                first = await cheat.node.submit(sub)
+                verdict = await settled(swarm.trainer, cheat.node, sub, first)
             cheat.verdicts.append("ack" if isinstance(verdict, Ack) else verdict.code.value)
             if isinstance(verdict, Ack):
                 assert cheat.detected_at is None, (
@@ -516,7 +478,7 @@ async def test_every_cheat_is_refused_struck_and_banned_while_honest_nodes_train
         # STRIKES_TO_BAN-th strike
         assert 1 <= len(refused) <= STRIKES_TO_BAN, (cheat.name, cheat.verdicts)
 
-    await in_feed(swarm, honest_keys)  # the honest leases' re-scores after their acks
+    await until_in_feed(swarm.trainer, honest_keys)  # honest leases' re-scores after their acks
     feed = await swarm.trainer.fetch(0)
     by_node: dict[str, list[int]] = {}
     for row in feed:
@@ -589,9 +551,7 @@ async def test_a_resent_envelope_gets_its_stored_verdict_and_counts_once(swarm: 
     call = swarm.trainer.transport.call
     first = decode(await call(swarm.coord.peer_id, rpc.SUBMIT, wire, timeout=30))
     assert isinstance(first, Ack), first
-    keys = {(lease.lease_id, p.prompt_id, j) for p in lease.prompts
-            for j in range(lease.group_size)}  # fmt: skip
-    await in_feed(swarm, keys)  # its re-score (a new node's every lease) runs after the ack
+    await until_in_feed(swarm.trainer, lease_keys(lease))  # re-scored after the ack (new node)
     before = len(await swarm.trainer.fetch(0))
     for _ in range(3):
         again = decode(await call(swarm.coord.peer_id, rpc.SUBMIT, wire, timeout=30))
@@ -666,11 +626,10 @@ async def test_an_honest_node_is_never_struck_for_its_rounding(tied_swarm: Swarm
                 lease, requests, outs, set(backend.eos_token_ids), backend="hf",
                 dtype="float32", timings=_timings(),
             )  # fmt: skip
-            verdict = await settled(tied_swarm, node, sub, await node.submit(sub))
+            verdict = await settled(tied_swarm.trainer, node, sub, await node.submit(sub))
             assert isinstance(verdict, Ack), (name, verdict)
-            keys |= {(lease.lease_id, p.prompt_id, j) for p in lease.prompts
-                     for j in range(lease.group_size)}  # fmt: skip
-    await in_feed(tied_swarm, keys)  # every re-score done: its receipt is written
+            keys |= lease_keys(lease)
+    await until_in_feed(tied_swarm.trainer, keys)  # every re-score done: its receipt is written
     status = await tied_swarm.trainer.status()
     assert not status["nodes_banned"] and not status.get("rejected_by_reason")
     entries = load_entries(tied_swarm.coord.state / "state.sqlite")

@@ -28,6 +28,7 @@ from swarm_harness import (
     launch_coordinator,
     start_node,
     until,
+    until_in_feed,
 )
 
 from protocol.identity import Identity
@@ -149,7 +150,7 @@ async def test_killed_at_each_commit_point_every_retry_is_accepted_exactly_once(
     retry = await node.submit(sub)
     assert isinstance(retry, Ack), retry
     assert await node.submit(sub) == retry
-    feed = await rig.trainer.fetch(0)
+    feed = await until_in_feed(rig.trainer, expected(lease))  # re-scored after the restart
     assert keys(feed) and len(feed) == len(set(keys(feed)))
     assert set(keys(feed)) == expected(lease)
     assert (await rig.trainer.status())["rollouts_accepted"] == len(feed)
@@ -159,9 +160,14 @@ async def test_killed_at_each_commit_point_every_retry_is_accepted_exactly_once(
 
 
 def stored(rig: Rig, lease: Lease) -> int:
+    """The lease's acknowledged rows: in the feed, or held for their re-score (issue 34)."""
     with rig.db() as db:
         sql = "SELECT COUNT(*) FROM rollouts WHERE lease_id=?"
-        return int(db.execute(sql, (lease.lease_id,)).fetchone()[0])
+        n = int(db.execute(sql, (lease.lease_id,)).fetchone()[0])
+        if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'held_rollouts'").fetchone():
+            sql = "SELECT COUNT(*) FROM held_rollouts WHERE lease_id=?"
+            n += int(db.execute(sql, (lease.lease_id,)).fetchone()[0])
+        return n
 
 
 async def test_clean_restart_restores_state_and_loses_or_duplicates_no_task(rig: Rig) -> None:
@@ -173,7 +179,7 @@ async def test_clean_restart_restores_state_and_loses_or_duplicates_no_task(rig:
     assert isinstance(await a.submit(a.rollouts(done)), Ack)
     held = await b.lease()  # outstanding across the restart
     before = await rig.trainer.status()
-    feed_before = await rig.trainer.fetch(0)
+    feed_before = await until_in_feed(rig.trainer, expected(done))  # after its re-score
     await rig.down(crashed=False)
 
     await rig.start()

@@ -26,7 +26,10 @@ from swarm_harness import (
     Trainer,
     coordinator_toml,
     launch_coordinator,
+    lease_keys,
+    settled,
     tampered,
+    until_in_feed,
 )
 
 from coordinator.tasks import ReverseTask
@@ -109,7 +112,8 @@ async def test_honest_submission_is_accepted_once_and_a_resend_gets_the_same_ver
 
     n = len(lease.prompts) * lease.group_size
     assert await swarm.accepted() == before + n
-    mine = [r for r in await swarm.trainer.fetch(0) if r.lease_id == lease.lease_id]
+    feed = await until_in_feed(swarm.trainer, lease_keys(lease))  # after its re-score
+    mine = [r for r in feed if r.lease_id == lease.lease_id]
     assert sorted(keys(mine)) == sorted(
         (lease.lease_id, p.prompt_id, j) for p in lease.prompts for j in range(lease.group_size)
     )
@@ -156,7 +160,9 @@ async def test_dishonest_submission_is_rejected_with_its_reason(
     node = await swarm.node()
     before = await swarm.accepted()
     lease = await node.lease()
-    verdict = await node.submit(mutate(node, lease, node.rollouts(lease)))
+    sub = mutate(node, lease, node.rollouts(lease))
+    # a re-score's refusal comes after the ack (issue 34): the verdict once it has run
+    verdict = await settled(swarm.trainer, node, sub, await node.submit(sub))
     assert isinstance(verdict, Reject), verdict
     assert verdict.code == code, verdict
     assert await swarm.accepted() == before  # nothing of it was stored
@@ -243,7 +249,7 @@ async def test_sigkill_and_restart_loses_and_doubles_nothing(
         assert isinstance(await node.submit(sub), Ack)
     outstanding = await node.lease()  # issued, not yet answered when the coordinator dies
     held_sub = node.rollouts(outstanding)
-    before = await trainer.fetch(0)
+    before = await until_in_feed(trainer, set().union(*(lease_keys(lease) for lease in done)))
     assert len(before) == sum(len(lease.prompts) * lease.group_size for lease in done)
     racing = await node.lease()  # its submission is in flight when the coordinator dies
     racing_sub = node.rollouts(racing)
@@ -287,7 +293,7 @@ async def test_sigkill_and_restart_loses_and_doubles_nothing(
     got = [prompt_index(p.prompt_id) for p in fresh.prompts]
     assert got == list(range(max(issued) + 1, max(issued) + 1 + len(got))), (issued, got)
     assert fresh.epoch > racing.epoch
-    final = await trainer.fetch(0)
+    final = await until_in_feed(trainer, set().union(*(lease_keys(lease) for lease in leases)))
     expected = sum(len(lease.prompts) * lease.group_size for lease in leases)
     assert len(final) == expected == len(set(keys(final)))
     assert (await trainer.status())["rollouts_accepted"] == expected
@@ -295,6 +301,7 @@ async def test_sigkill_and_restart_loses_and_doubles_nothing(
     # Verification still works after the restart (the weights are re-read from the state dir).
     # A forgery this gross bans the node at once, and the ban withdraws what it delivered that
     # the trainer has not consumed (issue 34; docs/reliability.md): nothing of it is left to fetch.
-    verdict = await node.submit(_byzantine("forge_logprobs")(node, fresh, node.rollouts(fresh)))
+    forged = _byzantine("forge_logprobs")(node, fresh, node.rollouts(fresh))
+    verdict = await settled(trainer, node, forged, await node.submit(forged))
     assert isinstance(verdict, Reject) and verdict.code == ReasonCode.LOGPROB_MISMATCH, verdict
     assert await trainer.fetch(0) == []
