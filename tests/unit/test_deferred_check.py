@@ -220,10 +220,12 @@ async def test_the_node_rpc_answers_before_the_check_and_settles_after(
         return answer
 
     a = await submit(tampered(sampled(checked, model)))
+    pending = set(rpc._checks)
+    assert len(pending) == 1  # the checked lease's re-score runs after the answer
+    assert h.store.live_strikes(node.public_key, 0.0) == []
     b = await submit(sampled(unchecked, model))
     assert without_ref(a) == without_ref(b)
-    assert len(rpc._checks) == 1  # the checked lease's re-score runs after the answer
-    await asyncio.gather(*rpc._checks)
+    await asyncio.gather(*pending, *rpc._checks)
     assert len(h.store.live_strikes(node.public_key, 0.0)) == 1
     assert {lid for lid, _, _ in fetched(h)} == {unchecked.lease_id}
     assert rpc.resume_checks() == 0
