@@ -78,16 +78,23 @@ class PlannerInputs:
     def _install(self) -> None:
         t = self._table
         changed = " OR ".join(f"OLD.{c} IS NOT NEW.{c}" for c in ("node_key", *_WATCHED))
-        note = f"INSERT OR IGNORE INTO {t} VALUES"
+        def note(key: str) -> str:
+            # Not INSERT OR IGNORE: an UPSERT's conflict policy overrides a trigger's (a second
+            # re-registration through Store.upsert_node failed "UNIQUE constraint failed").
+            return (
+                f"INSERT INTO {t} SELECT {key}"
+                f" WHERE NOT EXISTS (SELECT 1 FROM {t} WHERE node_key = {key});"
+            )
+
         self.store.ensure_schema(
             f"CREATE TEMP TABLE IF NOT EXISTS {t} (node_key BLOB PRIMARY KEY);"
             f"CREATE TEMP TRIGGER IF NOT EXISTS {t}_ins AFTER INSERT ON main.nodes"
-            f" BEGIN {note} (NEW.node_key); END;"
+            f" BEGIN {note('NEW.node_key')} END;"
             f"CREATE TEMP TRIGGER IF NOT EXISTS {t}_del AFTER DELETE ON main.nodes"
-            f" BEGIN {note} (OLD.node_key); END;"
+            f" BEGIN {note('OLD.node_key')} END;"
             f"CREATE TEMP TRIGGER IF NOT EXISTS {t}_upd AFTER UPDATE OF node_key,"
             f" {', '.join(_WATCHED)} ON main.nodes WHEN {changed}"
-            f" BEGIN {note} (OLD.node_key); {note} (NEW.node_key); END;"
+            f" BEGIN {note('OLD.node_key')} {note('NEW.node_key')} END;"
         )
 
     def figures_changed(self, node_key: bytes) -> None:
