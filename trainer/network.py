@@ -2,8 +2,9 @@
 trains on the coordinator's rollouts until stopped (``swarm trainer run``'s rank 0; the CLI's
 checks, the ranks and the exit codes are :mod:`trainer.main`).
 
-Read :func:`run_trainer` top to bottom: the swarm peer and transport, the coordinator's pinned
-key, the broadcast node that seeds versions, the reachability watch, the
+Read :func:`run_trainer` top to bottom: the swarm peer and transport (while the DHT comes up, a
+thread imports the model's config, tokenizer and modelling code: :func:`_model_facts`), the
+coordinator's pinned key, the broadcast node that seeds versions, the reachability watch, the
 :class:`~trainer.swarm_client.SwarmPublisher` (the coordinator signs the manifest, the trainer
 seeds the chunks) and the sampling contract (``rswarm/status``, adopted); the
 :class:`~trainer.recipe.Trainer`, set up in a thread with the leases' stop set; the
@@ -98,13 +99,7 @@ async def run_trainer(
     ``dist``: the process group (:func:`trainer.distributed.init_distributed`) when this is
     rank 0 of a sharded trainer; the other ranks run :func:`trainer.launch.run_follower` (and
     take this rank's config, with the adopted sampling contract, and the leases' stop set)."""
-    from policy.model import (
-        ModelSpec,
-        config_fingerprint,
-        load_config,
-        load_tokenizer,
-        max_positions,
-    )
+    from policy.model import ModelSpec
     from protocol.identity import parse_fingerprint
     from swarm.adverts import swarm_validators
     from swarm.broadcast import BroadcastNode
@@ -125,11 +120,21 @@ async def run_trainer(
         PeerConfig(initial_peers=(coordinator_maddr,), identity_path=str(state_dir / "p2p.key")),
         record_validators=swarm_validators(),
     )
+    spec = ModelSpec(path=config.model_path, dtype=config.dtype)
+    joining = asyncio.ensure_future(peer.start())
+    # The model's facts (config, tokenizer) and modelling code are imported in a thread while the
+    # DHT comes up and the coordinator answers: seconds of transformers' imports (4-8 s on a
+    # loaded 2-core machine) off the start-up's path. peer.start() forks the DHT process before
+    # its first await, so one turn of the loop first: a child forked while a thread imports could
+    # inherit a module lock that no thread of its own will release.
+    await asyncio.sleep(0)
+    facts = asyncio.ensure_future(asyncio.to_thread(_model_facts, spec))
+    facts.add_done_callback(_retrieved)  # left unawaited when the start-up ends early
     try:
         # Joining can take the start-up timeout (15 s + 5 s) against a bootstrap that never
         # answers: a stop ends it (the DHT process and p2pd it started are ended on the way out,
         # swarm.signals.end_descendants)
-        await _race_stop(peer.start(), stop)
+        await _race_stop(joining, stop)
     except (_Stopped, SwarmError):
         if stop.is_set():  # asked to stop while joining: not a failure to report
             log.info("stopped while joining the swarm")
@@ -155,14 +160,14 @@ async def run_trainer(
         reach = asyncio.create_task(
             _watch_reachability(transport, peer, coordinator_peer, broadcast), name="reachability"
         )
-        spec = ModelSpec(path=config.model_path, dtype=config.dtype)
+        config_hash, tokenizer_hash, positions = await _race_stop(facts, stop)
         publisher = SwarmPublisher(
             transport,
             broadcast,
             coordinator_peer,
             identity,
-            model_config_hash=digest_hex(config_fingerprint(load_config(spec))),
-            tokenizer_hash=digest_hex(load_tokenizer(spec).fingerprint()),
+            model_config_hash=config_hash,
+            tokenizer_hash=tokenizer_hash,
             chunk_size=chunk_size,
             publish_dtype=config.publish_dtype,
             keyframe_every=config.keyframe_every,
@@ -171,7 +176,7 @@ async def run_trainer(
         from trainer.contract import adopt_contract
 
         status = await _race_stop(publisher.status(), stop)
-        config, lease_stops = adopt_contract(config, status, max_positions(spec))
+        config, lease_stops = adopt_contract(config, status, positions)
         log.info("sampling contract: %s, stop set %s", config.processing, list(lease_stops))
         # Building the model (and resuming a sharded checkpoint: a minute on a loaded machine)
         # runs in a thread, so a stop is seen meanwhile; it may finish within the grace.
@@ -247,6 +252,34 @@ async def run_trainer(
         if broadcast is not None:  # on failures too: its announcer must not outlive the peer
             await broadcast.stop()
         await peer.stop()
+
+
+def _model_facts(spec: Any) -> tuple[str, str, int | None]:
+    """``(config hash, tokenizer hash, max positions)`` of the policy ``spec`` names; imports the
+    modelling code :meth:`~trainer.recipe.Trainer.setup` will build it with, too (run in a thread
+    while the trainer joins the swarm)."""
+    from policy.model import config_fingerprint, load_config, load_tokenizer, max_positions
+
+    model_config = load_config(spec)
+    facts = (
+        digest_hex(config_fingerprint(model_config)),
+        digest_hex(load_tokenizer(spec).fingerprint()),
+        max_positions(spec),
+    )
+    from transformers import AutoModelForCausalLM
+
+    # only an import ahead of time: a model transformers cannot build fails in the set-up, with
+    # its own message
+    with contextlib.suppress(KeyError, ImportError, AttributeError, ValueError):
+        AutoModelForCausalLM._model_mapping[type(model_config)]
+    return facts
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark ``future``'s outcome seen: one the start-up left behind (it ended early) is not an
+    error of its own (awaited, it raises where it is awaited)."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def _latest_version(
