@@ -156,18 +156,27 @@ class Db:
         ).fetchall()
         return [r[0] for r in rows]
 
+    def _acknowledged(self) -> str:
+        """The accepted rows: in the feed, or held for their re-score after the ack (issue 34)."""
+        cols = "prompt_index, lease_id"
+        held = self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'held_rollouts'")
+        if held.fetchone() is None:
+            return f"SELECT {cols} FROM rollouts"
+        return f"SELECT {cols} FROM rollouts UNION ALL SELECT {cols} FROM held_rollouts"
+
     def groups(self) -> dict[int, Counter[str]]:
         """prompt index → accepted samples per lease."""
         out: dict[int, Counter[str]] = {}
         for idx, lease_id, n in self.conn.execute(
-            "SELECT prompt_index, lease_id, COUNT(*) FROM rollouts GROUP BY prompt_index, lease_id"
+            f"SELECT prompt_index, lease_id, COUNT(*) FROM ({self._acknowledged()})"
+            " GROUP BY prompt_index, lease_id"
         ):
             out.setdefault(idx, Counter())[lease_id] = n
         return out
 
     def rollouts_of(self, lease_id: str) -> int:
         row = self.conn.execute(
-            "SELECT COUNT(*) FROM rollouts WHERE lease_id = ?", (lease_id,)
+            f"SELECT COUNT(*) FROM ({self._acknowledged()}) WHERE lease_id = ?", (lease_id,)
         ).fetchone()
         return int(row[0])
 
