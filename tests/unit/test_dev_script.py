@@ -119,8 +119,13 @@ def _fake_checkout(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _dev_test(checkout: Path, *args: str, **rcs: str) -> tuple[int, list[str]]:
-    env = {**os.environ, "RSWARM_TEST_DEPS": "0", "PATH": "/usr/bin:/bin", **rcs}
+def _dev_test(checkout: Path, *args: str, cores: int = 2, **rcs: str) -> tuple[int, list[str]]:
+    """``./dev test ARGS`` on a machine of ``cores`` CPUs (a fake ``nproc`` first on PATH)."""
+    fake_bin = checkout / "fake-bin"
+    fake_bin.mkdir(exist_ok=True)
+    (fake_bin / "nproc").write_text(f"#!/bin/sh\necho {cores}\n")
+    (fake_bin / "nproc").chmod(0o755)
+    env = {**os.environ, "RSWARM_TEST_DEPS": "0", "PATH": f"{fake_bin}:/usr/bin:/bin", **rcs}
     done = subprocess.run(
         ["bash", str(checkout / "dev"), "test", *args],
         cwd=checkout, env=env, capture_output=True, text=True, timeout=60,
@@ -136,9 +141,11 @@ def test_the_whole_suite_runs_unit_tier_then_integration_tier_and_fails_if_eithe
     rc, calls = _dev_test(checkout, "--durations=5")
     assert rc == 0
     pytest_calls = [c for c in calls if c.startswith("python -m pytest")]
+    # the unit tier in two xdist workers (the options after them: `-n 0` overrides), the
+    # integration tier in one process
     assert pytest_calls == [
-        'python -m pytest -m not gpu --durations=5 tests/unit',
-        'python -m pytest -m not gpu --durations=5 tests/integration',
+        "python -m pytest -m not gpu -n 2 --dist loadgroup --durations=5 tests/unit",
+        "python -m pytest -m not gpu --durations=5 tests/integration",
     ]
     assert any(c.startswith("mypy protocol swarm coordinator node trainer policy") for c in calls)
     # a failing unit tier, or mypy, still lets the integration tier run, and the command fails
@@ -147,6 +154,14 @@ def test_the_whole_suite_runs_unit_tier_then_integration_tier_and_fails_if_eithe
         rc, calls = _dev_test(checkout, **failing)
         assert rc != 0, failing
         assert calls[-1].endswith("tests/integration"), (failing, calls)
+    # one core: no workers to spread the unit tier over
+    (checkout / "calls").unlink()
+    rc, calls = _dev_test(checkout, "-x", cores=1)
+    assert rc == 0
+    assert [c for c in calls if c.startswith("python -m pytest")] == [
+        "python -m pytest -m not gpu -x tests/unit",
+        "python -m pytest -m not gpu -x tests/integration",
+    ]
 
 
 def test_chosen_tests_run_alone_after_mypy(tmp_path: Path) -> None:
@@ -155,3 +170,34 @@ def test_chosen_tests_run_alone_after_mypy(tmp_path: Path) -> None:
     assert rc == 0
     assert [c.split()[0] for c in calls] == ["ruff", "mypy", "python"]
     assert calls[-1] == "python -m pytest -m not gpu tests/unit/test_x.py -q"
+
+
+def test_setup_byte_compiles_once_on_every_core_not_file_by_file(tmp_path: Path) -> None:
+    """pip compiles its ~14,000 installed modules one by one; the set-up installs with
+    --no-compile, then compiles the venv's site-packages in parallel (compileall -j 0), and
+    only when it installed something."""
+    checkout = _fake_checkout(tmp_path)
+    (checkout / ".venv" / ".rollout-swarm-installed").unlink()  # pyproject.toml "changed"
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+
+    def setup() -> list[str]:
+        done = subprocess.run(
+            ["bash", str(checkout / "dev"), "setup"],
+            cwd=checkout, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        calls = (checkout / "calls").read_text().splitlines()
+        (checkout / "calls").unlink()
+        return [c for c in calls if not c.startswith("python -c")]
+
+    assert setup() == [
+        "python -m pip install -q --no-compile -e .[dev]",
+        "python -m compileall -q -j 0 ",  # the fake python prints no site-packages path
+    ]
+    assert setup() == []  # installed already: nothing installed, nothing compiled
+    body = re.search(r"^setup\(\) \{\n(.*?)^\}", DEV, re.S | re.M)
+    torch = re.search(r"^install_torch\(\) \{.*?\n(.*?)^\}", DEV, re.S | re.M)
+    assert body and torch
+    for installs in (body.group(1), torch.group(1)):  # pip upgrade, torch: --no-compile too
+        assert "-m pip install" not in installs and '"${PIP_INSTALL[@]}"' in installs
+    assert 'PIP_INSTALL=("$PY" -m pip install -q --no-compile)' in DEV
