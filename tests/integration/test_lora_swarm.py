@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from swarm_harness import (
+    FAST_CALIBRATION,
     Proc,
     Trainer,
     coordinator_toml,
@@ -73,7 +74,9 @@ async def test_lora_versions_round_trip_trainer_node_coordinator(
 ) -> None:
     torch.set_num_threads(1)
     trainer_id = Identity.generate()
-    coord = await launch_coordinator(tmp_path, coordinator_toml(tmp_path, trainer_id))
+    # every submission spot-checked; the tolerance's calibration at its minimum (FAST_CALIBRATION)
+    config = coordinator_toml(tmp_path, trainer_id, intake=FAST_CALIBRATION)
+    coord = await launch_coordinator(tmp_path, config)
     procs.append(coord.proc)
     harness = Trainer(coord, trainer_id, tmp_path)
     await harness.start()

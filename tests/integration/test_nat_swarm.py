@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from swarm_harness import Proc, coordinator_toml
+from swarm_harness import FAST_CALIBRATION, Proc, coordinator_toml
 
 from protocol.identity import Identity
 from swarm.netns import Host, Topology
@@ -53,6 +53,7 @@ async def test_natted_nodes_join_lease_download_and_get_rollouts_accepted(
         trainer_key,
         top={"staleness_bound": 3},
         network={"host": coord_host.ip, "trainer_key": trainer_key.fingerprint},
+        intake=FAST_CALIBRATION,  # about reachability, not the tolerance
     )
     state = tmp_path / "coord"
     procs.append(Proc(["coordinator", "launch", "--config", str(config), "--state-dir", str(state)],

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from swarm_harness import (
+    FAST_CALIBRATION,
     CoordinatorProc,
     Proc,
     TestNode,
@@ -33,7 +34,9 @@ async def swarm(
     tmp_path: Path, procs: list[Proc]
 ) -> AsyncIterator[tuple[CoordinatorProc, Trainer]]:
     trainer_id = Identity.generate()
-    coord = await launch_coordinator(tmp_path, coordinator_toml(tmp_path, trainer_id))
+    # every submission spot-checked; the tolerance's calibration at its minimum (FAST_CALIBRATION)
+    config = coordinator_toml(tmp_path, trainer_id, intake=FAST_CALIBRATION)
+    coord = await launch_coordinator(tmp_path, config)
     procs.append(coord.proc)
     trainer = Trainer(coord, trainer_id, tmp_path)
     await trainer.start()
