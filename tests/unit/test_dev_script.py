@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,7 +145,7 @@ def test_the_whole_suite_runs_unit_tier_then_integration_tier_and_fails_if_eithe
     # the unit tier in two xdist workers (the options after them: `-n 0` overrides), the
     # integration tier in one process
     assert pytest_calls == [
-        "python -m pytest -m not gpu -n 2 --dist loadgroup --durations=5 tests/unit",
+        "python -m pytest -m not gpu -n 2 --dist loadfile --durations=5 tests/unit",
         "python -m pytest -m not gpu --durations=5 tests/integration",
     ]
     assert any(c.startswith("mypy protocol swarm coordinator node trainer policy") for c in calls)
@@ -201,3 +202,35 @@ def test_setup_byte_compiles_once_on_every_core_not_file_by_file(tmp_path: Path)
     for installs in (body.group(1), torch.group(1)):  # pip upgrade, torch: --no-compile too
         assert "-m pip install" not in installs and '"${PIP_INSTALL[@]}"' in installs
     assert 'PIP_INSTALL=("$PY" -m pip install -q --no-compile)' in DEV
+
+
+def test_a_module_wide_fixture_is_built_once_under_the_unit_tiers_workers(
+    tmp_path: Path,
+) -> None:
+    """With the unit tier's xdist options (read from ./dev), a module-scoped fixture is built
+    once although the module's tests outnumber the workers, and both workers run tests."""
+    workers = re.search(r"workers=\((-n 2 [^)]*)\)", DEV)
+    assert workers, "./dev lost the unit tier's xdist options"
+    unit = tmp_path / "tests" / "unit"
+    unit.mkdir(parents=True)
+    built = tmp_path / "built"
+    (unit / "test_shared.py").write_text(
+        "import os\nimport pytest\n\n"
+        "@pytest.fixture(scope='module')\ndef expensive():\n"
+        f"    with open({str(built)!r}, 'a') as f:\n"
+        "        f.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n"
+        "    return 1\n\n"
+        + "".join(f"def test_uses_{i}(expensive):\n    assert expensive == 1\n\n" for i in range(6))
+    )
+    (unit / "test_other.py").write_text(
+        "".join(f"def test_alone_{i}():\n    pass\n\n" for i in range(6))
+    )
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *workers.group(1).split(), "-p", "no:cacheprovider",
+         "-v", "tests/unit"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0 and "12 passed" in done.stdout, done.stdout + done.stderr
+    assert len(built.read_text().splitlines()) == 1, built.read_text()
+    assert {"[gw0]", "[gw1]"} <= set(re.findall(r"\[gw\d\]", done.stdout)), done.stdout
