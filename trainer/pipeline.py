@@ -191,6 +191,14 @@ class RolloutFeed:
             raise error
 
 
+def _observed(task: asyncio.Task[Any]) -> None:
+    """Mark a publication's failure as seen: :meth:`PublicationSlot.collect` re-raises it, but a
+    run cut short after the stop grace never collects, and asyncio would then print "Task
+    exception was never retrieved" with a traceback when the task is freed."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("publication ended with %r", task.exception())
+
+
 class PublicationSlot:
     """At most one publication in flight in the background (module docstring)."""
 
@@ -219,6 +227,7 @@ class PublicationSlot:
         self.version = version
         self.started_at = time.monotonic()
         self._task = asyncio.ensure_future(work)
+        self._task.add_done_callback(_observed)
 
     def collect(self) -> int | None:
         """The version whose publication finished since the last call (None if none or still

@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -269,3 +270,32 @@ def test_publication_slot_collects_and_reraises() -> None:
         assert not slot.busy and slot.last_s is not None
 
     asyncio.run(scenario())
+
+
+def test_an_uncollected_failed_publication_is_not_reported_as_never_retrieved() -> None:
+    """A run cut short after the stop grace never collects its slot; the publication's failure
+    (e.g. PublicationStopped) must not surface as asyncio's "Task exception was never retrieved"
+    traceback when the task is freed, and collect() still re-raises it while the slot is kept."""
+    import gc
+
+    unhandled: list[dict[str, Any]] = []
+
+    async def failing() -> None:
+        raise RuntimeError("stopping: publication abandoned")
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: unhandled.append(ctx))
+        kept = PublicationSlot()
+        kept.start(1, failing())
+        await kept.wait_done()
+        with pytest.raises(RuntimeError, match="abandoned"):
+            kept.collect()
+        dropped = PublicationSlot()
+        dropped.start(2, failing())
+        await dropped.wait_done()
+        del dropped  # the slot goes without anyone collecting it
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert unhandled == []
