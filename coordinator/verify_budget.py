@@ -201,7 +201,11 @@ class VerificationBudget:
         self.bucket = ProbationBucket(
             burst=cfg.admission_burst, retry_s=cfg.admission_retry_s, max_waiting=config.max_nodes
         )
-        self.verifying = verifying or VerifyingLeases(enabled=cfg.hold_verifying_leases)
+        self.verifying = (  # not `or`: an empty VerifyingLeases is falsy (it has __len__)
+            verifying
+            if verifying is not None
+            else VerifyingLeases(enabled=cfg.hold_verifying_leases)
+        )
         #: D at the last re-plan, and the demand of the newcomers admitted since (tokens/s)
         self.planned_demand = 0.0
         self.pending_demand = 0.0

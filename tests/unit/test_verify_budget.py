@@ -250,6 +250,21 @@ def test_expiry_skips_a_lease_whose_submission_arrived_before_the_deadline(tmp_p
     assert [lease.lease_id for lease in leases.expire_due()] == [kept.lease_id]
 
 
+def test_the_coordinators_lease_book_sees_the_budgets_verification_marks(tmp_path: Path) -> None:
+    """The composed coordinator: one VerifyingLeases shared by the budget (which marks a
+    submission in verification) and the lease book (whose expiry it holds). An empty one is falsy
+    (it has __len__), so `verifying or VerifyingLeases()` gave the budget a second, unshared one
+    and leases expired while their check queued (the simulation's doc check: stale_epoch)."""
+    h = Harness(tmp_path, verifier=ReferenceVerifier({}, TOK.vocab_size))
+    h.publish(1)
+    ident = h.node()
+    lease = h.lease(ident)
+    with h.core.budget.verifying.waiting(lease.lease_id, ident.public_key, h.clock()):
+        h.clock.advance(lease.deadline - h.clock() + 1.0)
+        assert lease.lease_id not in {r.lease_id for r in h.core.leases.expire_due()}
+    assert [r.lease_id for r in h.core.leases.expire_due()] == [lease.lease_id]
+
+
 class _SlowVerifier(ReferenceVerifier):
     """The simulation's reference verifier, whose check lets ``busy_s`` pass on the coordinator's
     clock while ``meanwhile`` runs (the upkeep and other nodes' requests, as the event loop runs
