@@ -12,11 +12,18 @@ which does not wait for the lease's re-score (issue 34: its latency told a node 
 were checked); the re-score of a lease drawn for one runs after the answer, in a task here
 (:meth:`NodeHandlers.settle_later`), and the learner's fetch is woken when its rows are released.
 Leases a restart left unchecked are checked at the start (:meth:`NodeHandlers.resume_checks`).
+The re-scores running after their answers are bounded: with ``max_pending_checks`` of them
+running, every submission's answer (drawn or not, so the wait reveals only the coordinator's
+load) waits up to ``check_room_wait_s`` for one to end. Before the answer stopped waiting for the
+check, a node's own wait for it held it to the verifier's pace; without the bound, a node whose
+every lease is drawn (a newcomer on probation) outran the verifier and the held backlog and its
+tasks grew without limit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Protocol, TypeVar
@@ -49,6 +56,13 @@ SPOT_CHECK_WAIT_S = 5.0
 #: a lease request that finds no leasable version while one is being fetched from the trainer
 #: waits up to this long for it (instead of sending the node away for a 1 s standby)
 LEASE_VERSION_WAIT_S = 2.0
+#: re-scores running after their answers beyond which a submission's answer waits (module
+#: docstring); a few seconds of one verifier's work on the embedded model, well under a minute
+#: for a real one at the budget's pace
+MAX_PENDING_CHECKS = 32
+#: the longest a submission's answer waits for room among the re-scores (the node's submit call
+#: times out after 60 s; the wait for the version's weights, 5 s, comes after it)
+CHECK_ROOM_WAIT_S = 20.0
 
 
 class VersionWaits(Protocol):
@@ -71,6 +85,8 @@ class NodeHandlers:
         on_rollouts: Callable[[], None],
         lease_wait_s: float = LEASE_VERSION_WAIT_S,
         spot_check_wait_s: float = SPOT_CHECK_WAIT_S,
+        max_pending_checks: int = MAX_PENDING_CHECKS,
+        check_room_wait_s: float = CHECK_ROOM_WAIT_S,
     ) -> None:
         self._core = core
         self._versions = versions
@@ -80,6 +96,9 @@ class NodeHandlers:
         self._peer_ids: dict[str, str] = {}  # node fingerprint -> libp2p peer id (register, hb)
         #: re-scores running after their lease's ack (held rows: durable if they never end)
         self._checks: set[asyncio.Task[None]] = set()
+        self._max_pending_checks = max_pending_checks
+        self._check_room_wait_s = check_room_wait_s
+        self._check_ended = asyncio.Event()
 
     def peer_of(self, fingerprint: str) -> str | None:
         """The libp2p peer the node ``fingerprint`` last registered or beat from (None: never)."""
@@ -120,6 +139,7 @@ class NodeHandlers:
                     return encode(stored)
             core.metrics.rejected.labels(reason=ReasonCode(exc.code).value).inc()
             raise
+        await self._room_for_checks()
         arrived = core.clock()  # judged as of now: its lease waits for its check (issue 35)
         with core.budget.verifying.waiting(msg.lease_id, node_key, arrived):
             # spot checks need the weights here
@@ -135,7 +155,24 @@ class NodeHandlers:
         """Run an acknowledged lease's re-score in a task; its rows join the feed if it passes."""
         task = asyncio.get_running_loop().create_task(self._settle(held, version))
         self._checks.add(task)
-        task.add_done_callback(self._checks.discard)
+        task.add_done_callback(self._check_done)
+
+    def _check_done(self, task: asyncio.Task[None]) -> None:
+        self._checks.discard(task)
+        self._check_ended.set()
+
+    async def _room_for_checks(self) -> None:
+        """Until fewer than ``max_pending_checks`` re-scores run, at most ``check_room_wait_s``
+        (then answer anyway: the bound slows the intake down, it never refuses)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._check_room_wait_s
+        while len(self._checks) >= self._max_pending_checks:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._check_ended.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._check_ended.wait(), left)
 
     async def _settle(self, held: HeldCheck, version: int) -> None:
         try:

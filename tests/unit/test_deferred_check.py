@@ -242,3 +242,52 @@ async def test_settling_a_lease_that_is_not_held_answers_its_stored_verdict(
     digest = h.store.query("SELECT digest FROM verdicts WHERE lease_id = ?", (lease.lease_id,))
     stored = await h.core.desk.settle(HeldCheck(lease.lease_id, bytes(digest[0][0])))
     assert without_ref(stored) == without_ref(answer)
+
+
+async def test_answers_wait_while_the_pending_rescores_are_at_their_bound(
+    tmp_path: Path, model: Any
+) -> None:
+    """Every lease drawn (a newcomer's rate 1.0): before, the node's wait for its ack held it to
+    the verifier's pace; now the answer comes first, so the re-scores running after their
+    answers are bounded. With the bound reached, the next answer (of any lease: it reveals only
+    the load) waits until one ends, or at most check_room_wait_s."""
+    h = harness(tmp_path, model, 1.0)
+    rpc = NodeHandlers(h.core, versions=VersionsHere(), on_rollouts=lambda: None,
+                       max_pending_checks=1, check_room_wait_s=30.0)  # fmt: skip
+    node = h.node()
+    first, second = h.lease(node, 1), h.lease(node, 1)
+    gate = asyncio.Event()
+    rescore = h.core.desk.intake.rescore
+
+    async def held_up(*args: Any, **kwargs: Any) -> Any:
+        await gate.wait()  # the verifier is busy until the test opens the gate
+        return await rescore(*args, **kwargs)
+
+    h.core.desk.intake.rescore = held_up  # type: ignore[method-assign]
+
+    async def submit(sub: RolloutSubmission) -> Ack | Reject:
+        raw = await rpc.on_submit("peer", encode(seal(node, sub, now=h.clock())))
+        return decode(raw, Ack)
+
+    await submit(sampled(first, model))
+    assert len(rpc._checks) == 1
+    answer = asyncio.ensure_future(submit(sampled(second, model)))
+    await asyncio.sleep(0.2)
+    assert not answer.done()  # waits for room: one re-score running, the bound is 1
+    gate.set()
+    assert isinstance(await asyncio.wait_for(answer, 10.0), Ack)
+    await asyncio.gather(*rpc._checks)
+    assert {lid for lid, _, _ in fetched(h)} == {first.lease_id, second.lease_id}
+
+    # the wait is bounded: with the verifier stuck, the answer comes after check_room_wait_s
+    stuck = NodeHandlers(h.core, versions=VersionsHere(), on_rollouts=lambda: None,
+                         max_pending_checks=1, check_room_wait_s=0.3)  # fmt: skip
+    gate.clear()
+    third, fourth = h.lease(node, 1), h.lease(node, 1)
+    rpc = stuck
+    await submit(sampled(third, model))
+    t0 = asyncio.get_running_loop().time()
+    assert isinstance(await asyncio.wait_for(submit(sampled(fourth, model)), 10.0), Ack)
+    assert asyncio.get_running_loop().time() - t0 >= 0.3
+    gate.set()
+    await asyncio.gather(*stuck._checks)
