@@ -1,7 +1,8 @@
 """KL-adaptive learning rate (``target_step_kl``): keep each learner step's move near a target.
 
 How far one learner step moves the policy, ``step_kl`` (the k3 estimate of KL(π_prox‖π_new) on
-the step's own tokens, :func:`trainer.rollback.kl_k3_sums`), is what staleness multiplies: a
+the step's own tokens that both policies support, :func:`trainer.rollback.kl_k3_sums`; a token
+the step took into or out of a top-k/top-p support is left out), is what staleness multiplies: a
 rollout S versions old was drawn from a policy about S such moves away from π_prox, and the
 mismatch KL(μ‖π_prox), the behaviour weights' spread and the bias of their truncation grow
 with it. Measured on the embedded task (docs/trainer.md, "KL-adaptive learning rate") the move
