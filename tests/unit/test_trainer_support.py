@@ -218,19 +218,14 @@ def test_the_step_record_reports_them_apart(tmp_path: Path) -> None:
     prox: list[float] = []
     mu: list[float] = []
     outside = total = 0
-    with torch.no_grad():
-        for r in rollouts:
-            ids = torch.tensor([r.prompt_ids + r.completion_ids])
-            logits = tr.model(input_ids=ids).logits[0, len(r.prompt_ids) - 1 : -1].double()
-            top = logits.topk(3, dim=-1)
-            norm = torch.logsumexp(top.values, dim=-1)
-            for t, tok in enumerate(r.completion_ids):
-                total += 1
-                if tok not in top.indices[t].tolist():
-                    outside += 1
-                    continue
-                prox.append(float(logits[t, tok] - norm[t]))
-                mu.append(r.behaviour_logprobs[t])
+    for r, logps in zip(rollouts, _top3_logprobs(tr, rollouts), strict=True):
+        for logp, behaviour in zip(logps, r.behaviour_logprobs, strict=True):
+            total += 1
+            if logp is None:
+                outside += 1
+                continue
+            prox.append(logp)
+            mu.append(behaviour)
     assert 0 < outside < total
     source = CoordinatorSource(InMemoryNetwork().endpoint("t"), "c", Identity.generate())
     tr.on_step.append(StepReport(source, progress=tr.progress, pending=tr.pending, kappa=1))
