@@ -72,6 +72,54 @@ def _grouped(flows: Sequence[Flow]) -> list[Flow]:
     return out
 
 
+def first_time_available(
+    leasable: np.ndarray, q: np.ndarray, d: np.ndarray, lag: np.ndarray, need: float, ready: float
+) -> float:
+    """The first time t ≥ ``ready`` by which ``need`` rollouts of the versions made leasable at
+    ``leasable`` (ascending; the last one is generated on until further notice) have arrived
+    (``math.inf``: never). Flow i generates version v from leasable_v + d_i until the next
+    version is leasable, at q_i, each result arriving g_i + o_i later, so the arrivals of (v, i)
+    by t are q_i·clip(t − leasable_v − lag_i, 0, span_vi) with lag_i = d_i + g_i + o_i and
+    span_vi = max(0, leasable_{v+1} − leasable_v − d_i): a sum of ramps, piecewise linear and
+    non-decreasing in t. It is solved exactly on the sorted breakpoints (slope +q_i where a
+    ramp starts, −q_i where it ends) instead of by bisection."""
+    ends = np.append(leasable[1:], math.inf)
+    span = np.maximum(0.0, (ends - leasable)[:, None] - d[None, :])  # versions × flows
+    rise = leasable[:, None] + lag[None, :]  # where each ramp starts
+    flat = rise + span  # where it ends (inf for the newest version)
+    rates = np.broadcast_to(q[None, :], rise.shape)
+    keep = span > 0
+    t_ev = np.concatenate([rise[keep], flat[keep]])
+    slope_ev = np.concatenate([rates[keep], -rates[keep]])
+    finite = np.isfinite(t_ev)
+    t_ev, slope_ev = t_ev[finite], slope_ev[finite]
+    order = np.argsort(t_ev, kind="stable")
+    t_ev, slope_ev = t_ev[order], slope_ev[order]
+    # after event j the total is slope_j·t − offset_j (running sums of slopes and slope·time)
+    slope = np.cumsum(slope_ev)
+    offset = np.cumsum(slope_ev * t_ev)
+    value = slope * t_ev - offset  # the total at each event time
+
+    def total_at(t: float) -> float:
+        j = int(np.searchsorted(t_ev, t, side="right")) - 1
+        return 0.0 if j < 0 else float(slope[j] * t - offset[j])
+
+    if total_at(ready) >= need:
+        return ready
+    later = np.nonzero((t_ev > ready) & (value >= need))[0]
+    if len(later) == 0:  # the newest version's ramps go on: the last slope, if any
+        if len(t_ev) == 0 or slope[-1] <= 0:
+            return math.inf
+        base_t = max(ready, float(t_ev[-1]))
+        return base_t + (need - total_at(base_t)) / float(slope[-1])
+    j = int(later[0])  # the total crosses ``need`` in (max(ready, t_{j-1}), t_j]
+    lo = ready if j == 0 else max(ready, float(t_ev[j - 1]))
+    rate = float(slope[j - 1]) if j > 0 else 0.0
+    if rate <= 0:
+        return float(t_ev[j])
+    return min(float(t_ev[j]), lo + (need - total_at(lo)) / rate)
+
+
 def fluid_period(
     flows: Sequence[Flow],
     *,
@@ -104,15 +152,6 @@ def fluid_period(
         span = np.maximum(0.0, end - start - d)
         return float(np.sum(q * np.clip(t - start - lag, 0.0, span)))
 
-    def available(t: float, first: int) -> float:
-        """Σ over the admissible versions of (arrived − consumed): one array operation over
-        versions × flows (the bisections call this thousands of times per prediction)."""
-        starts = np.asarray(leasable[first:])
-        ends = np.append(starts[1:], math.inf)
-        span = np.maximum(0.0, (ends - starts)[:, None] - d[None, :])
-        got = np.clip(t - starts[:, None] - lag[None, :], 0.0, span)
-        return float(np.sum(q[None, :] * got)) - sum(consumed[first:])
-
     spread = math.sqrt(3.0) * min(max(0.0, t_train_cv), 0.5)  # at most ±87 %: steps stay > 0
     draws = random.Random(0)
     steps, measured = (STEPS_VARYING, MEASURED_VARYING) if spread > 0 else (STEPS, MEASURED)
@@ -124,23 +163,11 @@ def fluid_period(
             first += 1
         if published[first] < k - staleness_bound:
             return math.inf  # nothing admissible left and nothing newer made
-        if available(ready, first) >= batch:
-            start = ready
-        else:
-            lo, hi = ready, ready + max(t_train, 1e-3)
-            while available(hi, first) < batch:
-                lo, hi = hi, hi + 2 * (hi - ready)
-                if hi - ready > 1e6 * t_train:
-                    return math.inf
-            for _ in range(50):
-                mid = (lo + hi) / 2
-                if available(mid, first) >= batch:
-                    hi = mid
-                else:
-                    lo = mid
-                if hi - lo <= 1e-9 * max(hi, 1.0):
-                    break
-            start = hi
+        start = first_time_available(
+            np.asarray(leasable[first:]), q, d, lag, batch + sum(consumed[first:]), ready
+        )
+        if start - ready > 1e6 * t_train:
+            return math.inf
         need = float(batch)
         for i in range(first, len(published)):  # oldest version first
             take = min(need, arrived(i, start) - consumed[i])
