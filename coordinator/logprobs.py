@@ -25,6 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -215,6 +216,11 @@ class InProcessLogprobVerifier:
         self.z_max = z_max
         self._models: OrderedDict[tuple[int, str], Any] = OrderedDict()
         self._lock = threading.Lock()  # one scoring at a time; torch threads are set by the caller
+        #: the re-scores' own thread: they run one at a time under ``_lock`` anyway, and on the
+        #: event loop's shared executor a queue of them (a version's calibration takes minutes
+        #: on a CPU) took every thread, so the answers' reward scoring (``asyncio.to_thread``)
+        #: waited behind them until the nodes' submissions timed out
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rescore")
         #: seconds spent re-scoring (forward passes and audits), checks run, tokens re-scored
         self.compute_s = 0.0
         self.checks = 0
@@ -377,9 +383,10 @@ class InProcessLogprobVerifier:
         else:
             fixed = tolerance_for(self.tolerances, backend, dtype)
             label = f"{backend}/{dtype}"
-        audits, tol = await asyncio.to_thread(
-            self._audit, version, dtype, prompt_ids, completions, seeds, steps, fixed
-        )
+        audits, tol = await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._audit, version, dtype, prompt_ids, completions, seeds, steps,
+            fixed,
+        )  # fmt: skip
         return judge(
             audits,
             claimed_logprobs,
