@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import math
 import statistics
 import threading
@@ -31,6 +32,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from coordinator.config import Tolerance
 from protocol.errors import ReasonCode
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from coordinator.calibration import HonestError
@@ -291,6 +294,10 @@ class InProcessLogprobVerifier:
             if below and version - max(below) < cal.every:
                 return self.calibrated[max(below)]
             t0 = time.perf_counter()
+            log.info(
+                "calibrating policy v%d: %d honest samples in %s (the checks of v%d wait for it)",
+                version, cal.samples, "/".join(cal.dtypes), version,
+            )  # fmt: skip
             err = measure_honest_error(
                 self._model(version, "float32"),
                 prompt_ids[: cal.prompts],
@@ -302,9 +309,14 @@ class InProcessLogprobVerifier:
                 top_k=self.top_k,
                 seed=version,
             )
-            self.calibration_s += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            self.calibration_s += spent
             self.calibrations += 1
             tol = calibrated_tolerance(err, cal.margin, local=cal.local)
+            log.info(
+                "calibrated policy v%d in %.1f s: per-token |Δ log p| up to %.3g (%d positions)",
+                version, spent, tol.threshold, err.positions,
+            )  # fmt: skip
             self.calibrated[version] = (tol, err)
             while len(self.calibrated) > self.cache_size:
                 del self.calibrated[min(self.calibrated)]

@@ -129,6 +129,12 @@ class Demo:
             else "min_deadline_s = 10.0\ntarget_lease_s = 0.5\nmax_prompts_per_lease = 8\n"
             "default_tokens_per_s = 2000.0\n"
         )
+        # A real model's calibration on this CPU: 256 samples in fp32, bf16 and fp16 would take
+        # about an hour (bf16 and fp16 matmuls are slow here; 16 samples in fp32 and bf16 took
+        # 128 s), every check of v0 waiting for it. The demo's nodes compute in fp32 (node.dtype's
+        # default), so fp32 is what they are held to, measured on 32 samples (~25 s for SmolLM2
+        # on one thread, once per 16 versions).
+        calibration = 'accepted_dtypes = ["float32"]\ncalibration_samples = 32\n' if real else ""
         prompt = (
             f"\n[prompt]\nsystem_prompt = {json.dumps(o.system_prompt)}\n"
             if o.system_prompt
@@ -145,6 +151,7 @@ class Demo:
             # every process shares this CPU: the replay's bf16 second forward (issue 34's local
             # slack) would cost ~6x an fp32 re-score here, so the demo keeps the global slack
             f"\n[intake]\nspot_check_fraction = {spot}\ncalibration_local = false\n"
+            f"{calibration}"
             f"\n[reputation]\nstrikes_to_ban = 3\nban_base_s = 60.0\n"
             f"\n[capacity]\nbatch_rollouts = {o.batch_prompts * o.group_size}\nt_train_s = 0.1\n"
             f'\n[network]\ntrainer_key = "{trainer_fp}"\n'

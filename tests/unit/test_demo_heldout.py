@@ -10,6 +10,7 @@ import pytest
 from rich.console import Console
 
 from coordinator.config import CoordinatorConfig
+from node.config import NodeConfig
 from policy.testing import build_tiny_chat_model
 from swarm.shell.demo import Demo
 from swarm.shell.demo_options import DemoOptions, parse_trainer_settings
@@ -121,6 +122,29 @@ def test_the_demos_cpu_verifier_keeps_the_global_replay_slack(tmp_path: Path) ->
     assert tomllib.loads(text)["intake"]["calibration_local"] is False
     cfg = CoordinatorConfig.model_validate(tomllib.loads(text))
     assert cfg.intake.calibration_local is False and CoordinatorConfig().intake.calibration_local
+
+
+def test_a_real_models_demo_calibrates_the_precision_its_nodes_run_in(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """A real model's calibration with the defaults (256 samples in fp32, bf16 and fp16) takes
+    about an hour on a CPU coordinator, every check of v0 waiting for it (a SmolLM2 demo made
+    no learner step in 8 minutes): the demo's nodes compute in fp32, so the demo accepts and
+    calibrates fp32 alone, on 32 samples. The embedded model keeps the defaults (cheap)."""
+    real = Demo(DemoOptions(model_dir=model_dir, run_dir=tmp_path / "real", live=False))
+    _trainer_toml(real)
+    cfg = CoordinatorConfig.model_validate(
+        tomllib.loads((real.run_dir / "coordinator.toml").read_text())
+    )
+    assert cfg.intake.accepted_dtypes == ["float32"] and cfg.intake.calibration_samples == 32
+    assert NodeConfig().dtype == "float32"  # what the demo's nodes run in (no dtype is set)
+    embedded = Demo(DemoOptions(run_dir=tmp_path / "embedded", live=False))
+    _trainer_toml(embedded)
+    cfg = CoordinatorConfig.model_validate(
+        tomllib.loads((embedded.run_dir / "coordinator.toml").read_text())
+    )
+    assert cfg.intake.accepted_dtypes == CoordinatorConfig().intake.accepted_dtypes
+    assert cfg.intake.calibration_samples == CoordinatorConfig().intake.calibration_samples
 
 
 def test_trainer_set_can_change_the_evaluation() -> None:
