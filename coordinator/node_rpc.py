@@ -11,7 +11,9 @@ A submission is answered with :meth:`~coordinator.submissions.SubmissionDesk.rec
 which does not wait for the lease's re-score (issue 34: its latency told a node which leases
 were checked); the re-score of a lease drawn for one runs after the answer, in a task here
 (:meth:`NodeHandlers.settle_later`), and the learner's fetch is woken when its rows are released.
-Leases a restart left unchecked are checked at the start (:meth:`NodeHandlers.resume_checks`).
+A re-score that raises (the verifier or the weights failed; a node's fault is a verdict, not an
+exception) is tried again after :data:`RESCORE_RETRY_S`; leases a restart left unchecked, or whose
+every try failed, are checked at the start (:meth:`NodeHandlers.resume_checks`).
 The re-scores running after their answers are bounded: with ``max_pending_checks`` of them
 running, every submission's answer (drawn or not, so the wait reveals only the coordinator's
 load) waits up to ``check_room_wait_s`` for one to end. Before the answer stopped waiting for the
@@ -63,6 +65,10 @@ MAX_PENDING_CHECKS = 32
 #: the longest a submission's answer waits for room among the re-scores (the node's submit call
 #: times out after 60 s; the wait for the version's weights, 5 s, comes after it)
 CHECK_ROOM_WAIT_S = 20.0
+#: a re-score that raised (the verifier or the weights failed, not the node: a node's fault is a
+#: verdict) is tried again after each of these delays, its task still counted among the pending
+#: re-scores; after the last its rows stay held until the next start (``resume_checks``)
+RESCORE_RETRY_S = (5.0, 30.0, 120.0)
 
 
 class VersionWaits(Protocol):
@@ -87,6 +93,7 @@ class NodeHandlers:
         spot_check_wait_s: float = SPOT_CHECK_WAIT_S,
         max_pending_checks: int = MAX_PENDING_CHECKS,
         check_room_wait_s: float = CHECK_ROOM_WAIT_S,
+        rescore_retry_s: tuple[float, ...] = RESCORE_RETRY_S,
     ) -> None:
         self._core = core
         self._versions = versions
@@ -99,6 +106,7 @@ class NodeHandlers:
         self._max_pending_checks = max_pending_checks
         self._check_room_wait_s = check_room_wait_s
         self._check_ended = asyncio.Event()
+        self._rescore_retry_s = rescore_retry_s
 
     def peer_of(self, fingerprint: str) -> str | None:
         """The libp2p peer the node ``fingerprint`` last registered or beat from (None: never)."""
@@ -175,14 +183,28 @@ class NodeHandlers:
                 await asyncio.wait_for(self._check_ended.wait(), left)
 
     async def _settle(self, held: HeldCheck, version: int) -> None:
-        try:
-            await self._versions.wait_held(version, self._spot_check_wait_s)
-            verdict = await self._core.desk.settle(held)
-        except Exception:  # its rows stay held; the next start checks the lease again
-            log.exception("the re-score of lease %s did not finish", held.lease_id)
+        tries = 1 + len(self._rescore_retry_s)
+        for attempt, delay in enumerate((0.0, *self._rescore_retry_s), start=1):
+            if delay > 0:
+                await asyncio.sleep(delay)
+            try:
+                await self._versions.wait_held(version, self._spot_check_wait_s)
+                verdict = await self._core.desk.settle(held)
+            except Exception as exc:  # the verifier failed (a node's fault is a verdict)
+                if attempt < tries:
+                    log.warning(
+                        "the re-score of lease %s failed (%s: %s); trying again in %.0f s",
+                        held.lease_id, type(exc).__name__, exc, self._rescore_retry_s[attempt - 1],
+                    )  # fmt: skip
+                    continue
+                log.exception(  # its rows stay held; the next start checks the lease again
+                    "the re-score of lease %s failed %d times; its rows stay held until the "
+                    "coordinator's next start", held.lease_id, tries,
+                )  # fmt: skip
+                return
+            if not isinstance(verdict, Reject):
+                self._on_rollouts()
             return
-        if not isinstance(verdict, Reject):
-            self._on_rollouts()
 
     def resume_checks(self) -> int:
         """Re-score the leases a restart left acknowledged and unchecked (their rows held);

@@ -291,3 +291,48 @@ async def test_answers_wait_while_the_pending_rescores_are_at_their_bound(
     assert asyncio.get_running_loop().time() - t0 >= 0.3
     gate.set()
     await asyncio.gather(*stuck._checks)
+
+
+async def test_a_rescore_that_raises_is_tried_again_and_then_left_held(
+    tmp_path: Path, model: Any
+) -> None:
+    """The verifier failing (weights not loadable, an error in the scoring) is not the node's
+    fault and must not strand its rows: before, one exception left them held until the
+    coordinator's next start. Now the re-score is tried again after each retry delay; if every
+    try fails, the rows stay held and the next start checks them."""
+    h = harness(tmp_path, model, 1.0)
+    node = h.node()
+    rescore = h.core.desk.intake.rescore
+    failures = [2]  # the next two tries raise
+
+    async def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failures[0] > 0:
+            failures[0] -= 1
+            raise RuntimeError("the verifier's weights could not be read")
+        return await rescore(*args, **kwargs)
+
+    h.core.desk.intake.rescore = flaky  # type: ignore[method-assign]
+    woken: list[int] = []
+    rpc = NodeHandlers(h.core, versions=VersionsHere(), on_rollouts=lambda: woken.append(1),
+                       rescore_retry_s=(0.01, 0.01))  # fmt: skip
+
+    async def submit(sub: RolloutSubmission) -> Ack | Reject:
+        raw = await rpc.on_submit("peer", encode(seal(node, sub, now=h.clock())))
+        return decode(raw, Ack)
+
+    first = h.lease(node, 1)
+    assert isinstance(await submit(sampled(first, model)), Ack)
+    await asyncio.wait_for(asyncio.gather(*rpc._checks), 10.0)
+    assert failures == [0] and woken  # two failures, the third try passed
+    assert {lid for lid, _, _ in fetched(h)} == {first.lease_id}
+
+    failures[0] = 3  # more failures than tries: the rows stay held for the next start
+    second = h.lease(node, 1)
+    assert isinstance(await submit(sampled(second, model)), Ack)
+    await asyncio.wait_for(asyncio.gather(*rpc._checks), 10.0)
+    assert {lid for lid, _, _ in fetched(h)} == {first.lease_id}
+    assert [p.lease_id for p in h.core.desk.records.held.pending()] == [second.lease_id]
+    failures[0] = 0
+    assert rpc.resume_checks() == 1  # what the next start does
+    await asyncio.wait_for(asyncio.gather(*rpc._checks), 10.0)
+    assert {lid for lid, _, _ in fetched(h)} == {first.lease_id, second.lease_id}
