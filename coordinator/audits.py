@@ -215,14 +215,7 @@ class RewardAudits:
 
     def originals(self, indices: Sequence[int]) -> dict[int, int]:
         """``{audit index: original prompt index}`` for the audit copies among ``indices``."""
-        audit = [i for i in indices if i < 0]
-        if not audit:
-            return {}
-        marks = ",".join("?" * len(audit))
-        rows = self.store.query(
-            f"SELECT prompt_index, original FROM audits WHERE prompt_index IN ({marks})", audit
-        )
-        return {int(a): int(o) for a, o in rows}
+        return self.store.audit_originals(indices)
 
     def book(self, node_key: bytes, prompts: Sequence[int]) -> AuditBook:
         """What :func:`audit_work` reads for an acceptance by ``node_key`` of a lease with

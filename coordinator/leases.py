@@ -10,7 +10,8 @@ States::
       └──────node drains────────────► released (prompts re-queued at once)
 
 Prompt choice is the coordinator's: re-queued prompts first (lowest index first), then fresh indices
-from a persistent, monotonically increasing cursor. A prompt index yields **at most one accepted
+from a persistent, monotonically increasing cursor; a lease never holds one problem twice (an
+audit copy beside its original). A prompt index yields **at most one accepted
 group**, whichever valid result arrives first from a lease that was issued that prompt:
 
 * a late result of an *expired* lease is accepted for the prompts nobody has completed yet and
@@ -38,7 +39,7 @@ import logging
 import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.config import LeaseSection
 from coordinator.errors import Rejection
@@ -141,6 +142,9 @@ class RequestBook:
     #: the prompt cursor and the last fencing epoch issued
     cursor: int
     epoch: int
+    #: ``{audit copy: original prompt index}`` of the audit copies among the candidates
+    #: (pending and re-queued): a lease holds each problem once
+    originals: Mapping[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -163,12 +167,27 @@ def decide_request(
 ) -> RequestDecision:
     """Which leases expire, whether the node's cap allows another lease and which prompts it
     gets: the lowest pending ones (those the expiry re-queues included, never an audit copy of
-    its own work), then ``size − that`` fresh ones from the cursor (pure)."""
+    its own work), then ``size − that`` fresh ones from the cursor (pure).
+
+    A lease holds each problem at most once: an audit copy and its original (re-queued when the
+    node that did it was banned and its rows withdrawn), or two copies of one original, would
+    give one lease two prompts with the same ``prompt_id``, which the node's answer (one group
+    per prompt id) cannot tell apart. The lowest of them is taken (an audit copy, whose index
+    is negative); the others stay pending for a later lease."""
     holding = book.active - sum(1 for lease in book.due if lease.node_key == node_key)
     if cap is not None and holding >= cap:
         return RequestDecision(book.due, holding, None, book.epoch, book.cursor)
     requeued = {p for ps in book.held.values() for p in ps} - book.own_audits
-    prompts = sorted(set(book.pending) | requeued)[:size]
+    prompts: list[int] = []
+    problems: set[int] = set()
+    for p in sorted(set(book.pending) | requeued):
+        problem = book.originals.get(p, p)
+        if problem in problems:
+            continue
+        problems.add(problem)
+        prompts.append(p)
+        if len(prompts) == size:
+            break
     fresh = size - len(prompts)
     cursor = book.cursor + max(0, fresh)
     prompts += range(book.cursor, cursor)
@@ -318,12 +337,14 @@ class LeaseManager:
         due = tuple(lease for lease in store.due_leases(now) if not self.verifying(lease))
         held = {lease.lease_id: tuple(self._held(lease)) for lease in due}
         copies = sorted({p for ps in held.values() for p in ps if p < 0})
+        pending = tuple(store.pending_prompts(size, node_key))
         return RequestBook(
             due=due,
             held=held,
             own_audits=frozenset(store.own_audit_copies(node_key, copies)),
             active=store.active_lease_count(node_key),
-            pending=tuple(store.pending_prompts(size, node_key)),
+            pending=pending,
+            originals=store.audit_originals(sorted({*copies, *(p for p in pending if p < 0)})),
             cursor=int(store.get_meta(CURSOR) or 0),
             epoch=int(store.get_meta(EPOCH) or 0),
         )

@@ -397,6 +397,15 @@ class Store:
         sql = f"SELECT prompt_index FROM audits WHERE source_node = ? AND prompt_index IN ({marks})"
         return [int(r[0]) for r in self._all(sql, [node_key, *indices])]
 
+    def audit_originals(self, indices: Sequence[int]) -> dict[int, int]:
+        """``{audit copy index: original prompt index}`` for the audit copies among ``indices``."""
+        audit = [i for i in indices if i < 0]
+        if not audit:
+            return {}
+        marks = ",".join("?" * len(audit))
+        sql = f"SELECT prompt_index, original FROM audits WHERE prompt_index IN ({marks})"
+        return {int(a): int(o) for a, o in self._all(sql, audit)}
+
     def pending_prompts(self, limit: int, for_node: bytes | None = None) -> list[int]:
         """Lowest pending prompt indices (audit copies, whose indices are negative, first);
         ``for_node`` never gets an audit copy of its own work."""

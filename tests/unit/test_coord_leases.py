@@ -228,6 +228,17 @@ def test_request_never_hands_a_node_an_audit_copy_of_its_own_work() -> None:
     assert decide_request(book, A, size=2, cap=None).prompts == (5, 10)
 
 
+def test_request_holds_each_problem_once() -> None:
+    """An audit copy and its original (or two copies of one original) never share a lease: the
+    node answers one group per prompt id. The lowest is taken, the others stay pending."""
+    book = _book(pending=(-4, -3, 2, 3), originals={-4: 2, -3: 2})
+    out = decide_request(book, A, size=4, cap=None)
+    assert out.prompts == (-4, 3, 10, 11) and out.cursor == 12
+    due = _lease(B, 3, (7,))  # an expiry re-queues an original whose copy is pending
+    book = _book(due=(due,), held={due.lease_id: (7,)}, pending=(-1,), originals={-1: 7})
+    assert decide_request(book, A, size=2, cap=None).prompts == (-1, 10)
+
+
 def test_request_cap_counts_the_node_s_leases_after_the_expiry() -> None:
     """A node at its cap gets no lease (the expiry is decided all the same); its own leases
     expiring now do not count against it."""

@@ -120,6 +120,30 @@ async def test_audit_copies_go_to_other_nodes_and_pair_rewards(tmp_path: Path, m
     assert {(lease_b.lease_id, p.prompt_id) for p in lease_b.prompts} <= groups
 
 
+async def test_a_withdrawn_original_and_its_audit_copy_never_share_a_lease(
+    tmp_path: Path, model: Any
+) -> None:
+    """A banned node's unconsumed rows are withdrawn and their prompts re-queued while their
+    audit copies are pending: a lease with both would name one prompt id twice, and the node's
+    honest answer was refused ``sampling_mismatch`` (the seeds of the second slot's position;
+    test_byzantine_swarm, CI 2026-12-03). The copy goes first, the original to a later lease."""
+    from coordinator.submission_records import withdraw_unconsumed
+
+    h = audited(tmp_path, fraction=1.0)
+    a, b = h.node(), h.node()
+    first = h.lease(a, max_prompts=1)
+    assert isinstance(await h.core.submit(a.public_key, sampled(first, model)), Ack)
+    with h.store.transaction():  # what a ban of ``a`` does to its rows
+        assert withdraw_unconsumed(h.store, h.core.receipts, a.public_key, h.clock()) == 4
+    lease = h.lease(b, max_prompts=2)  # pending: the copy and its original
+    ids = [p.prompt_id for p in lease.prompts]
+    assert len(ids) == 2 and len(set(ids)) == 2 and first.prompts[0].prompt_id in ids
+    assert isinstance(await h.core.submit(b.public_key, sampled(lease, model)), Ack)
+    later = h.lease(b, max_prompts=2)  # the original, now that its copy is done
+    assert first.prompts[0].prompt_id in [p.prompt_id for p in later.prompts]
+    assert isinstance(await h.core.submit(b.public_key, sampled(later, model)), Ack)
+
+
 async def test_best_of_4_is_flagged_and_honest_nodes_are_not(tmp_path: Path, model: Any) -> None:
     """Detection power: 4 honest nodes and one submitting the best of 4 draws per sample, spot
     checks off, a quarter of the prompts audited, the default test schedule (alpha = 1e-3 over a
