@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -244,22 +245,32 @@ def load_config(spec: ModelSpec) -> PretrainedConfig:
     return config
 
 
+#: One model construction at a time in this process. transformers' ``from_pretrained`` is not
+#: thread-safe: it builds the model under process-wide state (empty-weight initialisation, the
+#: default dtype), and two loads on two threads (the coordinator preloads a new version while a
+#: re-score loads another) came out with ``lm_head.weight`` left on the meta device, untied from
+#: the embedding: every log-prob of that version was -inf and honest nodes were banned for
+#: ``logprob_mismatch`` (transformers 5.25; tests/unit/test_model_build_threads.py).
+_BUILD_LOCK = threading.Lock()
+
+
 def build_model(spec: ModelSpec, *, seed: int = 0) -> PreTrainedModel:
     """The policy network in eval mode: random init (seeded) for the embedded default, else the
-    weights from the local directory."""
+    weights from the local directory. Safe to call from several threads (one build at a time)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, spec.dtype)
-    if spec.path is None:
-        torch.manual_seed(seed)
-        model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-            tiny_config(), dtype=dtype
-        )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(_model_dir(spec)), local_files_only=True, dtype=dtype
-        )
+    with _BUILD_LOCK:
+        if spec.path is None:
+            torch.manual_seed(seed)
+            model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                tiny_config(), dtype=dtype
+            )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(_model_dir(spec)), local_files_only=True, dtype=dtype
+            )
     model.eval()  # type: ignore[no-untyped-call]
     return model
 
