@@ -29,11 +29,16 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from swarm.tasks import cancel_and_wait
 from trainer.batch import Rollout
 from trainer.metrics import IdleClock
 from trainer.sources import RolloutSource
 
 log = logging.getLogger(__name__)
+
+#: How long :meth:`RolloutFeed.stop` waits for the background fetch to end (seconds); a fetch
+#: still running then is logged and left (the run ends without it)
+STOP_TIMEOUT_S = 10.0
 
 
 class RolloutFeed:
@@ -84,11 +89,15 @@ class RolloutFeed:
             self._task = asyncio.create_task(self._fetch_loop(), name="trainer-rollout-feed")
 
     async def stop(self) -> None:
+        """Cancel the background fetch and wait (bounded) for it to end. One cancel is not
+        enough: in Python 3.11 ``asyncio.wait_for`` swallows a cancellation that races with its
+        inner call completing (the transport's reads use it), the fetch then returns as if
+        answered and the loop long-polls again; a plain ``await task`` waited on it for ever and
+        a trainer that had made its ``max_steps`` never exited (test_real_tokenizer_swarm, about
+        1 run in 4). :func:`swarm.tasks.cancel_and_wait` repeats the cancel until it lands."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel_and_wait([task], timeout=STOP_TIMEOUT_S)
 
     # --- the learner's side ----------------------------------------------------------------------
     async def take(self, want: int, timeout: float) -> list[Rollout] | None:

@@ -19,6 +19,7 @@ mismatch_kl 1.84 = 59/32 (tests/unit/test_publish_rounding_support.py reproduces
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -126,7 +127,18 @@ async def test_swarm_trains_a_chat_model_with_two_eos_ids(
     assert trainer.wait(60) == 0, trainer.text()[-2000:]
     assert "sampling contract: {'temperature': 0.8, 'top_p': 0.95, 'top_k': 0}" in trainer.text()
 
-    status = _status(coord.state)
+    # /status is refreshed on the coordinator's 1 s tick (coordinator/status_board.py), and the
+    # learner can take its three steps within one tick of the first acceptance: read a document
+    # taken after them (up to 10 s), then check it
+    latest: dict[str, Any] = {}
+
+    def status_counts_them() -> bool:
+        latest.update(_status(coord.state))
+        return int(latest.get("rollouts_accepted") or 0) >= 3 * 2 * 4
+
+    with contextlib.suppress(AssertionError):
+        await until(status_counts_them, "/status counting the trained rollouts", 10)
+    status = latest
     assert status["stop_token_ids"] == sorted(set(status["stop_token_ids"]))
     assert len(status["stop_token_ids"]) == 2  # <|im_end|> and <|endoftext|>
     assert status["sampling"]["prompt_template"] == "chat"

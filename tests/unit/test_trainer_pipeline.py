@@ -127,6 +127,50 @@ def test_rollouts_the_source_skipped_as_stale_count_as_dropped() -> None:
     assert feed.take_dropped() == 10 and feed.cursor == 18 and feed.take_dropped() == 0
 
 
+class SwallowsOneCancel:
+    """A long-polling source whose call swallows the first cancellation, as ``asyncio.wait_for``
+    does in Python 3.11 when the cancel races with its inner call completing: the fetch returns
+    an empty page as if answered."""
+
+    def __init__(self) -> None:
+        self.swallowed = 0
+        self.fetches = 0
+
+    async def fetch(
+        self, max_items: int, after: int, min_version: int | None = None
+    ) -> list[Rollout] | None:
+        self.fetches += 1
+        try:
+            await asyncio.sleep(30.0)  # the coordinator's long poll
+        except asyncio.CancelledError:
+            if self.swallowed:
+                raise
+            self.swallowed += 1
+        return []
+
+
+def test_stopping_the_feed_ends_a_fetch_that_swallowed_the_cancel() -> None:
+    """The feed's stop lands although the fetch in flight swallowed the first cancel: one cancel
+    left the loop long-polling again and ``stop`` waited on it for ever (a trainer at its
+    ``max_steps`` that never exited)."""
+
+    async def scenario() -> tuple[SwallowsOneCancel, float, bool]:
+        source = SwallowsOneCancel()
+        feed = RolloutFeed(
+            source, after=0, page=4, capacity=8, idle=IdleClock(), admissible=lambda r: True
+        )
+        feed.start()
+        await asyncio.sleep(0.05)  # the first fetch is waiting
+        task = feed._task
+        t0 = time.monotonic()
+        await asyncio.wait_for(feed.stop(), 5.0)
+        return source, time.monotonic() - t0, task is not None and task.done()
+
+    source, took, done = asyncio.run(scenario())
+    assert source.swallowed == 1 and source.fetches == 2  # the loop did poll again
+    assert done and took < 2.0
+
+
 @pytest.mark.parametrize("trace", [True, False])
 def test_a_tracing_feed_stamps_each_admissible_rollout_on_arrival(trace: bool) -> None:
     """``trace`` is given to the feed when it is built (``trace_rollouts``), not set on it
