@@ -168,6 +168,11 @@ def measure(
     torch.save(figures, f"{out}-rank{rank}.pt")
     if world > 1:
         shutdown_distributed()
+        # as `swarm trainer run --nproc N` ends a rank: the interpreter's teardown can abort a
+        # process that used a process group (see tests/integration/ranks.py)
+        from swarm.signals import exit_now
+
+        exit_now(0)
 
 
 def _free_port() -> int:

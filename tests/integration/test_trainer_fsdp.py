@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import shutil
 import socket
@@ -31,11 +30,12 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from ranks import rank_process
 
 from trainer.batch import Rollout
 from trainer.checkpoints import CHECKPOINT_DIR
 from trainer.config import TrainerConfig
-from trainer.distributed import DistContext, init_distributed, shutdown_distributed
+from trainer.distributed import DistContext
 from trainer.recipe import Trainer
 from trainer.sources import InProcessSource
 
@@ -141,16 +141,9 @@ def _save(obj: Any, path: Path) -> None:
 
 
 def _worker(rank: int, port: int, out: str, setup: Setup) -> None:
-    torch.set_num_threads(1)
     root = Path(out)
-    os.environ.update(
-        {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-         "LOCAL_RANK": str(rank)}
-    )  # fmt: skip
-    ctx = init_distributed(setup.backend)
     dev = setup.device
-    ok = False
-    try:
+    with rank_process(rank, port, setup.backend) as ctx:
         # A: AdamW with every memory lever, publishing and checkpointing; SGD plain. Rank 0's
         # config (which adopted the coordinator's sampling contract) and its stop set (the
         # leases') hold on every rank: rank 1 starts from other ones.
@@ -192,9 +185,6 @@ def _worker(rank: int, port: int, out: str, setup: Setup) -> None:
         state = from_single.state_dict_for_publish()
         if rank == 0:
             _save(state, root / "c.pt")
-        ok = True
-    finally:
-        shutdown_distributed(clean=ok)
 
 
 def _free_port() -> int:

@@ -7,7 +7,6 @@ Batches, configs and tolerances are those of ``test_trainer_fsdp.py`` (see its d
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -15,11 +14,12 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from ranks import rank_process
 from test_trainer_fsdp import ADAM_TOL, _config, _free_port, _run
 
 from policy.lora import AdapterState
 from trainer.checkpoints import CHECKPOINT_DIR
-from trainer.distributed import DistContext, init_distributed, shutdown_distributed
+from trainer.distributed import DistContext
 from trainer.recipe import Trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -41,15 +41,8 @@ class Capture:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
     root = Path(out)
-    os.environ.update(
-        {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-         "LOCAL_RANK": str(rank)}
-    )  # fmt: skip
-    ctx = init_distributed("gloo")
-    ok = False
-    try:
+    with rank_process(rank, port) as ctx:
         cfg = _config(
             root / "a", "cpu", micro_batch_tokens=20, activation_checkpointing=True, **LORA
         )
@@ -66,9 +59,6 @@ def _worker(rank: int, port: int, out: str) -> None:
             if not p.requires_grad
         }
         torch.save({"state": dict(state), "base": base}, root / f"r{rank}.pt")
-        ok = True
-    finally:
-        shutdown_distributed(clean=ok)
 
 
 def test_two_ranks_train_the_same_adapters_as_one_process(tmp_path: Path) -> None:

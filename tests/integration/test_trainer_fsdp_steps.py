@@ -15,17 +15,17 @@ this process (``tests/integration/test_trainer_fsdp.py`` does the same for the p
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from ranks import rank_process
 from test_trainer_fsdp import BATCHES, _config, _free_port, _rollouts
 
 from trainer.config import TrainerConfig
-from trainer.distributed import DistContext, init_distributed, shutdown_distributed
+from trainer.distributed import DistContext
 from trainer.recipe import Trainer
 from trainer.rollback import optimizer_params
 from trainer.step import LearnerStep
@@ -70,20 +70,10 @@ def _local(t: Any) -> torch.Tensor:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
     root = Path(out)
-    os.environ.update(
-        {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-         "LOCAL_RANK": str(rank)}
-    )  # fmt: skip
-    ctx = init_distributed("gloo")
-    ok = False
-    try:
+    with rank_process(rank, port) as ctx:
         _rollback(rank, ctx, root)
         _m2po(rank, ctx, root)
-        ok = True
-    finally:
-        shutdown_distributed(clean=ok)
 
 
 def _rollback(rank: int, ctx: DistContext, root: Path) -> None:
