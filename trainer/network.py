@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 # above from trainer.config) to finish; then it is abandoned (docs/operations.md).
 #: seconds the last report of the learner's figures may take on the way out
 REPORT_TIMEOUT_S = 3.0
+#: Seconds the loop's task, cut short after the stop grace, is given to end (:func:`_cut_short`).
+CUT_SHORT_S = 5.0
 
 
 class StepAbandoned(Exception):
@@ -224,9 +226,7 @@ async def run_trainer(
             log.warning(
                 "the learner did not stop within %g s; cutting it short", config.stop_grace_s
             )
-            run.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await run
+            await _cut_short(run)
             _final_checkpoint(trainer)
         else:
             try:
@@ -332,6 +332,14 @@ async def _within_grace(
             f"{what} did not finish within {grace_s:g} s of the stop; abandoned: the last "
             "checkpoint stands (a restart resumes from it)"
         )
+
+
+async def _cut_short(run: asyncio.Task[Any]) -> None:
+    """Cancel the learner loop's task, waiting in the network (a publication), until it ends:
+    the cancel is repeated (Python 3.11's ``asyncio.wait_for`` inside the transport can swallow
+    one, and a single ``cancel(); await`` then waits for ever), bounded by
+    :data:`CUT_SHORT_S`; a straggler is logged and left."""
+    await cancel_and_wait([run], timeout=CUT_SHORT_S)
 
 
 def _final_checkpoint(trainer: Any) -> None:

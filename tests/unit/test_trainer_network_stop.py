@@ -86,3 +86,30 @@ async def test_the_stop_grace_is_the_configs() -> None:
     took = asyncio.get_running_loop().time() - t0
     assert 0.3 <= took < 4.0, took  # the grace was given, and it was not the default's 10 s
     step.cancel()
+
+
+async def test_a_loop_cut_short_ends_even_when_it_swallows_the_first_cancel() -> None:
+    """After the grace, the loop's task (in a publication's network wait) is cancelled until it
+    ends: a wait that swallowed the first cancel (Python 3.11's ``wait_for`` race in the
+    transport) and waited again hung the trainer's exit with a single ``cancel(); await``."""
+    from trainer.network import CUT_SHORT_S, _cut_short
+
+    cancels = 0
+
+    async def publication() -> None:
+        nonlocal cancels
+        while True:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancels += 1
+                if cancels > 1:
+                    raise  # the first cancel is swallowed, the second ends it
+
+    run = asyncio.create_task(publication())
+    await asyncio.sleep(0)
+    # not wait_for: its own timeout's cancel would reach `run` through the awaiting helper
+    cut = asyncio.create_task(_cut_short(run))
+    done, _ = await asyncio.wait([cut], timeout=CUT_SHORT_S + 2.0)
+    assert cut in done, "the loop's task was not ended"
+    assert run.cancelled() and cancels == 2
