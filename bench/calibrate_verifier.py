@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import os
 import statistics
 import sys
 import time
@@ -64,6 +65,9 @@ from policy.scoring import audit_samples, left_pad
 SETTINGS = {
     "plain": SamplingConfig(temperature=1.0, max_new_tokens=8),
     "t1.3-k5-p0.8": SamplingConfig(temperature=1.3, top_k=5, top_p=0.8, max_new_tokens=8),
+    # several stop tokens (<eos>, "a", "b": ~12% a step on these models) and room to run: about
+    # 7 in 8 samples end on one of them, the rest at max_new_tokens (finish reasons counted)
+    "multi-stop": SamplingConfig(temperature=1.0, max_new_tokens=16, stop_token_ids=(2, 4, 5)),
 }
 GROUP = 8
 
@@ -86,6 +90,8 @@ class Tally:
     tolerances: list[Any] = field(default_factory=list)
     #: per setting: [Σ admitted tokens with the local slack, with one global slack, positions]
     admitted: dict[str, list[float]] = field(default_factory=dict)
+    #: per setting: how the honest samples ended ("stop:<id>" or "length") and how many
+    finish: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def _tail(c: list[float]) -> list[float]:
@@ -185,6 +191,10 @@ def run(dtype: str, setting: str, n_samples: int, seeds: int, tally: Tally, *, m
             groups = backend.generate(chunk, cfg)
             for req, group in zip(chunk, groups, strict=True):
                 comps = [s.token_ids for s in group]
+                ends = tally.finish.setdefault(setting, {})
+                for s in group:
+                    end = f"stop:{s.token_ids[-1]}" if s.finish_reason == "stop" else "length"
+                    ends[end] = ends.get(end, 0) + 1
                 claimed = [s.logprobs for s in group]
                 seeds_ = [sample_seed(req.seed, j) for j in range(GROUP)]
                 uniforms = [sample_uniforms(s, cfg.max_new_tokens) for s in seeds_]
@@ -247,6 +257,18 @@ def run(dtype: str, setting: str, n_samples: int, seeds: int, tally: Tally, *, m
                         tally.logit_diff += (mine - r).abs().amax(-1).tolist()
 
 
+def _describe(name: str) -> str:
+    """``name`` (its sampling settings), for the report."""
+    cfg = SETTINGS[name]
+    parts = [f"T {cfg.temperature:g}"]
+    parts += [f"top-k {cfg.top_k}"] if cfg.top_k else []
+    parts += [f"top-p {cfg.top_p:g}"] if cfg.top_p < 1.0 else []
+    parts.append(f"at most {cfg.max_new_tokens} tokens")
+    stops = cfg.stop_token_ids
+    parts.append("stop on <eos>" if stops is None else f"stop on ids {', '.join(map(str, stops))}")
+    return f"{name} ({', '.join(parts)})"
+
+
 def q(values: list[float], p: float) -> float:
     if not values:
         return float("nan")
@@ -269,12 +291,18 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     t0 = time.monotonic()
+    load_start = os.getloadavg()[0]
+    finish: dict[str, dict[str, int]] = {}
     cases = [(d, False) for d in args.dtypes.split(",")]
     cases += [(d, True) for d in args.dtypes.split(",") if d != "float32"]
     for dtype, mixed in cases:
         tally = Tally()
         for setting in args.settings.split(","):
             run(dtype, setting, args.samples, args.seeds, tally, mixed=mixed)
+        for setting, ends in tally.finish.items():
+            into = finish.setdefault(setting, {})
+            for end, n in ends.items():
+                into[end] = into.get(end, 0) + n
         tol = max(tally.tolerances, key=lambda t: t.threshold)  # the loosest calibration
         refused = sum(tally.refused.values())
         fp = f"{refused}/{tally.checks}" + (
@@ -301,6 +329,11 @@ def main() -> None:
         )
         print(rows[-1], flush=True)
     elapsed = time.monotonic() - t0
+    load = f"load average {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end"
+    ended = "; ".join(
+        f"{setting}: " + ", ".join(f"{end} {n:,}" for end, n in sorted(ends.items()))
+        for setting, ends in finish.items()
+    )
     table = "\n".join(
         [
             "| dtype | honest samples | Δ log-prob: median / p99 / p99.9 / max | worst check "
@@ -314,10 +347,11 @@ def main() -> None:
     text = (
         "## Verifier calibration on honest runs (`bench/calibrate_verifier.py`)\n\n"
         f"`python bench/calibrate_verifier.py --samples {args.samples} --seeds {args.seeds}` "
-        f"({elapsed:.0f} s, 1 thread): per dtype, honest `hf` samples at the settings "
-        f"{', '.join(args.settings.split(','))} (8 tokens, groups of 8, {args.seeds} model "
-        "initialisations), re-scored as the coordinator does (batched fp32 forward whatever the "
-        "node's dtype, seeded replay) and judged in checks of 8 samples with the tolerance the "
+        f"({elapsed:.0f} s, 1 thread, {load}): per dtype, honest `hf` samples at the settings "
+        f"{'; '.join(_describe(n) for n in args.settings.split(','))} (groups of 8, "
+        f"{args.seeds} model initialisations), re-scored as the coordinator does (batched "
+        "fp32 forward whatever the node's dtype, seeded replay) and judged in checks of 8 "
+        "samples with the tolerance the "
         "coordinator calibrates per version (coordinator/calibration.py: every accepted "
         "precision and path measured on its own copy, times intake.calibration_margin; the "
         "limits shown are the loosest over the model initialisations; each replayed CDF bound "
@@ -331,7 +365,8 @@ def main() -> None:
         "admissible interval. Same CPU for node and verifier; the paths differ (KV cache one "
         'token at a time vs one left-padded batch). The rows "node computing in fp32" hold '
         "the weights in the dtype but compute in fp32 on the node, a pessimistic stand-in for "
-        "another machine's kernels.\n\n" + table + "\n"
+        "another machine's kernels. How the honest samples ended, over all rows (stop token id "
+        f"or max_new_tokens): {ended}.\n\n" + table + "\n"
     )
     print(text)
     if not args.no_write:
