@@ -156,6 +156,13 @@ class LeaseSection(_Section):
         ge=1,
         description="Active leases one node may hold; beyond it the node is told to stand by",
     )
+    max_backlog_steps: float | None = Field(
+        default=None,
+        gt=0,
+        description="Once a learner has reported: stand nodes by while the rollouts waiting for "
+        "it (accepted, not consumed, within S of the newest version) reach this many learner "
+        "steps' worth (× B); more would go stale before the learner reaches them. Unset: S + 1",
+    )
     default_tokens_per_s: float = Field(
         default=50.0, gt=0, description="Assumed throughput (tokens/s) of a node not yet measured"
     )

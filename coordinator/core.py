@@ -243,6 +243,8 @@ class Coordinator:
             lease_lag=self.lease_lag,
             stop_token_ids=self.stop_token_ids,
             servable=servable,
+            batch_rollouts=lambda: self.learner.batch_rollouts,
+            t_train_s=lambda: self.learner.t_train_s,
         )
         self.feed = RolloutFeed(store, self.ledger, clock)
         #: rswarm/register: one read, the pure decision, room for a newcomer, one write

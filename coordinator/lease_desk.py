@@ -3,7 +3,7 @@
 :class:`LeaseDesk` answers the two messages a node sends most, in one direction::
 
     heartbeat      ─► load_sender ─► admission_refusal ─► liveness (soft) ─► HeartbeatAck
-    lease request  ─► load_sender ─► admission_refusal ─► newest_servable, active set
+    lease request  ─► load_sender ─► admission_refusal ─► newest_servable, active set, backlog
                                                       ─► LeaseManager.request ─► Lease | Standby
                                                          (one read, decide_request, one write)
 
@@ -16,13 +16,15 @@ nodes on the tick.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from coordinator.activation import ActiveSet
 from coordinator.admission import admission_refusal
 from coordinator.config import CoordinatorConfig
-from coordinator.leases import LeaseManager, newest_servable
+from coordinator.leases import Backlog, LeaseManager, backlog_bound, newest_servable, trainable
+from coordinator.ledger import LEARNER_CURSOR, LEARNER_STEP
 from coordinator.liveness import Liveness
 from coordinator.records import NodeRecord
 from coordinator.reputation import ban_in_force
@@ -41,6 +43,9 @@ from protocol.messages import (
 )
 
 __all__ = ["LeaseDesk", "SenderContext"]
+
+#: Seconds a read of the backlog waiting for the learner is reused by lease requests.
+BACKLOG_READ_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,8 @@ class LeaseDesk:
         lease_lag: LeaseLag,
         stop_token_ids: Sequence[int],
         servable: Callable[[int], bool] | None,
+        batch_rollouts: Callable[[], int],
+        t_train_s: Callable[[], float],
     ) -> None:
         self.config = config
         self.store = store
@@ -85,6 +92,11 @@ class LeaseDesk:
         #: Whether a version's weights can be fetched from here now (the network service: held
         #: in full). Leases name the newest servable version; None: every published one is.
         self.servable = servable
+        #: the learner's B and T_train as reported (configured until then): the backlog bound
+        self.batch_rollouts = batch_rollouts
+        self.t_train_s = t_train_s
+        #: the last backlog read (time, backlog): :meth:`backlog`
+        self._backlog: tuple[float, Backlog | None] | None = None
 
     def load_sender(self, node_key: bytes) -> SenderContext:
         """The sender's row, its ban and the S + 1 newest versions, read under the connection
@@ -129,6 +141,9 @@ class LeaseDesk:
                 retry_after_s=self.config.heartbeat_interval_s,
                 reason="standby: the active set covers the learner's demand",
             )
+        backlog = self.backlog(sender.recent_versions[0])
+        if backlog is not None and backlog.full:
+            return Standby(retry_after_s=self._backlog_retry_s(), reason=backlog.reason())
         # Standby answers (most lease requests of a large swarm) need no expiry pass; a lease
         # does: one read, the decision (expiry, the per-node cap: no hoarding of prompts and no
         # unbounded lease rows by one node, the prompts), one transaction.
@@ -168,6 +183,35 @@ class LeaseDesk:
             issued_at=lease.issued_at,
             deadline=lease.deadline,
         )
+
+    def backlog(self, newest: int) -> Backlog | None:
+        """The rollouts waiting for the learner that it will still train
+        (:class:`~coordinator.leases.Backlog`), once a learner has reported on this database
+        (None before: nothing tells what it consumes). Read at most every
+        :data:`BACKLOG_READ_S` (a lease request of a large swarm does not scan the queue)."""
+        now = self.clock()
+        if self._backlog is not None and now - self._backlog[0] < BACKLOG_READ_S:
+            return self._backlog[1]
+        store = self.store
+        s = self.config.staleness_bound
+        batch = max(1, self.batch_rollouts())
+        bound = backlog_bound(self.config.leases.max_backlog_steps, s, batch)
+        with store.locked():
+            step = store.get_meta(LEARNER_STEP)
+            backlog = None
+            if step is not None:
+                cursor = int(store.get_meta(LEARNER_CURSOR) or 0)
+                # the learner's version runs ahead of the newest published one (κ, the broadcast)
+                version = max(newest, int(step))
+                # a few bounds' worth: the rollouts it will drop as stale are skipped
+                waiting = store.waiting_versions(cursor, version - s, 4 * math.ceil(bound))
+                backlog = Backlog(trainable(waiting, version, s, batch, bound), bound)
+        self._backlog = (now, backlog)
+        return backlog
+
+    def _backlog_retry_s(self) -> float:
+        """Ask again after half a learner step (it frees B), within [1 s, the heartbeat]."""
+        return min(self.config.heartbeat_interval_s, max(1.0, self.t_train_s() / 2))
 
     def lease_version(self) -> int | None:
         """The version new leases name: the newest published one that is servable (its chunks

@@ -38,7 +38,7 @@ import hmac
 import logging
 import math
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from coordinator.config import LeaseSection
@@ -160,6 +160,57 @@ class RequestDecision:
     epoch: int
     #: the prompt cursor after the fresh prompts taken (unchanged: none taken)
     cursor: int
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """Rollouts waiting for the learner (accepted, not consumed, within S of the newest version)
+    against the bound ``steps × B`` (``leases.max_backlog_steps``, default S + 1).
+
+    Why S + 1: the learner consumes in arrival order, B rollouts a step, and a rollout of the
+    newest version v can still be trained while the learner's version is at most v + S, that is
+    during at most S + 1 more steps. Rollouts beyond (S + 1) · B of backlog go stale before the
+    learner reaches them: generating, verifying and storing them is waste (a single node
+    outrunning its learner on the SmolLM2 demo had ~88 % of its accepted rollouts dropped).
+    Leases in flight are not counted: how soon they land depends on the node (a slow node's
+    lease may never be usable, and counting it would stand fast nodes by while the learner
+    starves); keeping the active set to the learner's demand is the capacity plan's part."""
+
+    #: accepted rollouts the learner has not consumed, at versions >= newest − S
+    waiting: int
+    #: steps × B
+    bound: float
+
+    @property
+    def full(self) -> bool:
+        return self.waiting >= self.bound
+
+    def reason(self) -> str:
+        return (
+            f"standby: {self.waiting} accepted rollouts wait for the learner (bound "
+            f"{self.bound:g}); more would go stale before it trains them"
+        )
+
+
+def trainable(
+    versions: Iterable[int], learner_version: int, staleness: int, batch: int, limit: float
+) -> int:
+    """How many of the waiting rollouts (their versions, in arrival order) the learner will
+    still train, counting up to ``limit``: it takes them in order, B a step, and the one that
+    ``n`` trainable ones precede is consumed ``n // B`` steps on, at version
+    ``learner_version + n // B``; it is trained if its version is within S of that (pure)."""
+    n = 0
+    for version in versions:
+        if n >= limit:
+            break
+        if version >= learner_version + n // max(1, batch) - staleness:
+            n += 1
+    return n
+
+
+def backlog_bound(steps: float | None, staleness: int, batch: int) -> float:
+    """``steps × B``, with ``steps`` defaulting to S + 1 (:class:`Backlog`)."""
+    return (staleness + 1 if steps is None else steps) * max(1, batch)
 
 
 def decide_request(

@@ -16,6 +16,10 @@ from coordinator.receipts import ReceiptLog
 from coordinator.store import LeaseRecord, NodeRecord, Store, Verdict
 from protocol.identity import fingerprint_of
 
+#: meta keys: the last learner step reported and its rollout cursor (every rollout with
+#: ``seq <= cursor`` consumed: trained on or dropped as stale)
+LEARNER_STEP, LEARNER_CURSOR = "learner_step", "learner_cursor"
+
 __all__ = ["Ledger"]
 
 
@@ -72,17 +76,17 @@ class Ledger:
         ``cursor`` (trained on or dropped as stale) — a ``consumed`` receipt, attributing the
         rollouts to the first step whose report covers them; its ``step_time_s`` adds to the
         learner compute the verification fraction is measured against."""
-        last_step = int(self.store.get_meta("learner_step") or 0)
+        last_step = int(self.store.get_meta(LEARNER_STEP) or 0)
         if step <= last_step:
             return
-        last_cursor = int(self.store.get_meta("learner_cursor") or 0)
+        last_cursor = int(self.store.get_meta(LEARNER_CURSOR) or 0)
         with self.store.transaction():
             if cursor > last_cursor:
                 self.receipts.append(
                     "consumed", {"step": step, "seqs": [last_cursor + 1, cursor]}, now
                 )
-                self.store.set_meta("learner_cursor", str(cursor))
-            self.store.set_meta("learner_step", str(step))
+                self.store.set_meta(LEARNER_CURSOR, str(cursor))
+            self.store.set_meta(LEARNER_STEP, str(step))
         if step_time_s > 0:  # this process's count, like the verifier's
             steps = step - last_step if last_step else 1
             self.trainer_compute_s += step_time_s * min(steps, 1000)

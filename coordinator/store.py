@@ -459,6 +459,12 @@ class Store:
         )
         return [rollout_from_row(r) for r in self._all(sql, (after_seq, min_version, limit))]
 
+    def waiting_versions(self, after_seq: int, min_version: int, limit: int) -> list[int]:
+        """Versions of the first ``limit`` accepted rollouts with ``seq > after_seq`` and version
+        ``>= min_version``, in arrival order (the learner's queue)."""
+        sql = "SELECT version FROM rollouts WHERE seq > ? AND version >= ? ORDER BY seq LIMIT ?"
+        return [int(v) for (v,) in self._all(sql, (after_seq, min_version, limit))]
+
     def max_rollout_seq(self) -> int:
         """Highest ``seq`` stored (0 when there is none)."""
         return int(self._all("SELECT COALESCE(MAX(seq), 0) FROM rollouts")[0][0])
