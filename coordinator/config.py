@@ -159,9 +159,10 @@ class LeaseSection(_Section):
     max_backlog_steps: float | None = Field(
         default=None,
         gt=0,
-        description="Once a learner has reported: stand nodes by while the rollouts waiting for "
-        "it (accepted, not consumed, within S of the newest version) reach this many learner "
-        "steps' worth (× B); more would go stale before the learner reaches them. Unset: S + 1",
+        description="Once a learner has reported, a node is stood by while the rollouts the "
+        "learner will train ahead of a new lease's (accepted, then in flight) leave no room for "
+        "its rollouts to be trained: (S + 1 − lag) · B of them, lag the versions the learner is "
+        "ahead of the newest published; this many steps (× B) caps it further. Unset: no cap",
     )
     default_tokens_per_s: float = Field(
         default=50.0, gt=0, description="Assumed throughput (tokens/s) of a node not yet measured"

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from coordinator.activation import ActiveSet
 from coordinator.admission import admission_refusal
 from coordinator.config import CoordinatorConfig
-from coordinator.leases import Backlog, LeaseManager, backlog_bound, newest_servable, trainable
+from coordinator.leases import (
+    Backlog,
+    LeaseManager,
+    backlog_bound,
+    newest_servable,
+    runs_of,
+    trainable,
+)
 from coordinator.ledger import LEARNER_CURSOR, LEARNER_STEP
 from coordinator.liveness import Liveness
 from coordinator.records import NodeRecord
@@ -46,6 +53,21 @@ __all__ = ["LeaseDesk", "SenderContext"]
 
 #: Seconds a read of the backlog waiting for the learner is reused by lease requests.
 BACKLOG_READ_S = 0.5
+
+
+@dataclass(frozen=True)
+class _Queue:
+    """The learner's queue as :meth:`LeaseDesk.backlog` reads it."""
+
+    read_at: float
+    #: the learner's version (None: no learner has reported)
+    learner_version: int | None
+    batch: int
+    bound: float
+    #: the accepted rollouts past its cursor within S, as (version, count) runs in order
+    waiting: list[tuple[int, int]]
+    #: the active leases within S (:meth:`coordinator.store.Store.in_flight`)
+    in_flight: list[tuple[int, int, int, float, float | None]]
 
 
 @dataclass(frozen=True)
@@ -95,8 +117,8 @@ class LeaseDesk:
         #: the learner's B and T_train as reported (configured until then): the backlog bound
         self.batch_rollouts = batch_rollouts
         self.t_train_s = t_train_s
-        #: the last backlog read (time, backlog): :meth:`backlog`
-        self._backlog: tuple[float, Backlog | None] | None = None
+        #: the learner's queue as last read (:meth:`backlog`)
+        self._queue: _Queue | None = None
 
     def load_sender(self, node_key: bytes) -> SenderContext:
         """The sender's row, its ban and the S + 1 newest versions, read under the connection
@@ -141,7 +163,11 @@ class LeaseDesk:
                 retry_after_s=self.config.heartbeat_interval_s,
                 reason="standby: the active set covers the learner's demand",
             )
-        backlog = self.backlog(sender.recent_versions[0])
+        backlog = self.backlog(
+            sender.recent_versions[0],
+            prompts=self.leases.lease_size(node.tokens_per_s, req.max_prompts),
+            tokens_per_s=node.tokens_per_s,
+        )
         if backlog is not None and backlog.full:
             return Standby(retry_after_s=self._backlog_retry_s(), reason=backlog.reason())
         # Standby answers (most lease requests of a large swarm) need no expiry pass; a lease
@@ -184,30 +210,48 @@ class LeaseDesk:
             deadline=lease.deadline,
         )
 
-    def backlog(self, newest: int) -> Backlog | None:
-        """The rollouts waiting for the learner that it will still train
-        (:class:`~coordinator.leases.Backlog`), once a learner has reported on this database
-        (None before: nothing tells what it consumes). Read at most every
-        :data:`BACKLOG_READ_S` (a lease request of a large swarm does not scan the queue)."""
+    def backlog(
+        self, newest: int, *, prompts: int = 1, tokens_per_s: float | None = None
+    ) -> Backlog | None:
+        """The trainable rollouts ahead of a new lease's of ``prompts`` prompts for a node at
+        ``tokens_per_s`` (:class:`~coordinator.leases.Backlog`): the accepted ones past the
+        learner's cursor, then the leases in flight expected to land before it (issue time plus
+        generation time at the holder's rate), once a learner has reported on this database
+        (None before: nothing tells what it consumes). The queue is read at most every
+        :data:`BACKLOG_READ_S` (a lease request of a large swarm does not scan it)."""
         now = self.clock()
-        if self._backlog is not None and now - self._backlog[0] < BACKLOG_READ_S:
-            return self._backlog[1]
+        if self._queue is None or now - self._queue.read_at >= BACKLOG_READ_S:
+            self._queue = self._read_queue(newest, now)
+        q = self._queue
+        if q.learner_version is None:
+            return None
+        lands = now + self.leases.expected_s(prompts, tokens_per_s)
+        ahead = sorted(
+            (issued + self.leases.expected_s(held, tps), version, held * group)
+            for version, held, group, issued, tps in q.in_flight
+        )
+        runs = q.waiting + [(version, n) for at, version, n in ahead if at <= lands]
+        s = self.config.staleness_bound
+        return Backlog(trainable(runs, q.learner_version, s, q.batch, q.bound), q.bound)
+
+    def _read_queue(self, newest: int, now: float) -> _Queue:
         store = self.store
         s = self.config.staleness_bound
         batch = max(1, self.batch_rollouts())
-        bound = backlog_bound(self.config.leases.max_backlog_steps, s, batch)
         with store.locked():
             step = store.get_meta(LEARNER_STEP)
-            backlog = None
-            if step is not None:
-                cursor = int(store.get_meta(LEARNER_CURSOR) or 0)
-                # the learner's version runs ahead of the newest published one (κ, the broadcast)
-                version = max(newest, int(step))
-                # a few bounds' worth: the rollouts it will drop as stale are skipped
-                waiting = store.waiting_versions(cursor, version - s, 4 * math.ceil(bound))
-                backlog = Backlog(trainable(waiting, version, s, batch, bound), bound)
-        self._backlog = (now, backlog)
-        return backlog
+            if step is None:
+                return _Queue(now, None, batch, 0.0, [], [])
+            cursor = int(store.get_meta(LEARNER_CURSOR) or 0)
+            # the learner's version runs ahead of the newest published one (κ, the broadcast)
+            version = max(newest, int(step))
+            bound = backlog_bound(
+                self.config.leases.max_backlog_steps, s, batch, lag=version - newest
+            )
+            # a few bounds' worth: the ones it will drop as stale are skipped
+            limit = 4 * math.ceil(bound) + batch
+            waiting = runs_of(store.waiting_versions(cursor, version - s, limit))
+            return _Queue(now, version, batch, bound, waiting, store.in_flight(version - s))
 
     def _backlog_retry_s(self) -> float:
         """Ask again after half a learner step (it frees B), within [1 s, the heartbeat]."""

@@ -164,53 +164,68 @@ class RequestDecision:
 
 @dataclass(frozen=True)
 class Backlog:
-    """Rollouts waiting for the learner (accepted, not consumed, within S of the newest version)
-    against the bound ``steps × B`` (``leases.max_backlog_steps``, default S + 1).
+    """Rollouts ahead of a new lease's in the learner's queue that the learner will still train
+    (accepted and waiting, then in flight), against the most that leaves room for the new
+    lease's to be trained too (:func:`backlog_bound`; ``leases.max_backlog_steps``).
 
-    Why S + 1: the learner consumes in arrival order, B rollouts a step, and a rollout of the
-    newest version v can still be trained while the learner's version is at most v + S, that is
-    during at most S + 1 more steps. Rollouts beyond (S + 1) · B of backlog go stale before the
-    learner reaches them: generating, verifying and storing them is waste (a single node
-    outrunning its learner on the SmolLM2 demo had ~88 % of its accepted rollouts dropped).
-    Leases in flight are not counted: how soon they land depends on the node (a slow node's
-    lease may never be usable, and counting it would stand fast nodes by while the learner
-    starves); keeping the active set to the learner's demand is the capacity plan's part."""
+    The learner consumes in arrival order, B rollouts a step; a rollout with ``n`` trainable
+    ones ahead of it is reached ``n // B`` steps on and trained if its version is within S of
+    the learner's then (:func:`trainable`). A rollout of the newest version v, while the learner
+    is at version L >= v, is trained only if fewer than (v − L + S + 1) · B trainable ones are
+    ahead of it: beyond that it is generated, verified and stored to be dropped (a single node
+    outrunning its learner on the SmolLM2 demo had ~88 % of its accepted rollouts dropped)."""
 
-    #: accepted rollouts the learner has not consumed, at versions >= newest − S
-    waiting: int
-    #: steps × B
+    #: trainable rollouts ahead of a new lease's (counted up to the bound)
+    ahead: int
+    #: the most ahead that leaves a new lease's rollouts trainable
     bound: float
 
     @property
     def full(self) -> bool:
-        return self.waiting >= self.bound
+        return self.ahead >= self.bound
 
     def reason(self) -> str:
         return (
-            f"standby: {self.waiting} accepted rollouts wait for the learner (bound "
-            f"{self.bound:g}); more would go stale before it trains them"
+            f"standby: {self.ahead} rollouts the learner will train are ahead of a new lease's "
+            f"(bound {self.bound:g}); more would go stale before it trains them"
         )
 
 
 def trainable(
-    versions: Iterable[int], learner_version: int, staleness: int, batch: int, limit: float
+    runs: Iterable[tuple[int, int]], learner_version: int, staleness: int, batch: int, limit: float
 ) -> int:
-    """How many of the waiting rollouts (their versions, in arrival order) the learner will
-    still train, counting up to ``limit``: it takes them in order, B a step, and the one that
-    ``n`` trainable ones precede is consumed ``n // B`` steps on, at version
-    ``learner_version + n // B``; it is trained if its version is within S of that (pure)."""
+    """How many rollouts of the learner's queue it will still train, counting up to ``limit``;
+    ``runs`` is the queue in order as ``(version, count)`` runs. It takes them in order, B a
+    step: a rollout with ``n`` trainable ones ahead is reached ``n // B`` steps on, at version
+    ``learner_version + n // B``, and trained if its version is within S of that; the ones it
+    drops take no step (pure)."""
     n = 0
-    for version in versions:
+    for version, count in runs:
         if n >= limit:
             break
-        if version >= learner_version + n // max(1, batch) - staleness:
-            n += 1
+        # the run's rollouts are trained while n < (version − learner_version + S + 1) · B
+        room = (version - learner_version + staleness + 1) * max(1, batch) - n
+        n += max(0, min(count, room))
     return n
 
 
-def backlog_bound(steps: float | None, staleness: int, batch: int) -> float:
-    """``steps × B``, with ``steps`` defaulting to S + 1 (:class:`Backlog`)."""
-    return (staleness + 1 if steps is None else steps) * max(1, batch)
+def runs_of(versions: Iterable[int]) -> list[tuple[int, int]]:
+    """``versions`` in order as ``(version, count)`` runs of equal versions."""
+    out: list[tuple[int, int]] = []
+    for v in versions:
+        if out and out[-1][0] == v:
+            out[-1] = (v, out[-1][1] + 1)
+        else:
+            out.append((v, 1))
+    return out
+
+
+def backlog_bound(steps: float | None, staleness: int, batch: int, lag: int = 0) -> float:
+    """The most trainable rollouts ahead of a new lease's: ``(S + 1 − lag) · B``, ``lag`` the
+    versions the learner is ahead of the version new leases name, and at most ``steps · B``
+    when ``leases.max_backlog_steps`` is set (:class:`Backlog`)."""
+    room = staleness + 1 - max(0, lag)
+    return max(0, room if steps is None else min(steps, room)) * max(1, batch)
 
 
 def decide_request(
@@ -309,6 +324,11 @@ class LeaseManager:
         )
         cap = min(cap, (DEFAULT_LIMITS.bulk_frame - SUBMISSION_OVERHEAD) // per_prompt_bytes)
         return max(1, min(n, cap))
+
+    def expected_s(self, n_prompts: int, tokens_per_s: float | None) -> float:
+        """Generation time of a lease of ``n_prompts`` on a node at ``tokens_per_s`` (every
+        sample at ``max_new_tokens``; the deadline is this times ``deadline_slack``, clamped)."""
+        return n_prompts * self.group_size * self.max_new_tokens / self._tps(tokens_per_s)
 
     def deadline_s(self, n_prompts: int, tokens_per_s: float | None) -> float:
         tps = self._tps(tokens_per_s)

@@ -465,6 +465,21 @@ class Store:
         sql = "SELECT version FROM rollouts WHERE seq > ? AND version >= ? ORDER BY seq LIMIT ?"
         return [int(v) for (v,) in self._all(sql, (after_seq, min_version, limit))]
 
+    def in_flight(self, min_version: int) -> list[tuple[int, int, int, float, float | None]]:
+        """The active leases at version ``>= min_version``: ``(version, prompts still held, group
+        size, issued_at, holder's tokens_per_s)`` each, in the order they were issued."""
+        sql = (
+            "SELECT l.version, COUNT(*), l.group_size, l.issued_at, n.tokens_per_s FROM prompts p "
+            "JOIN leases l ON l.lease_id = p.lease_id "
+            "LEFT JOIN nodes n ON n.node_key = l.node_key "
+            "WHERE p.state = 'leased' AND l.state = 'active' AND l.version >= ? "
+            "GROUP BY l.lease_id ORDER BY l.epoch"
+        )
+        return [
+            (int(v), int(k), int(g), float(t), None if tps is None else float(tps))
+            for v, k, g, t, tps in self._all(sql, (min_version,))
+        ]
+
     def max_rollout_seq(self) -> int:
         """Highest ``seq`` stored (0 when there is none)."""
         return int(self._all("SELECT COALESCE(MAX(seq), 0) FROM rollouts")[0][0])
