@@ -45,9 +45,11 @@ async def test_natted_nodes_join_lease_download_and_get_rollouts_accepted(
         for i, kind in enumerate(("cone", "symmetric"))
     ]
     trainer_key = Identity.load_or_create(tmp_path / "trainer" / "trainer.key")
-    # S = 3 with 3 learner steps: no submission can be too stale. The embedded model trains so
-    # fast that the trainer can go v0 -> v3 in under a second, while a node still samples on v0;
-    # with S = 2 that node's rollouts were (rightly) rejected too_stale now and then.
+    # The learner runs until the test ends it. With --max-steps 3 the embedded model took its
+    # three steps within 5 s, before the second node had registered; the backlog bound then
+    # (rightly) stood that node by for good: the rollouts already waiting were all a learner would
+    # still train, and none was training them (CI, stop 41). S = 3: the learner can go v0 -> v3 in
+    # under a second while a node still samples on v0.
     config = coordinator_toml(
         tmp_path,
         trainer_key,
@@ -73,7 +75,7 @@ async def test_natted_nodes_join_lease_download_and_get_rollouts_accepted(
     )
     procs.append(Proc(
         ["trainer", "run", "--config", str(tmp_path / "trainer.toml"), "--coordinator", maddr,
-         "--coordinator-key", fp, "--state-dir", str(tmp_path / "trainer"), "--max-steps", "3"],
+         "--coordinator-key", fp, "--state-dir", str(tmp_path / "trainer")],
         tmp_path / "trainer.log", prefix=trainer_host.argv([]),
     ))  # fmt: skip
     for i, host in enumerate(nodes):
@@ -106,7 +108,11 @@ async def test_natted_nodes_join_lease_download_and_get_rollouts_accepted(
         assert time.monotonic() < deadline, f"status: {doc}\n{logs()}"
         await asyncio.sleep(1.0)
     assert doc["rollouts_accepted"] > 0
-    assert not doc.get("rejected_by_reason"), doc.get("rejected_by_reason")
+    # a node can still fall more than S versions behind a learner this fast, or a lease outlive its
+    # deadline on a loaded machine: timing, not a fault (no strike); nothing else is refused
+    rejected = doc.get("rejected_by_reason") or {}
+    assert set(rejected) <= {"too_stale", "stale_epoch", "lease_expired"}, rejected
+    assert not doc.get("nodes_banned"), doc.get("nodes_banned")
     # each node downloaded the checkpoints it generated with (a lease names a held version)
     # the coordinator knows the result as it answers the dial-back; the node's status line
     # (every 2 s) shows it a moment later
