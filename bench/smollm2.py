@@ -26,6 +26,13 @@ accelerate``. The run of record (3 seeds x 2 modes x 2 bounds x 30 minutes = 6 h
 
     nice -n 5 .venv/bin/python bench/smollm2.py --seeds 0 1 2 --minutes 30 --write
 
+A part of the matrix, named run by run (``--runs SEED:S:MODE ...`` replaces the product of
+``--seeds``, ``--staleness`` and ``--modes``; with ``--from-runs`` it reports folders already run)::
+
+    nice -n 5 .venv/bin/python bench/smollm2.py --runs 1:2:lora 2:2:lora --run-root R
+    .venv/bin/python bench/smollm2.py --runs 0:2:lora 1:2:lora 2:2:lora 0:0:lora --run-root R \
+        --from-runs --write
+
 A check of the script on the tiny chat model (minutes; the figures mean nothing)::
 
     .venv/bin/python bench/smollm2.py --tiny --seeds 0 --minutes 2 --staleness 2
@@ -353,12 +360,29 @@ def tiny_model(root: Path) -> Path:
     return path
 
 
+def run_spec(text: str) -> tuple[int, int, str]:
+    """``SEED:S:MODE`` (``0:2:lora``) as (seed, staleness, mode); argparse reports a bad one."""
+    parts = text.split(":")
+    if len(parts) != 3 or parts[2] not in MODES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected SEED:S:MODE with MODE one of {', '.join(MODES)} (e.g. 0:2:lora)"
+        )
+    try:
+        return int(parts[0]), int(parts[1]), parts[2]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: SEED and S must be integers") from None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--staleness", type=int, nargs="+", default=[2, 0])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument(
+        "--runs", type=run_spec, nargs="+", metavar="SEED:S:MODE",
+        help="these runs, in this order, instead of seeds x staleness x modes",
+    )  # fmt: skip
     ap.add_argument("--run-root", type=Path, default=Path("/tmp/bench-smollm2"))
     ap.add_argument("--tiny", action="store_true", help="the tiny random model (a quick check)")
     ap.add_argument("--keep", action="store_true", help="keep the run folders' checkpoints")
@@ -386,26 +410,31 @@ def main() -> None:
         speed = decoding_speed(model_path, rows=16, new_tokens=8 if args.tiny else 32)
         speed["load"] = loadavg()[0]
         print("decoding:", json.dumps(speed), flush=True)
+    plan = args.runs or [
+        (seed, s, mode) for seed in args.seeds for s in args.staleness for mode in args.modes
+    ]
     results = []
-    for seed in args.seeds:
-        for s in args.staleness:
-            for mode in args.modes:
-                run_dir = args.run_root / f"seed{seed}-S{s}-{mode}"
-                if args.from_runs:
-                    r = json.loads((run_dir / "bench.json").read_text())  # load as measured
-                    r.update(figures(run_dir, r["wall_s"]))
-                else:
-                    r = run_one(model, seed, s, mode, args.minutes, run_dir, extra)
-                    (run_dir / "bench.json").write_text(json.dumps(r, indent=1))
-                print(json.dumps({k: v for k, v in r.items() if k != "curve"}), flush=True)
-                print("  held-out:", [(c["step"], c["greedy"]) for c in r["curve"]], flush=True)
-                results.append(r)
-                if not args.keep and not args.from_runs:
-                    for sub in ("trainer", "coordinator", "node-0"):
-                        for big in ("seed", "checkpoints"):
-                            shutil.rmtree(run_dir / sub / big, ignore_errors=True)
-    command = (
-        f"--seeds {' '.join(map(str, args.seeds))} --minutes {args.minutes:g} "
+    for seed, s, mode in plan:
+        run_dir = args.run_root / f"seed{seed}-S{s}-{mode}"
+        if args.from_runs:
+            if not (run_dir / "bench.json").is_file():
+                sys.exit(f"smollm2.py: no run in {run_dir} (bench.json missing): run it first")
+            r = json.loads((run_dir / "bench.json").read_text())  # load as measured
+            r.update(figures(run_dir, r["wall_s"]))
+        else:
+            r = run_one(model, seed, s, mode, args.minutes, run_dir, extra)
+            (run_dir / "bench.json").write_text(json.dumps(r, indent=1))
+        print(json.dumps({k: v for k, v in r.items() if k != "curve"}), flush=True)
+        print("  held-out:", [(c["step"], c["greedy"]) for c in r["curve"]], flush=True)
+        results.append(r)
+        if not args.keep and not args.from_runs:
+            for sub in ("trainer", "coordinator", "node-0"):
+                for big in ("seed", "checkpoints"):
+                    shutil.rmtree(run_dir / sub / big, ignore_errors=True)
+    command = f"--minutes {args.minutes:g} " + (
+        "--runs " + " ".join(f"{seed}:{s}:{mode}" for seed, s, mode in args.runs)
+        if args.runs
+        else f"--seeds {' '.join(map(str, args.seeds))} "
         f"--staleness {' '.join(map(str, args.staleness))} --modes {' '.join(args.modes)}"
     )
     text = render(results, speed, args.minutes, command)
