@@ -199,6 +199,11 @@ def figures(run_dir: Path, wall: float) -> dict[str, Any]:
         "step_time_s_median": round(statistics.median(times), 1) if times else None,
         "step_time_s_max": round(max(times), 1) if times else None,
         "batch_samples": statistics.median(int(s["admitted"]) for s in steps) if steps else None,
+        # what the learner did with the accepted rollouts: trained, or dropped as too stale or
+        # in a group of equal rewards (no advantage)
+        "trained": sum(int(s["admitted"]) for s in steps),
+        "dropped_stale": sum(int(s.get("dropped_stale", 0)) for s in steps),
+        "dropped_uniform": sum(int(s.get("dropped_uniform", 0)) for s in steps),
         "adapter_bytes": adapter[0] if adapter else None,
         "delta_bytes_median": int(statistics.median(deltas)) if deltas else None,
         "full_bytes": keyframes[0] if keyframes else None,
@@ -316,14 +321,24 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def used(r: dict[str, Any]) -> str:
+    """Trained / accepted rollouts (the share), then how many were dropped stale and uniform."""
+    trained, accepted = r.get("trained"), r.get("rollouts_accepted")
+    if trained is None or not accepted:
+        return "-"
+    return (f"{trained:,} / {accepted:,} ({trained / accepted:.1%}; {r['dropped_stale']:,}, "
+            f"{r['dropped_uniform']:,})")  # fmt: skip
+
+
 def render(
     results: list[dict[str, Any]], speed: dict[str, float] | None, minutes: float,
     command: str = "--seeds 0 1 2 --minutes 30",
 ) -> str:  # fmt: skip
     rows = [
         "| seed | mode | S | learner steps | step s (median / max) | samples / step | base | "
-        "final | gain | rollouts/s | bytes / version | load 1 / 5 min | commit, date |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "final | gain | rollouts/s | trained / accepted (stale, uniform) | bytes / version | "
+        "load 1 / 5 min | commit, date |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         size = (
@@ -334,7 +349,7 @@ def render(
         rows.append(
             f"| {r['seed']} | {r['mode']} | {r['staleness']} | {r['learner_steps']} | "
             f"{r['step_time_s_median']} / {r['step_time_s_max']} | {r['batch_samples']} | "
-            f"{r['base']} | {r['final']} | {gain} | {r['rollouts_per_s']} | {size} | "
+            f"{r['base']} | {r['final']} | {gain} | {r['rollouts_per_s']} | {used(r)} | {size} | "
             f"{r['load'][0]:.1f} / {r['load'][1]:.1f} | {r.get('commit', '-')}, "
             f"{r.get('date', '-')} |"
         )

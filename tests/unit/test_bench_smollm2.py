@@ -27,7 +27,8 @@ def run(seed: int, s: int, curve: list[tuple[int, float]], **kw: Any) -> dict[st
         "step_time_s_median": 25.0, "step_time_s_max": 90.0, "batch_samples": 32, "base": 0.4,
         "final": points[-1]["greedy"], "gain": points[-1]["greedy"] - 0.4, "rollouts_per_s": 4.0,
         "adapter_bytes": 1000, "delta_bytes_median": None, "full_bytes": None, "load": [1.0, 1.2],
-        "commit": "abc1234", "date": "2026-12-05", "curve": points,
+        "commit": "abc1234", "date": "2026-12-05", "curve": points, "rollouts_accepted": 4000,
+        "trained": 1280, "dropped_stale": 100, "dropped_uniform": 200,
     }  # fmt: skip
     r.update(kw)
     return r
@@ -51,11 +52,14 @@ def test_a_line_that_is_not_a_run_is_a_one_line_error(tmp_path: Path) -> None:
         bench.read_records(path)
 
 
-def test_report_names_each_runs_commit_and_the_step_ratio() -> None:
+def test_report_names_each_runs_commit_use_of_rollouts_and_the_step_ratio() -> None:
     s2 = run(0, 2, [(0, 0.4), (10, 0.5), (25, 0.62), (40, 0.7)], commit="aaa1111")
     s0 = run(0, 0, [(0, 0.4), (10, 0.55), (20, 0.6)], commit="bbb2222")
     text = bench.render([s2, s0], None, 30.0, "--runs 0:2:lora 0:0:lora")
     assert "| aaa1111, 2026-12-05 |" in text and "| bbb2222, 2026-12-05 |" in text
+    assert "| 1,280 / 4,000 (32.0%; 100, 200) |" in text
+    # a run kept before these figures were read reports none rather than a wrong one
+    assert bench.used({"rollouts_accepted": 4000}) == "-"
     # S = 0 ended at 0.6 after 20 steps; S = 2 first scored >= 0.6 at step 25: 1.25
     assert "lora seed 0: 1.25" in text
 
@@ -65,3 +69,22 @@ def test_the_kept_runs_of_record_parse() -> None:
     for key, r in bench.read_records().items():
         assert key == bench.record_key(r)
         assert r["curve"] and r["curve"][0]["version"] == 0, key
+
+
+def test_figures_count_what_the_learner_did_with_the_accepted_rollouts(tmp_path: Path) -> None:
+    (tmp_path / "trainer").mkdir()
+    ev = {"record": "eval", "version": 0, "step": 0, "taken_at": 100.0, "eval_greedy_acc": 0.4,
+          "eval_greedy_lo": 0.3, "eval_greedy_hi": 0.5}  # fmt: skip
+    steps = [
+        {"step_time_s": 20.0, "admitted": 32, "dropped_stale": 8, "dropped_uniform": 16},
+        {"step_time_s": 30.0, "admitted": 24, "dropped_stale": 0, "dropped_uniform": 8},
+    ]
+    lines = [ev, *steps, {**ev, "version": 2, "step": 2, "taken_at": 160.0, "eval_greedy_acc": 0.5}]
+    (tmp_path / "trainer" / "metrics.jsonl").write_text(
+        "".join(json.dumps(x) + "\n" for x in lines)
+    )
+    f = bench.figures(tmp_path, wall=60.0)
+    assert (f["trained"], f["dropped_stale"], f["dropped_uniform"]) == (56, 8, 24)
+    assert f["learner_steps"] == 2 and f["step_time_s_median"] == pytest.approx(25.0)
+    assert f["base"] == pytest.approx(0.4) and f["gain"] == pytest.approx(0.1)
+    assert [c["t"] for c in f["curve"]] == [0.0, 60.0]
