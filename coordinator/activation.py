@@ -36,6 +36,9 @@ from coordinator.store import NodeRecord, Store
 from coordinator.throughput import NodeFigures, ThroughputBook
 from coordinator.verify_budget import PlannerRow, VerificationBudget
 
+#: Seconds a learner's "blocked for rollouts" report stands (it fetches every ~2 s while blocked)
+WANTING_FRESH_S = 10.0
+
 
 @dataclass
 class LearnerFigures:
@@ -57,6 +60,20 @@ class LearnerFigures:
     published_kappa: float | None = None
     #: the last version published (for :meth:`published`)
     last_published: int | None = None
+    #: the learner's own staleness bound, as reported (None: not reported, the coordinator's S)
+    max_staleness: int | None = None
+    #: rollouts the learner said it is blocked waiting for (``rollouts_wanted``), when it said
+    #: so (the coordinator's clock), and the seq it had fetched up to then
+    wanting: int = 0
+    wanting_at: float | None = None
+    fetched_after: int = 0
+
+    def wanting_now(self, now: float) -> int:
+        """The rollouts the learner is blocked for now: its last report, if it is recent (a
+        blocked learner fetches every few seconds; an older report is from one that went away)."""
+        if self.wanting_at is None or now - self.wanting_at > WANTING_FRESH_S:
+            return 0
+        return self.wanting
 
     @classmethod
     def from_config(cls, config: CoordinatorConfig) -> LearnerFigures:

@@ -243,8 +243,7 @@ class Coordinator:
             lease_lag=self.lease_lag,
             stop_token_ids=self.stop_token_ids,
             servable=servable,
-            batch_rollouts=lambda: self.learner.batch_rollouts,
-            t_train_s=lambda: self.learner.t_train_s,
+            learner=self.learner,
         )
         self.feed = RolloutFeed(store, self.ledger, clock)
         #: rswarm/register: one read, the pure decision, room for a newcomer, one write
@@ -286,6 +285,16 @@ class Coordinator:
     def learner_report(self, step: int, cursor: int, step_time_s: float) -> None:
         """The trainer's figures with a fetch (:meth:`RolloutFeed.learner_report`)."""
         self.feed.learner_report(step, cursor, step_time_s)
+
+    def learner_waiting(self, after_seq: int, wanting: int, max_staleness: int | None) -> None:
+        """A fetch's word on the learner's queue: it has fetched up to ``after_seq``, is blocked
+        for ``wanting`` more rollouts (0: it is not) and trains within ``max_staleness`` (None:
+        not said); the lease backlog bound reads them (:meth:`LeaseDesk.backlog`)."""
+        learner = self.learner
+        learner.fetched_after = max(0, after_seq)
+        learner.wanting, learner.wanting_at = max(0, wanting), self.clock()
+        if max_staleness is not None:
+            learner.max_staleness = max(0, max_staleness)
 
     def fetch_rollouts(
         self, after_seq: int, max_rollouts: int, min_policy_version: int | None = None

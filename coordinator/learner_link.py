@@ -41,6 +41,8 @@ from protocol.messages import (
 M = TypeVar("M", bound=msgspec.Struct)
 
 FETCH_WAIT_CAP_S = 30.0
+#: ``after_seq`` at or above this: a trainer's report-only fetch (past any seq), no position
+REPORT_AFTER_SEQ = 2**62
 #: a learner batch or κ above this in the trainer's report is not believed
 MAX_LEARNER_BATCH = 1 << 24
 
@@ -133,6 +135,14 @@ class LearnerLink:
             step, cursor = stats.get("step"), stats.get("rollout_cursor")
             if count_of(step) > 0:
                 self._core.learner_report(count_of(step), count_of(cursor), step_s)
+            # a learner blocked on an empty queue says so (the backlog bound must not stand
+            # nodes by then); report() calls (after_seq past any seq) carry no position
+            if "rollouts_wanted" in stats and msg.after_seq < REPORT_AFTER_SEQ:
+                self._core.learner_waiting(
+                    msg.after_seq,
+                    count_of(stats.get("rollouts_wanted")),
+                    _staleness(stats.get("max_staleness")),
+                )
             self._export_trainer_gauges(stats)
         deadline = time.monotonic() + min(msg.wait_s, FETCH_WAIT_CAP_S)
         while True:
@@ -168,6 +178,13 @@ class LearnerLink:
         if self._gauges is None:
             self._gauges = TrainerGauges(self._core.registry)
         self._gauges.export(stats)
+
+
+def _staleness(value: Any) -> int | None:
+    """The learner's S from its report: a whole number in [0, 1024], else None (not said)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1024:
+        return None
+    return value
 
 
 def _count(value: Any) -> int | None:

@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from coordinator.activation import ActiveSet
+from coordinator.activation import ActiveSet, LearnerFigures
 from coordinator.admission import admission_refusal
 from coordinator.config import CoordinatorConfig
 from coordinator.leases import (
@@ -68,6 +68,10 @@ class _Queue:
     waiting: list[tuple[int, int]]
     #: the active leases within S (:meth:`coordinator.store.Store.in_flight`)
     in_flight: list[tuple[int, int, int, float, float | None]]
+    #: the accepted rollouts within S past what the learner has fetched, as runs in order
+    unfetched: list[tuple[int, int]]
+    #: the S counted with (:meth:`LeaseDesk.staleness`)
+    staleness: int
 
 
 @dataclass(frozen=True)
@@ -99,8 +103,7 @@ class LeaseDesk:
         lease_lag: LeaseLag,
         stop_token_ids: Sequence[int],
         servable: Callable[[int], bool] | None,
-        batch_rollouts: Callable[[], int],
-        t_train_s: Callable[[], float],
+        learner: LearnerFigures,
     ) -> None:
         self.config = config
         self.store = store
@@ -114,9 +117,9 @@ class LeaseDesk:
         #: Whether a version's weights can be fetched from here now (the network service: held
         #: in full). Leases name the newest servable version; None: every published one is.
         self.servable = servable
-        #: the learner's B and T_train as reported (configured until then): the backlog bound
-        self.batch_rollouts = batch_rollouts
-        self.t_train_s = t_train_s
+        #: the learner's figures as reported (configured until then): B, T_train, its S and
+        #: whether it is blocked for rollouts (the backlog bound)
+        self.learner = learner
         #: the learner's queue as last read (:meth:`backlog`)
         self._queue: _Queue | None = None
 
@@ -225,23 +228,39 @@ class LeaseDesk:
         q = self._queue
         if q.learner_version is None:
             return None
-        lands = now + self.leases.expected_s(prompts, tokens_per_s)
-        ahead = sorted(
+        flying = sorted(
             (issued + self.leases.expected_s(held, tps), version, held * group)
             for version, held, group, issued, tps in q.in_flight
         )
-        runs = q.waiting + [(version, n) for at, version, n in ahead if at <= lands]
+        wanting = self.learner.wanting_now(now)
+        if wanting > 0:
+            # The learner took what it was given and is blocked for ``wanting`` more (rollouts it
+            # drops, stale or in groups of equal rewards, are not what the model counts): a new
+            # lease waits only while those it has not fetched yet and the leases in flight, all
+            # of them, bring what it waits for. Without this a learner short of one group waited
+            # for ever behind a full backlog of rollouts it would drop (SmolLM2, S = 0).
+            runs = q.unfetched + [(version, n) for _at, version, n in flying]
+            ahead = trainable(runs, q.learner_version, q.staleness, q.batch, wanting)
+            return Backlog(ahead, wanting, starving=True)
+        lands = now + self.leases.expected_s(prompts, tokens_per_s)
+        runs = q.waiting + [(version, n) for at, version, n in flying if at <= lands]
+        return Backlog(trainable(runs, q.learner_version, q.staleness, q.batch, q.bound), q.bound)
+
+    def staleness(self) -> int:
+        """The S the backlog counts with: the coordinator's, or the learner's own if it reported
+        a smaller one (it drops what is older at its S, whatever the coordinator accepts)."""
+        own = self.learner.max_staleness
         s = self.config.staleness_bound
-        return Backlog(trainable(runs, q.learner_version, s, q.batch, q.bound), q.bound)
+        return s if own is None else min(s, own)
 
     def _read_queue(self, newest: int, now: float) -> _Queue:
         store = self.store
-        s = self.config.staleness_bound
-        batch = max(1, self.batch_rollouts())
+        s = self.staleness()
+        batch = max(1, self.learner.batch_rollouts)
         with store.locked():
             step = store.get_meta(LEARNER_STEP)
             if step is None:
-                return _Queue(now, None, batch, 0.0, [], [])
+                return _Queue(now, None, batch, 0.0, [], [], [], s)
             cursor = int(store.get_meta(LEARNER_CURSOR) or 0)
             # the learner's version runs ahead of the newest published one (κ, the broadcast)
             version = max(newest, int(step))
@@ -251,11 +270,18 @@ class LeaseDesk:
             # a few bounds' worth: the ones it will drop as stale are skipped
             limit = 4 * math.ceil(bound) + batch
             waiting = runs_of(store.waiting_versions(cursor, version - s, limit))
-            return _Queue(now, version, batch, bound, waiting, store.in_flight(version - s))
+            fetched = self.learner.fetched_after
+            unfetched = (
+                runs_of(store.waiting_versions(fetched, version - s, limit))
+                if fetched > cursor
+                else waiting
+            )
+            flying = store.in_flight(version - s)
+            return _Queue(now, version, batch, bound, waiting, flying, unfetched, s)
 
     def _backlog_retry_s(self) -> float:
         """Ask again after half a learner step (it frees B), within [1 s, the heartbeat]."""
-        return min(self.config.heartbeat_interval_s, max(1.0, self.t_train_s() / 2))
+        return min(self.config.heartbeat_interval_s, max(1.0, self.learner.t_train_s / 2))
 
     def lease_version(self) -> int | None:
         """The version new leases name: the newest published one that is servable (its chunks

@@ -179,12 +179,20 @@ class Backlog:
     ahead: int
     #: the most ahead that leaves a new lease's rollouts trainable
     bound: float
+    #: the learner said it is blocked for rollouts: ``bound`` is what it waits for and
+    #: ``ahead`` what is on its way to it (not yet fetched, or in flight)
+    starving: bool = False
 
     @property
     def full(self) -> bool:
         return self.ahead >= self.bound
 
     def reason(self) -> str:
+        if self.starving:
+            return (
+                f"standby: the learner waits for {self.bound:g} rollouts and {self.ahead} it "
+                "will train are on their way"
+            )
         return (
             f"standby: {self.ahead} rollouts the learner will train are ahead of a new lease's "
             f"(bound {self.bound:g}); more would go stale before it trains them"

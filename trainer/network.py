@@ -205,6 +205,7 @@ async def run_trainer(
                 progress=trainer.progress,
                 pending=trainer.pending,
                 kappa=trainer.config.kappa,
+                max_staleness=trainer.config.max_staleness,
                 evaluation=trainer.evaluation,
                 publisher=publisher,
             )
@@ -417,6 +418,7 @@ class StepReport:
         progress: LearnerProgress,
         pending: PendingRollouts,
         kappa: int,
+        max_staleness: int | None = None,
         evaluation: EvalRunner | None = None,
         publisher: SwarmPublisher | None = None,
     ) -> None:
@@ -424,6 +426,8 @@ class StepReport:
         self.progress = progress
         self.pending = pending
         self.kappa = kappa
+        #: the learner's own S (reported: the coordinator's backlog bound counts what it trains)
+        self.max_staleness = max_staleness
         self.evaluation = evaluation
         self.publisher = publisher
 
@@ -469,6 +473,8 @@ class StepReport:
         # how long publishing takes, and where the idle time went.
         stats.update({k: record[k] for k in CAPACITY_STATS if k in record})
         stats["kappa"] = self.kappa
+        if self.max_staleness is not None:
+            stats["max_staleness"] = self.max_staleness
         if self.evaluation is not None:  # the latest held-out score and its curve
             stats.update(self.evaluation.stats())
         publisher = self.publisher

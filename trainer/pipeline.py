@@ -12,6 +12,11 @@
   due while the previous one is still in flight waits for the next boundary after it landed (the
   learner does not block on it).
 
+While the learner is blocked on an empty feed it says so: ``on_wanting(n)`` with the rollouts it
+still needs for its batch (0 once it has some again). The coordinator's source sends that with
+every fetch (``rollouts_wanted``), and the coordinator's lease backlog bound lets a node generate
+while the learner starves instead of standing it by (docs/capacity.md, "The backlog bound").
+
 Fetches pass the learner's version − S as ``min_version``, so a stale backlog is skipped by the
 source (the coordinator's query) instead of travelling; the skipped ones (gaps in the dense
 ``seq``) count as dropped. A fetch is classified by what came back: fewer rollouts than asked
@@ -56,6 +61,7 @@ class RolloutFeed:
         background: bool = True,
         min_version: Callable[[], int | None] | None = None,
         trace: bool = False,
+        on_wanting: Callable[[int], None] | None = None,
     ) -> None:
         if page < 1 or capacity < page:
             raise ValueError(f"RolloutFeed: need 1 <= page ({page}) <= capacity ({capacity})")
@@ -66,6 +72,8 @@ class RolloutFeed:
         self.min_version = min_version
         self.idle = idle
         self.background = background
+        #: told the rollouts the learner waits for while it is blocked on an empty feed, then 0
+        self.on_wanting = on_wanting
         #: highest seq fetched from the source (the next fetch asks for seq > cursor)
         self.cursor = after
         #: rollouts dropped here as too stale, not yet reported (see :meth:`take_dropped`)
@@ -106,16 +114,33 @@ class RolloutFeed:
         ``[]`` if none did, ``None`` once the source has ended and nothing is left."""
         if not self.background:
             t0 = time.monotonic()
+            self._wanting(want)  # blocked on this fetch: it carries the figure
             try:
                 got = await asyncio.wait_for(self._fetch_once(max(1, want)), timeout)
             except TimeoutError:
                 got, self._cause = [], "rollouts"
+            finally:
+                self._wanting(0)
             self.idle.add_wait(time.monotonic() - t0, self._cause)
             if got is None:
                 return None
             out, self._buffer = self._buffer, []
             return out
         self._raise_failure()
+        if self._buffer:
+            return self._hand_over()
+        self._wanting(want)  # blocked: the fetches sent meanwhile say so
+        try:
+            return await self._wait_for_arrivals(timeout)
+        finally:
+            self._wanting(0)
+
+    def _hand_over(self) -> list[Rollout]:
+        out, self._buffer = self._buffer, []
+        self._space.set()
+        return out
+
+    async def _wait_for_arrivals(self, timeout: float) -> list[Rollout] | None:
         mark = time.monotonic()
         deadline = mark + timeout
         while not self._buffer and not self._finished and not self._interrupted:
@@ -132,9 +157,11 @@ class RolloutFeed:
         if not self._buffer:
             self.idle.add_wait(time.monotonic() - mark, self._cause)
             return None if self._finished else []
-        out, self._buffer = self._buffer, []
-        self._space.set()
-        return out
+        return self._hand_over()
+
+    def _wanting(self, n: int) -> None:
+        if self.on_wanting is not None:
+            self.on_wanting(max(0, n))
 
     def interrupt(self) -> None:
         """End the learner's current and later waits at once (the learner is stopping)."""

@@ -379,6 +379,8 @@ class Trainer:
                 idle=self.idle,
                 background=cfg.overlap,
                 trace=cfg.trace_rollouts,  # the step's trace pops what it trained (train_step)
+                # the coordinator's source reports a blocked learner (rollouts_wanted)
+                on_wanting=getattr(source, "set_wanting", None),
             )
         self._feed = feed
         slot = PublicationSlot()

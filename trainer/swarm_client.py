@@ -84,8 +84,18 @@ class CoordinatorSource:
         self.wait_s = wait_s
         #: figures sent with every poll (the run loop updates this dict in place)
         self.stats: dict[str, Any] = dict(stats or {})
+        #: rollouts the learner is blocked waiting for (:meth:`set_wanting`; 0: it is not)
+        self.wanting = 0
         self.received = 0
         self.failures = 0
+
+    def set_wanting(self, n: int) -> None:
+        """The learner is blocked for ``n`` more rollouts (0: it is not); every fetch from now on
+        reports it as ``rollouts_wanted`` (the coordinator's backlog bound reads it)."""
+        self.wanting = max(0, int(n))
+
+    def _stats(self) -> dict[str, Any]:
+        return _wire_stats({**self.stats, "rollouts_wanted": self.wanting})
 
     async def fetch(
         self, max_items: int, after: int, min_version: int | None = None
@@ -95,7 +105,7 @@ class CoordinatorSource:
             max_rollouts=max(1, min(max_items, 4096)),
             min_policy_version=min_version,
             wait_s=self.wait_s,
-            trainer_stats=_wire_stats(self.stats),
+            trainer_stats=self._stats(),
         )
         try:
             raw = await self.transport.call(
@@ -136,7 +146,7 @@ class CoordinatorSource:
         gives up silently after ``timeout`` seconds (a coordinator that is gone)."""
         req = FetchRollouts(
             after_seq=2**62, max_rollouts=1, min_policy_version=None, wait_s=0.0,
-            trainer_stats=_wire_stats(self.stats),
+            trainer_stats=self._stats(),
         )  # fmt: skip
         with contextlib.suppress(TransportError):
             await self.transport.call(

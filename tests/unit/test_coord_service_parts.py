@@ -198,6 +198,47 @@ async def test_the_trainers_report_reaches_the_plan_the_status_and_t_bcast(
     assert applied[-1] == pytest.approx(2.25, abs=1e-12)  # 0.25 + 2.0, one rounding
 
 
+async def test_a_fetch_says_what_the_learner_has_fetched_waits_for_and_trains_within(
+    tmp_path: Path,
+) -> None:
+    """``rollouts_wanted`` and ``max_staleness`` of the trainer's report, with the fetch's
+    ``after_seq``, reach the learner's figures the backlog bound reads; a report-only fetch (past
+    any seq) moves no position, and a junk S is not believed."""
+    h, _ = _harness(tmp_path)
+    trainer = Identity.generate()
+    link = learner(h, Sink(), trainer=trainer)
+
+    async def fetch(after: int, stats: dict[str, Any]) -> None:
+        msg = FetchRollouts(
+            after_seq=after, max_rollouts=8, min_policy_version=None, wait_s=0.0,
+            trainer_stats=stats,
+        )  # fmt: skip
+        answer = decode(
+            await link.on_fetch("trainer-peer", encode(seal(trainer, msg, now=h.clock())))
+        )
+        assert isinstance(answer, RolloutBatch)
+
+    await fetch(7, {"rollouts_wanted": 16, "max_staleness": 0})
+    figures = h.core.learner
+    assert (figures.fetched_after, figures.wanting_now(h.clock()), figures.max_staleness) == (
+        7,
+        16,
+        0,
+    )
+    await fetch(2**62, {"rollouts_wanted": 0, "max_staleness": True})  # a report: no position
+    assert (figures.fetched_after, figures.wanting_now(h.clock()), figures.max_staleness) == (
+        7,
+        16,
+        0,
+    )
+    await fetch(9, {"rollouts_wanted": 0, "max_staleness": -1})
+    assert (figures.fetched_after, figures.wanting_now(h.clock()), figures.max_staleness) == (
+        9,
+        0,
+        0,
+    )
+
+
 # --- the node handlers' waits and the status board -------------------------------------------
 async def test_a_submission_waits_for_its_version_within_its_bound(tmp_path: Path) -> None:
     h, held = _harness(tmp_path)

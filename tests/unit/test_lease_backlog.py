@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from coord_harness import Harness, submission
 
+from coordinator.activation import WANTING_FRESH_S
 from coordinator.lease_desk import BACKLOG_READ_S
 from coordinator.leases import Backlog, backlog_bound, runs_of, trainable
 from protocol.identity import Identity
@@ -112,3 +113,62 @@ async def test_the_configured_number_of_steps_caps_the_bound(tmp_path: Path, ste
     h.core.feed.learner_report(1, 0, 1.0)
     out = _ask(h, node)
     assert isinstance(out, Standby) == (min(steps, S + 1) * B <= 6), out
+
+
+async def test_a_learner_blocked_for_rollouts_is_fed_though_the_queue_looks_full(
+    tmp_path: Path,
+) -> None:
+    """The SmolLM2 S = 0 run of 2026-12-05 stood still for good after 15 steps: the queue held
+    more rollouts than the bound, the learner dropped most (stale at its S, or groups of equal
+    reward) and waited for one more group, and the bound stood the only node by. A learner that
+    says it is blocked (``rollouts_wanted``, with each fetch) is fed."""
+    h = Harness(tmp_path)
+    h.publish(1)
+    node = h.node()
+    for _ in range(2):
+        await _deliver(h, node, h.lease(node))  # 12 accepted, seqs 1..12
+    h.core.batch_rollouts = B
+    h.core.feed.learner_report(1, 0, 1.0)
+    out = _ask(h, node)
+    assert isinstance(out, Standby) and "(bound 12)" in out.reason, out  # the deadlock's half
+    # the learner fetched all 12, kept what it trains and is blocked for 4 more
+    h.core.learner_waiting(12, 4, None)
+    lease = _ask(h, node)
+    assert isinstance(lease, Lease), lease
+    # that lease's 6 rollouts are on their way: the 4 it waits for need no other lease
+    out = _ask(h, node)
+    assert isinstance(out, Standby), out
+    assert "the learner waits for 4 rollouts and 6 it will train are on their way" in out.reason
+    # accepted but not fetched yet, they still count as on their way
+    await _deliver(h, node, lease)
+    assert isinstance(_ask(h, node), Standby)
+    # a blocked learner fetches every few seconds; a report older than WANTING_FRESH_S is from
+    # one that went away: the plain bound again
+    h.clock.advance(WANTING_FRESH_S + 1)
+    out = _ask(h, node)
+    assert isinstance(out, Standby) and "ahead of a new lease's" in out.reason, out
+    # a learner no longer blocked (wanting 0) is bounded as before
+    h.core.learner_waiting(18, 0, None)
+    assert isinstance(_ask(h, node), Standby)
+
+
+async def test_the_learners_own_smaller_staleness_bound_is_what_counts(tmp_path: Path) -> None:
+    """The coordinator accepts within its S (the demo runs it at max(1, S)); a learner at S = 0
+    drops the rollouts of the version before its own, so they are not ahead of anything."""
+    h = Harness(tmp_path)
+    h.publish(1)
+    node = h.node()
+    for _ in range(2):
+        await _deliver(h, node, h.lease(node))  # 12 accepted at v1
+    h.publish(2)
+    h.core.batch_rollouts = B
+    h.core.feed.learner_report(2, 0, 1.0)  # the learner at v2
+    h.clock.advance(BACKLOG_READ_S)
+    # at the coordinator's S = 2, v1's rollouts are trained for 2 steps of B = 4: 8 of 12
+    assert h.core.lease_desk.backlog(2) == Backlog(8, 12.0)
+    h.core.learner_waiting(0, 0, 0)  # the learner trains at S = 0
+    h.clock.advance(BACKLOG_READ_S)
+    assert h.core.lease_desk.staleness() == 0
+    assert h.core.lease_desk.backlog(2) == Backlog(0, 4.0)
+    h.core.learner_waiting(0, 0, 5)  # a larger S than the coordinator's is not believed
+    assert h.core.lease_desk.staleness() == S

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -190,11 +191,48 @@ def test_step_report_mirrors_each_step_into_the_stats_the_source_reports(tmp_pat
     tr = Trainer.setup(_tiny(tmp_path, publish_every=3))
     net = InMemoryNetwork()
     source = CoordinatorSource(net.endpoint("trainer"), "coordinator", Identity.generate())
-    report = StepReport(source, progress=tr.progress, pending=tr.pending, kappa=tr.config.kappa)
+    report = StepReport(
+        source, progress=tr.progress, pending=tr.pending, kappa=tr.config.kappa, max_staleness=2
+    )
     tr.on_step.append(report)
     tr.published_version = 0
     rec = tr.train_step(make_rollouts(4, 2, 4, version=0))
     stats = source.stats
     assert (stats["step"], stats["version"], stats["published_version"]) == (1, 1, 0)
     assert stats["kappa"] == 3 and stats["rollout_cursor"] == tr.cursor
+    assert stats["max_staleness"] == 2  # the coordinator's backlog bound counts at the learner's S
     assert stats["t_train_s"] == rec["t_train_s"] and stats["reward_mean"] == rec["reward_mean"]
+
+
+def test_every_fetch_tells_the_coordinator_whether_the_learner_is_blocked() -> None:
+    """CoordinatorSource sends ``rollouts_wanted`` with every fetch and report (the coordinator's
+    backlog bound feeds a blocked learner), beside the step figures."""
+    from protocol.codec import decode, encode
+    from protocol.envelope import open_envelope
+    from protocol.messages import FetchRollouts, RolloutBatch
+    from protocol.rpc import FETCH
+
+    asked: list[dict[str, Any]] = []
+
+    async def scenario() -> None:
+        net = InMemoryNetwork()
+        trainer = Identity.generate()
+
+        async def on_fetch(caller: str, request: bytes) -> bytes:
+            msg = open_envelope(decode(request), FetchRollouts, now=time.time(), replay=None)
+            asked.append(dict(msg.trainer_stats))
+            return encode(RolloutBatch(rollouts=[], last_seq=msg.after_seq))
+
+        await net.endpoint("coordinator").register(FETCH, on_fetch)
+        source = CoordinatorSource(net.endpoint("trainer"), "coordinator", trainer, wait_s=0.0)
+        source.stats = {"step": 3}
+        assert await source.fetch(8, after=0) == []
+        source.set_wanting(24)
+        assert await source.fetch(8, after=0) == []
+        await source.report()
+        source.set_wanting(0)
+        assert await source.fetch(8, after=0) == []
+
+    asyncio.run(scenario())
+    assert [a["rollouts_wanted"] for a in asked] == [0, 24, 24, 0]
+    assert all(a["step"] == 3 for a in asked)

@@ -343,3 +343,30 @@ def test_an_uncollected_failed_publication_is_not_reported_as_never_retrieved() 
 
     asyncio.run(main())
     assert unhandled == []
+
+
+def test_a_learner_blocked_on_an_empty_feed_says_how_many_rollouts_it_waits_for() -> None:
+    """``on_wanting`` (the coordinator's source sends it with every fetch as rollouts_wanted):
+    the rollouts the learner waits for while it is blocked on an empty feed, 0 once it has some;
+    a take that finds rollouts buffered blocks on nothing and says nothing."""
+    seen: list[int] = []
+
+    async def scenario() -> None:
+        page1 = _seq(make_rollouts(1, 4, 4, version=0), 1)
+        page2 = _seq(make_rollouts(1, 4, 4, version=0), len(page1) + 1)
+        source = ScriptedSource([(0.3, page1), (0.2, page2)])
+        feed = RolloutFeed(
+            source, after=0, page=8, capacity=16, idle=IdleClock(), admissible=lambda r: True,
+            on_wanting=seen.append,
+        )  # fmt: skip
+        feed.start()
+        first = await feed.take(8, timeout=5.0)  # blocked until page 1 lands (0.3 s)
+        assert first is not None and [r.seq for r in first] == [r.seq for r in page1]
+        assert seen == [8, 0]
+        await asyncio.sleep(0.4)  # page 2 is buffered by then
+        second = await feed.take(4, timeout=5.0)
+        assert second is not None and [r.seq for r in second] == [r.seq for r in page2]
+        assert seen == [8, 0]  # not blocked: nothing said
+        await feed.stop()
+
+    asyncio.run(scenario())
