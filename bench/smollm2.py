@@ -9,13 +9,15 @@ held-out set (100 ``arith`` sums never trained on) at v0 and every 5 versions
 
 * held-out greedy accuracy (and pass@1) against wall time and against learner steps, the base
   score (v0) and the gain of the last evaluation over it; over seeds: the mean gain with a 95%
-  t-interval, and whether every seed ended above its base;
+  t-interval (none for one seed), and whether every seed ended above its base;
 * S = 2 against S = 0: learner steps for S = 2 to reach the S = 0 run's final held-out score
   (per seed; the target is at most 1.3x);
 * bytes per version (the trainer's ``published policy vN as ...`` lines): the adapter of a LoRA
   run, the deltas and the full keyframe of a full run, and the adapter's share of the keyframe;
 * learner step time (``step_time_s`` of metrics.jsonl: median, max; the target is <= 30 s on 32
-  samples) and accepted rollouts per second;
+  samples) and accepted rollouts per second; the wall time per learner step over the run and
+  the share of it the learner waited for rollouts (``idle_rollouts_frac``): a learner that waits
+  half the run is starved, one that never waits is compute-bound;
 * node decoding: tokens/s of the node's ``hf`` backend against a bare transformers KV-cache loop
   on the same batch (one torch thread each, as in the demo; measured before the runs).
 
@@ -204,6 +206,13 @@ def figures(run_dir: Path, wall: float) -> dict[str, Any]:
         "trained": sum(int(s["admitted"]) for s in steps),
         "dropped_stale": sum(int(s.get("dropped_stale", 0)) for s in steps),
         "dropped_uniform": sum(int(s.get("dropped_uniform", 0)) for s in steps),
+        # the share of the run the learner waited for rollouts (cumulative in each step record):
+        # what tells a compute-bound learner from a starved one
+        "learner_idle_frac": (
+            round(float(steps[-1]["idle_rollouts_frac"]), 3)
+            if steps and steps[-1].get("idle_rollouts_frac") is not None
+            else None
+        ),
         "adapter_bytes": adapter[0] if adapter else None,
         "delta_bytes_median": int(statistics.median(deltas)) if deltas else None,
         "full_bytes": keyframes[0] if keyframes else None,
@@ -330,15 +339,24 @@ def used(r: dict[str, Any]) -> str:
             f"{r['dropped_uniform']:,})")  # fmt: skip
 
 
+def cycle(r: dict[str, Any]) -> str:
+    """Wall seconds per learner step over the run, and the share of it the learner waited for
+    rollouts ("-" for a run kept before the idle share was read)."""
+    steps, wall = r.get("learner_steps"), r.get("wall_s")
+    per = f"{wall / steps:.1f}" if steps and wall else "-"
+    idle = r.get("learner_idle_frac")
+    return f"{per} ({idle:.0%})" if idle is not None else per
+
+
 def render(
     results: list[dict[str, Any]], speed: dict[str, float] | None, minutes: float,
     command: str = "--seeds 0 1 2 --minutes 30",
 ) -> str:  # fmt: skip
     rows = [
         "| seed | mode | S | learner steps | step s (median / max) | samples / step | base | "
-        "final | gain | rollouts/s | trained / accepted (stale, uniform) | bytes / version | "
-        "load 1 / 5 min | commit, date |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "final | gain | rollouts/s | trained / accepted (stale, uniform) | "
+        "wall s / step (waiting) | bytes / version | load 1 / 5 min | commit, date |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         size = (
@@ -349,14 +367,15 @@ def render(
         rows.append(
             f"| {r['seed']} | {r['mode']} | {r['staleness']} | {r['learner_steps']} | "
             f"{r['step_time_s_median']} / {r['step_time_s_max']} | {r['batch_samples']} | "
-            f"{r['base']} | {r['final']} | {gain} | {r['rollouts_per_s']} | {used(r)} | {size} | "
+            f"{r['base']} | {r['final']} | {gain} | {r['rollouts_per_s']} | {used(r)} | "
+            f"{cycle(r)} | {size} | "
             f"{r['load'][0]:.1f} / {r['load'][1]:.1f} | {r.get('commit', '-')}, "
             f"{r.get('date', '-')} |"
         )
     summary = [
         "",
-        "| mode | S | mean gain [95% CI] | every seed above its base |",
-        "|---|---|---|---|",
+        "| mode | S | seeds | mean gain [95% CI] | every seed above its base |",
+        "|---|---|---|---|---|",
     ]
     for mode in MODES:
         for s in sorted({r["staleness"] for r in results}, reverse=True):
@@ -365,8 +384,10 @@ def render(
             ci = mean_ci(gains)
             if ci is not None:
                 every = all(g > 0 for g in gains)
+                # one seed has no spread to make an interval of: say so, not [x, x]
+                interval = f"[{ci[1]:+.3f}, {ci[2]:+.3f}]" if len(gains) > 1 else "(one seed)"
                 summary.append(
-                    f"| {mode} | {s} | {ci[0]:+.3f} [{ci[1]:+.3f}, {ci[2]:+.3f}] | {every} |"
+                    f"| {mode} | {s} | {len(gains)} | {ci[0]:+.3f} {interval} | {every} |"
                 )
     ratios = []
     for r0 in [r for r in results if r["staleness"] == 0 and r["final"] is not None]:

@@ -88,3 +88,32 @@ def test_figures_count_what_the_learner_did_with_the_accepted_rollouts(tmp_path:
     assert f["learner_steps"] == 2 and f["step_time_s_median"] == pytest.approx(25.0)
     assert f["base"] == pytest.approx(0.4) and f["gain"] == pytest.approx(0.1)
     assert [c["t"] for c in f["curve"]] == [0.0, 60.0]
+
+
+def test_one_seed_gets_no_interval_and_each_run_its_wall_per_step() -> None:
+    """A mean over one seed has no spread: the summary says so instead of printing [x, x]; each
+    run shows its wall seconds per learner step and the share the learner waited for rollouts."""
+    s0 = run(0, 0, [(0, 0.4), (20, 0.75)], wall_s=1800, learner_idle_frac=0.489)
+    s2a = run(0, 2, [(0, 0.4), (20, 0.7)], wall_s=1800, learner_steps=45)
+    s2b = run(1, 2, [(0, 0.4), (20, 0.8)], wall_s=1800, learner_steps=45)
+    text = bench.render([s0, s2a, s2b], None, 30.0, "--runs 0:0:lora 0:2:lora 1:2:lora")
+    assert "| lora | 0 | 1 | +0.350 (one seed) | True |" in text
+    # two seeds: mean +0.35, half-width t(1) 12.706 x 0.0707 / sqrt(2) = 0.635
+    assert "| lora | 2 | 2 | +0.350 [-0.285, +0.985] | True |" in text
+    assert "| 45.0 (49%) |" in text  # 1800 s / 40 steps, waiting 48.9% of it
+    assert "| 40.0 |" in text  # a run kept without the idle share: wall per step alone
+
+
+def test_figures_read_the_learners_waiting_share(tmp_path: Path) -> None:
+    (tmp_path / "trainer").mkdir()
+    lines = [
+        {"kind": "step", "step": i, "step_time_s": 20.0, "admitted": 32,
+         "idle_rollouts_frac": frac}
+        for i, frac in ((1, 0.9), (2, 0.5))
+    ]  # fmt: skip
+    (tmp_path / "trainer" / "metrics.jsonl").write_text(
+        "".join(json.dumps(x) + "\n" for x in lines)
+    )
+    got = bench.figures(tmp_path, 100.0)
+    assert got["learner_steps"] == 2
+    assert got["learner_idle_frac"] == pytest.approx(0.5)  # the last record's running share
