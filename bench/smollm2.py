@@ -360,13 +360,14 @@ def render(
     ]
     for r in results:
         size = (
-            f"adapter {r['adapter_bytes']}" if r["adapter_bytes"] else
-            f"full {r['full_bytes']}, delta {r['delta_bytes_median']}"
+            f"adapter {r['adapter_bytes']:,}" if r["adapter_bytes"] else
+            f"full {r['full_bytes'] or 0:,}, delta {r['delta_bytes_median'] or 0:,}"
         )  # fmt: skip
         gain = "-" if r["gain"] is None else f"{r['gain']:+.3f}"
+        samples = "-" if r["batch_samples"] is None else f"{r['batch_samples']:g}"
         rows.append(
             f"| {r['seed']} | {r['mode']} | {r['staleness']} | {r['learner_steps']} | "
-            f"{r['step_time_s_median']} / {r['step_time_s_max']} | {r['batch_samples']} | "
+            f"{r['step_time_s_median']} / {r['step_time_s_max']} | {samples} | "
             f"{r['base']} | {r['final']} | {gain} | {r['rollouts_per_s']} | {used(r)} | "
             f"{cycle(r)} | {size} | "
             f"{r['load'][0]:.1f} / {r['load'][1]:.1f} | {r.get('commit', '-')}, "
@@ -401,7 +402,7 @@ def render(
             ratios.append(f"{r0['mode']} seed {r0['seed']}: never")
     adapter = [r["adapter_bytes"] for r in results if r["adapter_bytes"]]
     full = [r["full_bytes"] for r in results if r["full_bytes"]]
-    share = f"{adapter[0] / full[0]:.2%}" if adapter and full else "-"
+    share = f"{adapter[0] / full[0]:.2%}" if adapter and full else "- (no full run among these)"
     curves = "\n".join(
         f"- seed {r['seed']} {r['mode']} S = {r['staleness']}: "
         + ", ".join(
