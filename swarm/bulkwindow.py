@@ -21,6 +21,18 @@ clamped to [-1, 1]: with no queue the window grows by up to ``gain`` times itsel
 with a queue of twice the target it shrinks by up to ``gain`` times itself per round trip. A
 control message then waits behind about ``target`` seconds of bulk data, not the whole buffers.
 
+In what order. Room goes to the *oldest answer* first (the order answers were opened), not to
+slices first come, first served: interleaving the slices of every answer in flight would share the
+uplink evenly among them, so that with 32 answers queued each progresses at 1/32 of the uplink and
+every chunk completes late (a chunk can only be relayed once it is whole). One after another, each
+answer takes the uplink's full rate and its chunk can be relayed at once.
+
+How many. An answer queued behind others gets no byte until they are written, and the asker gives
+a holder up as slow when a request receives too little for a while (``DownloadConfig.min_rate``
+over ``stall_timeout``). So a holder refuses a new answer ``busy`` (the asker tries another holder
+or comes back shortly) once the answers it has already accepted would take more than ``horizon``
+seconds at the rate its acknowledgements arrived recently (:meth:`BulkWindow.crowded`).
+
 A stream whose reader stops acknowledging for ``ack_timeout`` is ended (its bytes are released),
 so a peer that never acknowledges cannot hold the window.
 """
@@ -28,7 +40,9 @@ so a peer that never acknowledges cannot hold the window.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import itertools
 import struct
 import time
 from collections import deque
@@ -66,13 +80,19 @@ class WindowStats:
     last_rtt: float | None  # latest sample, seconds
     waiting: int  # writers waiting for room
     acked: int  # bytes acknowledged in all
+    answers: int  # answers accepted and not yet fully written
+    queued: int  # bytes of those answers not yet written
+    rate: float | None  # bytes/s acknowledged recently (None: not measured yet)
 
 
 class BulkWindow:
     """Bytes of windowed answers in flight over all streams of one transport (see module doc).
 
     ``target`` is the queueing delay to aim at (seconds); the window stays within
-    [``min_window``, ``max_window``] bytes. ``clock`` is injectable for tests.
+    [``min_window``, ``max_window``] bytes. ``horizon`` (seconds): how long the answers already
+    accepted may take at the recent rate before a new one is refused (:meth:`crowded`; at least
+    ``min_answers`` are always accepted); the rate is measured over the last ``rate_window``
+    seconds of acknowledgements. ``clock`` is injectable for tests.
     """
 
     def __init__(
@@ -84,12 +104,18 @@ class BulkWindow:
         max_window: int = 16 << 20,
         gain: float = 0.5,
         base_history: float = 60.0,
+        horizon: float = 3.0,
+        min_answers: int = 2,
+        rate_window: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if target <= 0 or not 0 < min_window <= initial <= max_window or gain <= 0:
             raise ValueError(
                 "BulkWindow needs target > 0, gain > 0 and 0 < min_window <= initial <= max_window"
             )
+        if horizon <= 0 or min_answers < 1 or rate_window <= 0:
+            raise ValueError("BulkWindow needs horizon > 0, min_answers >= 1 and rate_window > 0")
+        self.horizon, self.min_answers, self.rate_window = horizon, min_answers, rate_window
         self.target = target
         self.min_window, self.max_window = min_window, max_window
         self.gain = gain
@@ -97,7 +123,13 @@ class BulkWindow:
         self._window = float(initial)
         self.inflight = 0
         self.acked = 0
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        #: (answer, arrival, bytes, future), oldest answer first (see the module doc)
+        self._waiters: list[tuple[int, int, int, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
+        self._answer_ids = itertools.count()
+        self._answers: dict[int, int] = {}  # open answer -> bytes not yet written
+        self._busy_since: float | None = None  # when answers last went from none to some
+        self._recent: deque[tuple[float, int]] = deque()  # (time, bytes) of recent acks
         # base delay: minimum per bucket of base_history/4 seconds, the last 4 buckets kept
         self._bucket_s = base_history / 4
         self._minima: deque[tuple[float, float]] = deque()  # (bucket start, min rtt)
@@ -113,7 +145,50 @@ class BulkWindow:
 
     def statistics(self) -> WindowStats:
         return WindowStats(self.window, self.inflight, self.base_rtt, self.last_rtt,
-                           len(self._waiters), self.acked)  # fmt: skip
+                           len(self._waiters), self.acked, len(self._answers),
+                           sum(self._answers.values()), self.rate())  # fmt: skip
+
+    # -- answers: their order and how many are accepted -----------------------------------------
+    def open_answer(self, size: int) -> int:
+        """Register an answer of ``size`` bytes about to be written; returns its id (answers
+        are granted room in the order they were opened)."""
+        if not self._answers:
+            self._busy_since = self.clock()
+        answer = next(self._answer_ids)
+        self._answers[answer] = size
+        return answer
+
+    def wrote(self, answer: int, n: int) -> None:
+        """``n`` more bytes of ``answer`` were written."""
+        if answer in self._answers:
+            self._answers[answer] = max(0, self._answers[answer] - n)
+
+    def close_answer(self, answer: int) -> None:
+        """``answer`` ended (written whole, or failed)."""
+        self._answers.pop(answer, None)
+        if not self._answers:
+            self._busy_since = None
+
+    def rate(self) -> float | None:
+        """Bytes per second acknowledged over the last ``rate_window`` seconds while answers
+        were open; None until answers have been open for a quarter of that."""
+        now = self.clock()
+        while self._recent and self._recent[0][0] < now - self.rate_window:
+            self._recent.popleft()
+        if self._busy_since is None:
+            return None
+        span = min(self.rate_window, now - self._busy_since)
+        if span < self.rate_window / 4:
+            return None
+        return sum(n for t, n in self._recent if t >= now - span) / span
+
+    def crowded(self) -> bool:
+        """Whether a new answer should be refused ``busy``: at least ``min_answers`` are open
+        and their unwritten bytes would take over ``horizon`` seconds at :meth:`rate`."""
+        if len(self._answers) < self.min_answers:
+            return False
+        rate = self.rate()
+        return rate is not None and sum(self._answers.values()) > rate * self.horizon
 
     def slice_size(self) -> int:
         """Bytes for the next write: a quarter of the window, a multiple of :data:`MIN_SLICE`
@@ -124,16 +199,19 @@ class BulkWindow:
     def _fits(self, n: int) -> bool:
         return self.inflight == 0 or self.inflight + n <= self._window
 
-    def reserve(self, n: int) -> asyncio.Future[None]:
-        """A future done once ``n`` bytes may be written (first come, first served); cancel it
-        to give up waiting (bytes of a reservation already granted are then released)."""
+    def reserve(self, n: int, answer: int = -1) -> asyncio.Future[None]:
+        """A future done once ``n`` bytes may be written; waiting reservations are granted
+        oldest ``answer`` first (first come, first served among one answer's, or when ``answer``
+        is not given). Cancel it to give up waiting (:meth:`withdraw`)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        if not self._waiters and self._fits(n):
+        key = answer if answer >= 0 else 1 << 62
+        if (not self._waiters or key < self._waiters[0][0]) and self._fits(n):
             self.inflight += n
             fut.set_result(None)
         else:
-            self._waiters.append((n, fut))
+            bisect.insort(self._waiters, (key, next(self._arrivals), n, fut),
+                          key=lambda w: (w[0], w[1]))  # fmt: skip
         return fut
 
     def withdraw(self, n: int, fut: asyncio.Future[None]) -> None:
@@ -142,8 +220,7 @@ class BulkWindow:
             self.release(n)
             return
         fut.cancel()
-        with contextlib.suppress(ValueError):
-            self._waiters.remove((n, fut))
+        self._waiters = [w for w in self._waiters if w[3] is not fut]
         self._grant()
 
     def release(self, n: int) -> None:
@@ -155,6 +232,7 @@ class BulkWindow:
         """``n`` bytes acknowledged ``rtt`` seconds after they were written: steer the window."""
         now = self.clock()
         self.acked += n
+        self._recent.append((now, n))
         self.last_rtt = rtt
         start = now - now % self._bucket_s
         if self._minima and self._minima[-1][0] == start:
@@ -171,13 +249,13 @@ class BulkWindow:
 
     def _grant(self) -> None:
         while self._waiters:
-            n, fut = self._waiters[0]
+            _key, _arrival, n, fut = self._waiters[0]
             if fut.cancelled():
-                self._waiters.popleft()
+                self._waiters.pop(0)
                 continue
             if not self._fits(n):
                 return
-            self._waiters.popleft()
+            self._waiters.pop(0)
             self.inflight += n
             fut.set_result(None)
 
@@ -224,10 +302,11 @@ async def write_windowed(
     acks = asyncio.create_task(read_acks(), name="bulk-acks")
     view = memoryview(data)
     start = 0
+    answer = window.open_answer(len(data))
     try:
         while start < len(view):
             piece = view[start : start + window.slice_size()]
-            room = window.reserve(len(piece))
+            room = window.reserve(len(piece), answer)
             done: set[asyncio.Future[None]] = {room} if room.done() else set()
             try:
                 if not done:
@@ -252,9 +331,11 @@ async def write_windowed(
             finally:  # granted bytes are in flight from here on (released in the end if unacked)
                 state["sent"] = start = start + len(piece)
                 pending.append((state["sent"], written_at, len(piece)))
+                window.wrote(answer, len(piece))
             await drain_within(writer, timeout)
         await asyncio.wait_for(asyncio.shield(acks), timeout)
     finally:
+        window.close_answer(answer)
         if not acks.done():
             acks.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

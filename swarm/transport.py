@@ -123,6 +123,7 @@ def encode_error(code: str, detail: str) -> bytes:
 
 # Refusals a serving peer answers before its handler runs; every transport uses these.
 BUSY = ("busy", "too many concurrent streams from this peer")
+CROWDED = ("busy", "this holder's uplink is booked for the next seconds; ask another holder")
 
 
 def request_too_large(size: int, max_request_bytes: int) -> tuple[str, str]:
@@ -332,6 +333,10 @@ class P2PTransport:
             unread = 0
             if self._active[slot] > limit:
                 status, body = _ERR, encode_error(*BUSY)
+            elif windowed and self.bulk_window.crowded():
+                # the answers accepted already fill the uplink for a while: queued behind them
+                # this one would get no byte for seconds (its asker would give us up as slow)
+                status, body = _ERR, encode_error(*CROWDED)
             else:
                 status, body, unread = await self._handle(
                     caller, handler, max_request_bytes, reader, deadline

@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from swarm.dht import PeerConfig, SwarmPeer
+from swarm.errors import RemoteError
 from swarm.transport import P2PTransport
 
 PING, BULK, BULK_W = "/t/ping", "/t/bulk/1", "/t/bulk/2"
@@ -81,14 +82,21 @@ async def measure(args: argparse.Namespace) -> None:
     for _ in range(3):  # warm up: connection, DHT routing
         await ping()
     idle_ping, idle_store = await sample(args.samples, 0)
-    moved = [0]
+    moved, refused = [0], [0]
     stop = asyncio.Event()
 
     async def fetch_loop() -> None:
         name = BULK_W if windowed else BULK
         while not stop.is_set():
-            body = await rpc.call(server, name, b"", timeout=120.0, stall_timeout=60.0,
-                                  max_response_bytes=args.size, windowed=windowed)  # fmt: skip
+            try:
+                body = await rpc.call(server, name, b"", timeout=120.0, stall_timeout=60.0,
+                                      max_response_bytes=args.size, windowed=windowed)  # fmt: skip
+            except RemoteError as exc:  # a holder booked for the next seconds: ask again soon,
+                if exc.code != "busy":  # as a downloader does (DownloadConfig.busy_backoff)
+                    raise
+                refused[0] += 1
+                await asyncio.sleep(0.2)
+                continue
             moved[0] += len(body)
 
     loops = [asyncio.create_task(fetch_loop()) for _ in range(args.streams)]
@@ -101,7 +109,8 @@ async def measure(args: argparse.Namespace) -> None:
         task.cancel()
     await asyncio.gather(*loops, return_exceptions=True)
     print(json.dumps({"idle_ping": idle_ping, "idle_store": idle_store, "busy_ping": busy_ping,
-                      "busy_store": busy_store, "bulk_rate": rate}), flush=True)  # fmt: skip
+                      "busy_store": busy_store, "bulk_rate": rate,
+                      "refused_busy": refused[0]}), flush=True)  # fmt: skip
     await peer.stop()
 
 

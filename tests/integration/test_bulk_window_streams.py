@@ -133,7 +133,9 @@ async def pair() -> AsyncIterator[tuple[SwarmPeer, SwarmPeer]]:
 
 async def test_windowed_rpc_through_p2pd(pair: tuple[SwarmPeer, SwarmPeer]) -> None:
     a, b = pair
-    server, client = P2PTransport(a.p2p), P2PTransport(b.p2p)
+    # a horizon no loaded machine reaches: the three concurrent answers are all accepted
+    server = P2PTransport(a.p2p, bulk_window=BulkWindow(horizon=3600.0))
+    client = P2PTransport(b.p2p)
     payload = os.urandom(3 << 20)
 
     async def bulk(peer: str, req: bytes) -> bytes:
@@ -155,3 +157,16 @@ async def test_windowed_rpc_through_p2pd(pair: tuple[SwarmPeer, SwarmPeer]) -> N
     with pytest.raises(RemoteError, match="not_held"):  # an error answer is not windowed
         await client.call(a.peer_id, "/t/bulk/2", b"no", timeout=10.0, windowed=True)
     assert server.bulk_window.inflight == 0
+    assert stats.answers == 0 and stats.queued == 0  # every answer closed
+    # A holder whose accepted answers book its uplink for longer than the horizon refuses a
+    # new one at once ("busy": the asker tries another holder) instead of queueing it.
+    window = server.bulk_window
+    window.horizon = 0.001
+    booked = [window.open_answer(8 << 20) for _ in range(2)]
+    window._busy_since = window.clock() - window.rate_window  # its rate is measured
+    with pytest.raises(RemoteError, match="busy"):
+        await client.call(a.peer_id, "/t/bulk/2", b"", timeout=10.0, windowed=True)
+    for answer in booked:
+        window.close_answer(answer)
+    got_again = await client.call(a.peer_id, "/t/bulk/2", b"", timeout=60.0, windowed=True)
+    assert got_again == payload

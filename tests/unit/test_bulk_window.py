@@ -94,9 +94,63 @@ async def test_room_is_granted_first_come_first_served_and_withdrawn_on_give_up(
     assert e.reserve(4 * BULK_SLICE).done()
 
 
+async def test_room_goes_to_the_oldest_answer_first() -> None:
+    """Waiting slices are granted by answer age, not arrival: the older answer finishes first
+    (interleaving every answer's slices would make every chunk complete late)."""
+    w = BulkWindow(initial=2 * BULK_SLICE, min_window=BULK_SLICE)
+    older, newer = w.open_answer(4 * BULK_SLICE), w.open_answer(4 * BULK_SLICE)
+    assert w.reserve(BULK_SLICE, older).done() and w.reserve(BULK_SLICE, older).done()
+    b = w.reserve(BULK_SLICE, newer)  # the window is full: waits
+    a = w.reserve(BULK_SLICE, older)  # asks later, but for the older answer
+    assert not a.done() and not b.done()
+    w.ack(BULK_SLICE, 0.01)
+    assert a.done() and not b.done()
+    w.ack(BULK_SLICE, 0.01)
+    assert b.done()
+    # an older answer that gives up leaves the line: the newer one is served next
+    w.release(w.inflight)
+    hog = w.reserve(4 * w.window, older)  # one reservation always fits an empty window
+    waiting_old, waiting_new = w.reserve(BULK_SLICE, older), w.reserve(BULK_SLICE, newer)
+    assert hog.done() and not waiting_old.done() and not waiting_new.done()
+    w.withdraw(BULK_SLICE, waiting_old)
+    w.withdraw(4 * w.window, hog)
+    assert waiting_old.cancelled() and waiting_new.done()
+
+
+async def test_a_holder_is_crowded_once_its_answers_take_longer_than_the_horizon() -> None:
+    clock = Clock()
+    w = BulkWindow(horizon=3.0, min_answers=2, rate_window=2.0, clock=clock)
+    first = w.open_answer(1 << 20)
+    second = w.open_answer(1 << 20)
+    assert w.rate() is None and not w.crowded()  # no rate measured yet: accepted
+    for _ in range(8):  # 256 KiB acknowledged over one second
+        clock.t += 0.125
+        w.reserve(BULK_SLICE, first)
+        w.wrote(first, BULK_SLICE)
+        w.ack(BULK_SLICE, 0.01)
+    assert w.rate() == pytest.approx(8 * BULK_SLICE / 1.0)
+    # 2 MiB - 256 KiB queued against 768 KiB in the horizon: refuse a third answer
+    assert w.statistics().queued == 2 * (1 << 20) - 8 * BULK_SLICE and w.crowded()
+    w.close_answer(second)
+    assert not w.crowded()  # fewer than min_answers open: always accepted
+    third = w.open_answer(1 << 20)
+    assert w.crowded()
+    clock.t += 1.0  # a faster uplink than the answers need: 2 MiB/s measured
+    for _ in range(8):
+        w.reserve(4 * BULK_SLICE, first)
+        w.ack(4 * BULK_SLICE, 0.01)
+    w.wrote(third, 1 << 20)
+    assert not w.crowded()
+    w.close_answer(first)
+    w.close_answer(third)
+    assert w.rate() is None and w.statistics().answers == 0
+
+
 def test_bad_window_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="min_window"):
         BulkWindow(initial=1024, min_window=4096)
+    with pytest.raises(ValueError, match="horizon"):
+        BulkWindow(horizon=0)
     with pytest.raises(ValueError, match="target"):
         BulkWindow(target=0.0)
 
