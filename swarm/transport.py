@@ -24,6 +24,8 @@ and the server keeps at most :attr:`P2PTransport.bulk_window` bytes unacknowledg
 windowed streams, so DHT messages and RPC answers sharing the libp2p connection (one yamux
 session over one TCP connection per peer pair) do not queue behind MiBs of chunk data. The caller
 must pass ``windowed=True`` for such a method (its name says so, e.g. ``.../exchange/2``).
+Windowed answers go out oldest first, and a new one is answered ``busy`` when those already
+accepted would take longer than the window's horizon (``BulkWindow.crowded``).
 """
 
 from __future__ import annotations
