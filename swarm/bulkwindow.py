@@ -25,16 +25,24 @@ In what order. Room goes to the *oldest answer* first (the order answers were op
 slices first come, first served: interleaving the slices of every answer in flight would share the
 uplink evenly among them, so that with 32 answers queued each progresses at 1/32 of the uplink and
 every chunk completes late (a chunk can only be relayed once it is whole). One after another, each
-answer takes the uplink's full rate and its chunk can be relayed at once.
+answer takes the uplink's full rate and its chunk can be relayed at once. While another answer
+waits, no answer holds more than ``share`` of the window (half): a reader that acknowledges slowly
+(a slow downlink, a hostile peer) cannot keep the others waiting, and the bytes in flight are
+spread over at least two streams (each stream's own flow-control window in p2pd's yamux caps what
+one stream moves per round trip).
 
 How many. An answer queued behind others gets no byte until they are written, and the asker gives
 a holder up as slow when a request receives too little for a while (``DownloadConfig.min_rate``
 over ``stall_timeout``). So a holder refuses a new answer ``busy`` (the asker tries another holder
-or comes back shortly) once the answers it has already accepted would take more than ``horizon``
-seconds at the rate its acknowledgements arrived recently (:meth:`BulkWindow.crowded`).
+or comes back shortly) once the answers it has already accepted, and their bytes in flight, would
+take more than ``horizon`` seconds at the rate its acknowledgements arrived recently
+(:meth:`BulkWindow.admit`). An answer is counted from the moment it is admitted, before its
+handler runs, so a burst of requests cannot all pass; until a rate has been measured, only
+``min_answers`` are admitted at once.
 
-A stream whose reader stops acknowledging for ``ack_timeout`` is ended (its bytes are released),
-so a peer that never acknowledges cannot hold the window.
+A stream whose reader does not acknowledge ``min_progress`` more bytes (or all it was sent) within
+each ``ack_timeout`` while bytes are unacknowledged is ended (its bytes are released), so a peer
+that never acknowledges, repeats its count or trickles cannot hold the window.
 """
 
 from __future__ import annotations
@@ -82,7 +90,13 @@ class WindowStats:
     acked: int  # bytes acknowledged in all
     answers: int  # answers accepted and not yet fully written
     queued: int  # bytes of those answers not yet written
-    rate: float | None  # bytes/s acknowledged recently (None: not measured yet)
+    rate: float | None  # bytes/s acknowledged recently (None: never measured yet)
+
+
+@dataclass
+class _Answer:
+    unwritten: int  # bytes not yet written (an estimate until the answer's size is known)
+    held: int = 0  # bytes granted to it and not yet acknowledged or released
 
 
 class BulkWindow:
@@ -90,9 +104,10 @@ class BulkWindow:
 
     ``target`` is the queueing delay to aim at (seconds); the window stays within
     [``min_window``, ``max_window``] bytes. ``horizon`` (seconds): how long the answers already
-    accepted may take at the recent rate before a new one is refused (:meth:`crowded`; at least
+    accepted may take at the recent rate before a new one is refused (:meth:`admit`; at least
     ``min_answers`` are always accepted); the rate is measured over the last ``rate_window``
-    seconds of acknowledgements. ``clock`` is injectable for tests.
+    seconds of acknowledgements. ``share``: the part of the window one answer may hold while
+    another waits. ``clock`` is injectable for tests.
     """
 
     def __init__(
@@ -105,17 +120,20 @@ class BulkWindow:
         gain: float = 0.5,
         base_history: float = 60.0,
         horizon: float = 3.0,
-        min_answers: int = 2,
+        min_answers: int = 1,
         rate_window: float = 2.0,
+        share: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if target <= 0 or not 0 < min_window <= initial <= max_window or gain <= 0:
             raise ValueError(
                 "BulkWindow needs target > 0, gain > 0 and 0 < min_window <= initial <= max_window"
             )
-        if horizon <= 0 or min_answers < 1 or rate_window <= 0:
-            raise ValueError("BulkWindow needs horizon > 0, min_answers >= 1 and rate_window > 0")
+        if horizon <= 0 or min_answers < 1 or rate_window <= 0 or not 0 < share <= 1:
+            raise ValueError("BulkWindow needs horizon > 0, min_answers >= 1, rate_window > 0 "
+                             "and 0 < share <= 1")  # fmt: skip
         self.horizon, self.min_answers, self.rate_window = horizon, min_answers, rate_window
+        self.share = share
         self.target = target
         self.min_window, self.max_window = min_window, max_window
         self.gain = gain
@@ -127,8 +145,10 @@ class BulkWindow:
         self._waiters: list[tuple[int, int, int, asyncio.Future[None]]] = []
         self._arrivals = itertools.count()
         self._answer_ids = itertools.count()
-        self._answers: dict[int, int] = {}  # open answer -> bytes not yet written
+        self._answers: dict[int, _Answer] = {}  # open answers, by id (= age)
+        self._typical = 0  # size of the last answer written: the estimate for an admitted one
         self._busy_since: float | None = None  # when answers last went from none to some
+        self._last_rate: float | None = None  # the last rate measured (kept over idle gaps)
         self._recent: deque[tuple[float, int]] = deque()  # (time, bytes) of recent acks
         # base delay: minimum per bucket of base_history/4 seconds, the last 4 buckets kept
         self._bucket_s = base_history / 4
@@ -146,49 +166,81 @@ class BulkWindow:
     def statistics(self) -> WindowStats:
         return WindowStats(self.window, self.inflight, self.base_rtt, self.last_rtt,
                            len(self._waiters), self.acked, len(self._answers),
-                           sum(self._answers.values()), self.rate())  # fmt: skip
+                           self.booked(), self.rate())  # fmt: skip
 
     # -- answers: their order and how many are accepted -----------------------------------------
+    def admit(self) -> int | None:
+        """An answer id for a new request, registered now (before its handler runs, so that a
+        burst of requests cannot all pass :meth:`crowded`) with the size of the last answer as
+        its estimate; None when :meth:`crowded` (answer ``busy``). Close it with
+        :meth:`close_answer` whatever happens (``write_windowed(answer=...)`` does)."""
+        return None if self.crowded() else self.open_answer(self._typical)
+
     def open_answer(self, size: int) -> int:
         """Register an answer of ``size`` bytes about to be written; returns its id (answers
         are granted room in the order they were opened)."""
         if not self._answers:
             self._busy_since = self.clock()
         answer = next(self._answer_ids)
-        self._answers[answer] = size
+        self._answers[answer] = _Answer(size)
         return answer
+
+    def resize(self, answer: int, size: int) -> None:
+        """``answer`` (admitted with an estimate) turned out to have ``size`` bytes to write."""
+        if answer in self._answers:
+            self._answers[answer].unwritten = size
+            self._typical = size
 
     def wrote(self, answer: int, n: int) -> None:
         """``n`` more bytes of ``answer`` were written."""
         if answer in self._answers:
-            self._answers[answer] = max(0, self._answers[answer] - n)
+            rec = self._answers[answer]
+            rec.unwritten = max(0, rec.unwritten - n)
 
     def close_answer(self, answer: int) -> None:
         """``answer`` ended (written whole, or failed)."""
-        self._answers.pop(answer, None)
-        if not self._answers:
+        if self._answers.pop(answer, None) is not None and not self._answers:
+            self._measure(self.clock(), whole=True)  # short busy spells count too
             self._busy_since = None
+        self._grant()  # its share no longer counts: an answer held back by it may go on
+
+    def booked(self) -> int:
+        """Bytes the open answers have still to write, plus the bytes in flight."""
+        return sum(a.unwritten for a in self._answers.values()) + self.inflight
 
     def rate(self) -> float | None:
         """Bytes per second acknowledged over the last ``rate_window`` seconds while answers
-        were open; None until answers have been open for a quarter of that."""
-        now = self.clock()
-        while self._recent and self._recent[0][0] < now - self.rate_window:
-            self._recent.popleft()
+        were open (measured once they have been open for a quarter of that; until then the last
+        rate measured, None if there is none)."""
+        self._measure(self.clock())
+        return self._last_rate
+
+    def _measure(self, now: float, *, whole: bool = False) -> None:
+        """Update the rate from the acknowledgements of the current busy spell (the last
+        ``rate_window`` seconds of it), once it lasted a quarter of that; ``whole``: the spell
+        ends, measure it however short (answers that each finish fast must not leave the rate
+        unknown, which admits only ``min_answers`` at once)."""
+        self._forget(now)
         if self._busy_since is None:
-            return None
+            return
         span = min(self.rate_window, now - self._busy_since)
-        if span < self.rate_window / 4:
-            return None
-        return sum(n for t, n in self._recent if t >= now - span) / span
+        if span >= self.rate_window / 4 or (whole and span > 0):
+            acked = sum(n for t, n in self._recent if t >= now - span)
+            if acked or not whole:
+                self._last_rate = acked / span
 
     def crowded(self) -> bool:
         """Whether a new answer should be refused ``busy``: at least ``min_answers`` are open
-        and their unwritten bytes would take over ``horizon`` seconds at :meth:`rate`."""
+        and what they have booked (:meth:`booked`) would take over ``horizon`` seconds at
+        :meth:`rate`; with no rate measured yet, whether ``min_answers`` are open."""
         if len(self._answers) < self.min_answers:
             return False
         rate = self.rate()
-        return rate is not None and sum(self._answers.values()) > rate * self.horizon
+        return rate is None or self.booked() > rate * self.horizon
+
+    def _forget(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - self.rate_window:
+            self._recent.popleft()
 
     def slice_size(self) -> int:
         """Bytes for the next write: a quarter of the window, a multiple of :data:`MIN_SLICE`
@@ -199,40 +251,52 @@ class BulkWindow:
     def _fits(self, n: int) -> bool:
         return self.inflight == 0 or self.inflight + n <= self._window
 
+    def _over_share(self, key: int, n: int) -> bool:
+        """Whether answer ``key`` holding ``n`` more bytes would exceed its ``share`` of the
+        window while another answer waits (one slice always fits: an answer is never stopped)."""
+        rec = self._answers.get(key)
+        if rec is None or rec.held == 0 or rec.held + n <= self._window * self.share:
+            return False
+        return any(w[0] != key and not w[3].cancelled() for w in self._waiters)
+
     def reserve(self, n: int, answer: int = -1) -> asyncio.Future[None]:
         """A future done once ``n`` bytes may be written; waiting reservations are granted
         oldest ``answer`` first (first come, first served among one answer's, or when ``answer``
-        is not given). Cancel it to give up waiting (:meth:`withdraw`)."""
+        is not given), an answer past its ``share`` of the window passed over while another
+        waits. Cancel it to give up waiting (:meth:`withdraw`)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         key = answer if answer >= 0 else 1 << 62
-        if (not self._waiters or key < self._waiters[0][0]) and self._fits(n):
-            self.inflight += n
-            fut.set_result(None)
-        else:
-            bisect.insort(self._waiters, (key, next(self._arrivals), n, fut),
-                          key=lambda w: (w[0], w[1]))  # fmt: skip
+        bisect.insort(self._waiters, (key, next(self._arrivals), n, fut),
+                      key=lambda w: (w[0], w[1]))  # fmt: skip
+        self._grant()
         return fut
 
-    def withdraw(self, n: int, fut: asyncio.Future[None]) -> None:
+    def withdraw(self, n: int, fut: asyncio.Future[None], answer: int = -1) -> None:
         """Give up a reservation from :meth:`reserve` (granted or not)."""
         if fut.done() and not fut.cancelled():
-            self.release(n)
+            self.release(n, answer)
             return
         fut.cancel()
         self._waiters = [w for w in self._waiters if w[3] is not fut]
         self._grant()
 
-    def release(self, n: int) -> None:
-        """``n`` bytes no longer in flight without a measurement (a stream ended)."""
+    def release(self, n: int, answer: int = -1) -> None:
+        """``n`` bytes (of ``answer``) no longer in flight without a measurement (a stream
+        ended)."""
         self.inflight = max(0, self.inflight - n)
+        if answer in self._answers:
+            rec = self._answers[answer]
+            rec.held = max(0, rec.held - n)
         self._grant()
 
-    def ack(self, n: int, rtt: float) -> None:
-        """``n`` bytes acknowledged ``rtt`` seconds after they were written: steer the window."""
+    def ack(self, n: int, rtt: float, answer: int = -1) -> None:
+        """``n`` bytes (of ``answer``) acknowledged ``rtt`` seconds after they were written:
+        steer the window."""
         now = self.clock()
         self.acked += n
         self._recent.append((now, n))
+        self._forget(now)
         self.last_rtt = rtt
         start = now - now % self._bucket_s
         if self._minima and self._minima[-1][0] == start:
@@ -245,18 +309,26 @@ class BulkWindow:
         off_target = max(-1.0, min(1.0, (self.target - queueing) / self.target))
         grown = self._window + self.gain * off_target * n
         self._window = max(float(self.min_window), min(float(self.max_window), grown))
-        self.release(n)
+        self.release(n, answer)
 
     def _grant(self) -> None:
-        while self._waiters:
-            _key, _arrival, n, fut = self._waiters[0]
+        """Grant waiting reservations in order while the window has room: the first that does
+        not fit stops the line; one only past its answer's share is passed over."""
+        i = 0
+        while i < len(self._waiters):
+            key, _arrival, n, fut = self._waiters[i]
             if fut.cancelled():
-                self._waiters.pop(0)
+                self._waiters.pop(i)
                 continue
             if not self._fits(n):
                 return
-            self._waiters.pop(0)
+            if self._over_share(key, n):
+                i += 1
+                continue
+            self._waiters.pop(i)
             self.inflight += n
+            if key in self._answers:
+                self._answers[key].held += n
             fut.set_result(None)
 
 
@@ -269,40 +341,55 @@ async def write_windowed(
     timeout: float,
     ack_timeout: float,
     limiter: TokenBucket | None = None,
+    answer: int | None = None,
+    min_progress: int = 256 * 1024,
 ) -> None:
     """Write ``data`` in slices of :meth:`BulkWindow.slice_size`, each once ``window`` has room,
     reading the reader's cumulative :data:`ACK` acknowledgements meanwhile; returns when all are
-    acknowledged.
+    acknowledged. ``answer``: its id from :meth:`BulkWindow.admit` (else one is opened here);
+    closed on return either way.
 
     Raises ``TimeoutError`` when a write or the wait for room takes over ``timeout``, or when
-    bytes stay unacknowledged for ``ack_timeout``; ``OSError``/``IncompleteReadError`` when the
-    stream breaks, ``ValueError`` for an acknowledgement that is not a count of bytes sent."""
+    bytes are unacknowledged and the count has not advanced by ``min_progress`` bytes (or to all
+    sent) for ``ack_timeout``; ``OSError``/``IncompleteReadError`` when the stream breaks,
+    ``ValueError`` for an acknowledgement that is not a count of bytes sent."""
     loop = asyncio.get_running_loop()
     pending: deque[tuple[int, float, int]] = deque()  # (end offset, written at, bytes)
     state = {"sent": 0, "acked": 0}
+    if answer is None:
+        answer = window.open_answer(len(data))
+    else:
+        window.resize(answer, len(data))
+    ident = answer
 
     async def read_acks() -> None:
+        mark = (loop.time(), 0)  # (when, count): the last acknowledgement that made progress
         while state["acked"] < len(data):
+            # the clock runs from the last progress, or from when the oldest unacknowledged
+            # byte was written if later: a count repeated or crawling does not reset it
+            since = max(mark[0], pending[0][1]) if pending else loop.time()
+            left = since + ack_timeout - loop.time()
+            if left <= 0:
+                raise TimeoutError(f"under {min_progress} B acknowledged in {ack_timeout:.0f} s")
             try:
-                async with asyncio.timeout(ack_timeout):
+                async with asyncio.timeout(left):
                     raw = await reader.readexactly(ACK.size)
             except TimeoutError:
-                if pending:
-                    raise
-                continue
+                continue  # decided above, on the next turn
             (count,) = ACK.unpack(raw)
             if not state["acked"] <= count <= state["sent"]:
                 raise ValueError(f"acknowledged {count} B, sent {state['sent']} B")
             now = loop.time()
             while pending and pending[0][0] <= count:
                 _end, at, n = pending.popleft()
-                window.ack(n, now - at)
+                window.ack(n, now - at, ident)
             state["acked"] = count
+            if count - mark[1] >= min_progress or count == state["sent"]:
+                mark = (now, count)
 
     acks = asyncio.create_task(read_acks(), name="bulk-acks")
     view = memoryview(data)
     start = 0
-    answer = window.open_answer(len(data))
     try:
         while start < len(view):
             piece = view[start : start + window.slice_size()]
@@ -313,10 +400,10 @@ async def write_windowed(
                     done, _ = await asyncio.wait({room, acks}, timeout=timeout,
                                                  return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
             except BaseException:
-                window.withdraw(len(piece), room)
+                window.withdraw(len(piece), room, answer)
                 raise
             if room not in done:
-                window.withdraw(len(piece), room)
+                window.withdraw(len(piece), room, answer)
                 if acks in done:
                     acks.result()  # raises what ended the reader
                 raise TimeoutError(f"no room in the bulk window for {timeout:.0f} s")
@@ -335,14 +422,14 @@ async def write_windowed(
             await drain_within(writer, timeout)
         await asyncio.wait_for(asyncio.shield(acks), timeout)
     finally:
-        window.close_answer(answer)
         if not acks.done():
             acks.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await acks
         elif not acks.cancelled():
             acks.exception()  # retrieved: the caller sees the write path's error (or none)
-        window.release(sum(n for _end, _at, n in pending))
+        window.release(sum(n for _end, _at, n in pending), answer)
+        window.close_answer(answer)
 
 
 async def read_acked(

@@ -5,6 +5,7 @@ or lies about what it received cannot hold the window, and an error answer is no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -123,6 +124,52 @@ async def test_a_reader_that_does_not_acknowledge_cannot_hold_the_window(lie: bo
     server.close()
 
 
+@pytest.mark.parametrize("reader_kind", ["repeats", "trickles", "keeps up"])
+async def test_a_reader_must_acknowledge_progress_to_hold_the_window(reader_kind: str) -> None:
+    """A reader that repeats its last count, or advances it by a trickle, is ended after
+    ``ack_timeout`` like one that says nothing (each acknowledgement used to restart the clock,
+    so it could hold its bytes of the window for as long as the writer's whole timeout); one that
+    keeps up is served whole."""
+    data = os.urandom(16 * BULK_SLICE)
+    window = BulkWindow(initial=4 * BULK_SLICE, min_window=BULK_SLICE)
+    outcome: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+    loop = asyncio.get_running_loop()
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            await write_windowed(w, r, data, window=window, timeout=30.0, ack_timeout=0.6,
+                                 min_progress=4 * BULK_SLICE)  # fmt: skip
+            outcome.set_result(None)
+        except Exception as exc:
+            outcome.set_result(exc)
+        finally:
+            w.close()
+
+    reader, writer, server = await tcp_pair(serve)
+    started = loop.time()
+    got = 0
+    with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):  # the writer quit
+        while not outcome.done() and got < len(data):
+            if reader_kind == "keeps up":
+                got += len(await reader.read(1 << 20))
+            elif reader_kind == "trickles":  # 1 KiB every 0.1 s: 6 KiB per ack_timeout
+                got += len(await reader.readexactly(1024))
+            elif got == 0:
+                got = len(await reader.readexactly(BULK_SLICE))
+            writer.write(ACK.pack(got))
+            if reader_kind != "keeps up":
+                await asyncio.sleep(0.1)
+    exc = await asyncio.wait_for(outcome, 30.0)
+    if reader_kind == "keeps up":
+        assert exc is None and got == len(data)
+    else:
+        assert isinstance(exc, TimeoutError) and "acknowledged in" in str(exc), exc
+        assert loop.time() - started < 5.0  # ack_timeout, not the writer's 30 s timeout
+    assert window.inflight == 0 and window.statistics().answers == 0
+    writer.close()
+    server.close()
+
+
 @pytest.fixture
 async def pair() -> AsyncIterator[tuple[SwarmPeer, SwarmPeer]]:
     a = await start_loopback_peer()
@@ -133,8 +180,9 @@ async def pair() -> AsyncIterator[tuple[SwarmPeer, SwarmPeer]]:
 
 async def test_windowed_rpc_through_p2pd(pair: tuple[SwarmPeer, SwarmPeer]) -> None:
     a, b = pair
-    # a horizon no loaded machine reaches: the three concurrent answers are all accepted
-    server = P2PTransport(a.p2p, bulk_window=BulkWindow(horizon=3600.0))
+    # three answers admitted at once, and a horizon no loaded machine reaches: the three
+    # concurrent answers are all accepted
+    server = P2PTransport(a.p2p, bulk_window=BulkWindow(horizon=3600.0, min_answers=3))
     client = P2PTransport(b.p2p)
     payload = os.urandom(3 << 20)
 
@@ -158,12 +206,14 @@ async def test_windowed_rpc_through_p2pd(pair: tuple[SwarmPeer, SwarmPeer]) -> N
         await client.call(a.peer_id, "/t/bulk/2", b"no", timeout=10.0, windowed=True)
     assert server.bulk_window.inflight == 0
     assert stats.answers == 0 and stats.queued == 0  # every answer closed
+    # the error answer was admitted (a place in the line) before its handler ran: closed too
+    assert server.bulk_window.statistics().answers == 0
     # A holder whose accepted answers book its uplink for longer than the horizon refuses a
     # new one at once ("busy": the asker tries another holder) instead of queueing it.
     window = server.bulk_window
+    assert window.rate() is not None  # measured over the answers above
     window.horizon = 0.001
-    booked = [window.open_answer(8 << 20) for _ in range(2)]
-    window._busy_since = window.clock() - window.rate_window  # its rate is measured
+    booked = [window.open_answer(8 << 20) for _ in range(3)]
     with pytest.raises(RemoteError, match="busy"):
         await client.call(a.peer_id, "/t/bulk/2", b"", timeout=10.0, windowed=True)
     for answer in booked:

@@ -96,16 +96,17 @@ async def test_room_is_granted_first_come_first_served_and_withdrawn_on_give_up(
 
 async def test_room_goes_to_the_oldest_answer_first() -> None:
     """Waiting slices are granted by answer age, not arrival: the older answer finishes first
-    (interleaving every answer's slices would make every chunk complete late)."""
-    w = BulkWindow(initial=2 * BULK_SLICE, min_window=BULK_SLICE)
+    (interleaving every answer's slices would make every chunk complete late). share=1: the
+    order alone (the share is the next test's)."""
+    w = BulkWindow(initial=2 * BULK_SLICE, min_window=BULK_SLICE, share=1.0)
     older, newer = w.open_answer(4 * BULK_SLICE), w.open_answer(4 * BULK_SLICE)
     assert w.reserve(BULK_SLICE, older).done() and w.reserve(BULK_SLICE, older).done()
     b = w.reserve(BULK_SLICE, newer)  # the window is full: waits
     a = w.reserve(BULK_SLICE, older)  # asks later, but for the older answer
     assert not a.done() and not b.done()
-    w.ack(BULK_SLICE, 0.01)
+    w.ack(BULK_SLICE, 0.01, older)
     assert a.done() and not b.done()
-    w.ack(BULK_SLICE, 0.01)
+    w.ack(BULK_SLICE, 0.01, older)
     assert b.done()
     # an older answer that gives up leaves the line: the newer one is served next
     w.release(w.inflight)
@@ -119,31 +120,74 @@ async def test_room_goes_to_the_oldest_answer_first() -> None:
 
 async def test_a_holder_is_crowded_once_its_answers_take_longer_than_the_horizon() -> None:
     clock = Clock()
-    w = BulkWindow(horizon=3.0, min_answers=2, rate_window=2.0, clock=clock)
-    first = w.open_answer(1 << 20)
-    second = w.open_answer(1 << 20)
-    assert w.rate() is None and not w.crowded()  # no rate measured yet: accepted
+    w = BulkWindow(horizon=3.0, min_answers=1, rate_window=2.0, clock=clock)
+    first = w.admit()
+    assert first is not None and w.rate() is None
+    # no rate measured yet: no more than min_answers at once (a burst cannot all pass)
+    assert w.crowded() and w.admit() is None
+    w.resize(first, 1 << 20)
     for _ in range(8):  # 256 KiB acknowledged over one second
         clock.t += 0.125
         w.reserve(BULK_SLICE, first)
         w.wrote(first, BULK_SLICE)
-        w.ack(BULK_SLICE, 0.01)
+        w.ack(BULK_SLICE, 0.01, first)
     assert w.rate() == pytest.approx(8 * BULK_SLICE / 1.0)
-    # 2 MiB - 256 KiB queued against 768 KiB in the horizon: refuse a third answer
-    assert w.statistics().queued == 2 * (1 << 20) - 8 * BULK_SLICE and w.crowded()
-    w.close_answer(second)
-    assert not w.crowded()  # fewer than min_answers open: always accepted
+    # 1 MiB - 256 KiB to write against 768 KiB in the horizon: still room for one more ...
+    assert w.booked() == (1 << 20) - 8 * BULK_SLICE and not w.crowded()
+    second = w.admit()  # ... admitted with the last answer's size (1 MiB) as its estimate
+    assert second is not None and w.booked() == 2 * (1 << 20) - 8 * BULK_SLICE
+    assert w.crowded() and w.admit() is None  # booked past the horizon: busy
+    w.close_answer(second)  # its handler failed: it no longer counts
+    assert not w.crowded()
     third = w.open_answer(1 << 20)
     assert w.crowded()
-    clock.t += 1.0  # a faster uplink than the answers need: 2 MiB/s measured
+    clock.t += 1.0  # 1 MiB more acknowledged: (256 KiB + 1 MiB) over the last 2 s = 640 KiB/s
     for _ in range(8):
         w.reserve(4 * BULK_SLICE, first)
-        w.ack(4 * BULK_SLICE, 0.01)
+        w.ack(4 * BULK_SLICE, 0.01, first)
+    assert w.rate() == pytest.approx((8 * BULK_SLICE + (1 << 20)) / 2.0)
     w.wrote(third, 1 << 20)
     assert not w.crowded()
     w.close_answer(first)
     w.close_answer(third)
-    assert w.rate() is None and w.statistics().answers == 0
+    # the rate is kept over an idle spell: the next burst is judged by it, not refused blind
+    assert w.statistics().answers == 0 and w.rate() is not None
+    clock.t += 30.0
+    assert w.admit() is not None and w.admit() is not None
+
+
+async def test_a_short_busy_spell_measures_the_rate() -> None:
+    """Answers that each finish within a fraction of ``rate_window`` must still leave a rate
+    measured, or the holder would admit only ``min_answers`` at once for good."""
+    clock = Clock()
+    w = BulkWindow(rate_window=2.0, clock=clock)
+    answer = w.open_answer(4 * BULK_SLICE)
+    clock.t += 0.1
+    w.reserve(4 * BULK_SLICE, answer)
+    w.ack(4 * BULK_SLICE, 0.01, answer)
+    assert w.rate() is None  # 0.1 s open: too short to judge while it lasts
+    w.close_answer(answer)
+    assert w.rate() == pytest.approx(4 * BULK_SLICE / 0.1)
+
+
+async def test_one_answer_holds_at_most_its_share_while_another_waits() -> None:
+    """Oldest first, but not all of the window: an answer past half the window is passed over
+    while a younger one waits (a slowly acknowledging reader cannot stop the others), and takes
+    the whole window again when alone."""
+    w = BulkWindow(initial=8 * BULK_SLICE, min_window=BULK_SLICE, share=0.5)
+    old, young = w.open_answer(1 << 20), w.open_answer(1 << 20)
+    for _ in range(5):  # alone: past half the window
+        assert w.reserve(BULK_SLICE, old).done()
+    assert w.reserve(3 * BULK_SLICE, young).done()  # the rest of the window
+    o, y = w.reserve(BULK_SLICE, old), w.reserve(BULK_SLICE, young)
+    assert not o.done() and not y.done()  # the window is full
+    # room for one slice: the older answer holds 5 slices, past its share (4) while the younger
+    # waits, so the younger is served although the older comes first
+    w.ack(BULK_SLICE, 0.01, young)
+    assert not o.done() and y.done()
+    w.ack(BULK_SLICE, 0.01, young)  # room again, and nobody else waits: past its share it goes on
+    assert o.done()
+    assert w.inflight == 8 * BULK_SLICE
 
 
 def test_bad_window_settings_are_refused() -> None:
@@ -151,6 +195,8 @@ def test_bad_window_settings_are_refused() -> None:
         BulkWindow(initial=1024, min_window=4096)
     with pytest.raises(ValueError, match="horizon"):
         BulkWindow(horizon=0)
+    with pytest.raises(ValueError, match="share"):
+        BulkWindow(share=0)
     with pytest.raises(ValueError, match="target"):
         BulkWindow(target=0.0)
 
