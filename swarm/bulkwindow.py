@@ -25,20 +25,27 @@ In what order. Room goes to the *oldest answer* first (the order answers were op
 slices first come, first served: interleaving the slices of every answer in flight would share the
 uplink evenly among them, so that with 32 answers queued each progresses at 1/32 of the uplink and
 every chunk completes late (a chunk can only be relayed once it is whole). One after another, each
-answer takes the uplink's full rate and its chunk can be relayed at once. While another answer
-waits, no answer holds more than ``share`` of the window (half): a reader that acknowledges slowly
-(a slow downlink, a hostile peer) cannot keep the others waiting, and the bytes in flight are
-spread over at least two streams (each stream's own flow-control window in p2pd's yamux caps what
-one stream moves per round trip).
+answer takes the uplink's full rate and its chunk can be relayed at once. Two exceptions, both
+only while another answer waits (the order never leaves the uplink idle):
+
+* an answer holding ``stream_window`` bytes (256 KiB) gets no more: every answer is a new stream,
+  and a new yamux stream in p2pd may have only 256 KiB unacknowledged (its window grows later,
+  but an answer is over by then), so more would only wait in p2pd's buffers while the uplink
+  idles: one answer moves at most 256 KiB per round trip (6.4 MiB/s with 20 ms each way), the
+  window's other bytes go to the next answer;
+* an answer whose reader has acknowledged nothing for ``slow_after`` (1 s, or 4 base round trips
+  if longer) while holding bytes is passed over, and the bytes it holds no
+  longer count against the window (they wait on that reader's connection, not in our uplink's
+  queue): a slow downlink or a hostile peer cannot stall the others behind it.
 
 How many. An answer queued behind others gets no byte until they are written, and the asker gives
 a holder up as slow when a request receives too little for a while (``DownloadConfig.min_rate``
 over ``stall_timeout``). So a holder refuses a new answer ``busy`` (the asker tries another holder
-or comes back shortly) once the answers it has already accepted, and their bytes in flight, would
-take more than ``horizon`` seconds at the rate its acknowledgements arrived recently
-(:meth:`BulkWindow.admit`). An answer is counted from the moment it is admitted, before its
-handler runs, so a burst of requests cannot all pass; until a rate has been measured, only
-``min_answers`` are admitted at once.
+or comes back shortly) once the answers it has already accepted would take more than ``horizon``
+seconds at the rate its acknowledgements arrived recently (:meth:`BulkWindow.crowded`). Stricter
+admission was measured worse (docs/swarm.md): counting an answer from before its handler runs,
+accepting one instead of ``min_answers`` (2), or refusing while no rate is measured made the askers
+retry more often than the retries were worth.
 
 A stream whose reader does not acknowledge ``min_progress`` more bytes (or all it was sent) within
 each ``ack_timeout`` while bytes are unacknowledged is ended (its bytes are released), so a peer
@@ -97,6 +104,7 @@ class WindowStats:
 class _Answer:
     unwritten: int  # bytes not yet written (an estimate until the answer's size is known)
     held: int = 0  # bytes granted to it and not yet acknowledged or released
+    heard: float = 0.0  # when its reader last acknowledged, or it last went from holding none
 
 
 class BulkWindow:
@@ -106,8 +114,8 @@ class BulkWindow:
     [``min_window``, ``max_window``] bytes. ``horizon`` (seconds): how long the answers already
     accepted may take at the recent rate before a new one is refused (:meth:`admit`; at least
     ``min_answers`` are always accepted); the rate is measured over the last ``rate_window``
-    seconds of acknowledgements. ``share``: the part of the window one answer may hold while
-    another waits. ``clock`` is injectable for tests.
+    seconds of acknowledgements. ``stream_window`` and ``slow_after``: when an answer is passed
+    over while another waits (module doc). ``clock`` is injectable for tests.
     """
 
     def __init__(
@@ -120,20 +128,22 @@ class BulkWindow:
         gain: float = 0.5,
         base_history: float = 60.0,
         horizon: float = 3.0,
-        min_answers: int = 1,
+        min_answers: int = 2,
         rate_window: float = 2.0,
-        share: float = 0.5,
+        stream_window: int = 256 * 1024,
+        slow_after: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if target <= 0 or not 0 < min_window <= initial <= max_window or gain <= 0:
             raise ValueError(
                 "BulkWindow needs target > 0, gain > 0 and 0 < min_window <= initial <= max_window"
             )
-        if horizon <= 0 or min_answers < 1 or rate_window <= 0 or not 0 < share <= 1:
-            raise ValueError("BulkWindow needs horizon > 0, min_answers >= 1, rate_window > 0 "
-                             "and 0 < share <= 1")  # fmt: skip
+        if horizon <= 0 or min_answers < 1 or rate_window <= 0:
+            raise ValueError("BulkWindow needs horizon > 0, min_answers >= 1 and rate_window > 0")
+        if stream_window <= 0 or slow_after <= 0:
+            raise ValueError("BulkWindow needs stream_window > 0 and slow_after > 0")
         self.horizon, self.min_answers, self.rate_window = horizon, min_answers, rate_window
-        self.share = share
+        self.stream_window, self.slow_after = stream_window, slow_after
         self.target = target
         self.min_window, self.max_window = min_window, max_window
         self.gain = gain
@@ -146,14 +156,13 @@ class BulkWindow:
         self._arrivals = itertools.count()
         self._answer_ids = itertools.count()
         self._answers: dict[int, _Answer] = {}  # open answers, by id (= age)
-        self._typical = 0  # size of the last answer written: the estimate for an admitted one
         self._busy_since: float | None = None  # when answers last went from none to some
-        self._last_rate: float | None = None  # the last rate measured (kept over idle gaps)
         self._recent: deque[tuple[float, int]] = deque()  # (time, bytes) of recent acks
         # base delay: minimum per bucket of base_history/4 seconds, the last 4 buckets kept
         self._bucket_s = base_history / 4
         self._minima: deque[tuple[float, float]] = deque()  # (bucket start, min rtt)
         self.last_rtt: float | None = None
+        self._timer: asyncio.TimerHandle | None = None  # see _recheck
 
     @property
     def window(self) -> int:
@@ -166,16 +175,9 @@ class BulkWindow:
     def statistics(self) -> WindowStats:
         return WindowStats(self.window, self.inflight, self.base_rtt, self.last_rtt,
                            len(self._waiters), self.acked, len(self._answers),
-                           self.booked(), self.rate())  # fmt: skip
+                           self.queued(), self.rate())  # fmt: skip
 
     # -- answers: their order and how many are accepted -----------------------------------------
-    def admit(self) -> int | None:
-        """An answer id for a new request, registered now (before its handler runs, so that a
-        burst of requests cannot all pass :meth:`crowded`) with the size of the last answer as
-        its estimate; None when :meth:`crowded` (answer ``busy``). Close it with
-        :meth:`close_answer` whatever happens (``write_windowed(answer=...)`` does)."""
-        return None if self.crowded() else self.open_answer(self._typical)
-
     def open_answer(self, size: int) -> int:
         """Register an answer of ``size`` bytes about to be written; returns its id (answers
         are granted room in the order they were opened)."""
@@ -185,12 +187,6 @@ class BulkWindow:
         self._answers[answer] = _Answer(size)
         return answer
 
-    def resize(self, answer: int, size: int) -> None:
-        """``answer`` (admitted with an estimate) turned out to have ``size`` bytes to write."""
-        if answer in self._answers:
-            self._answers[answer].unwritten = size
-            self._typical = size
-
     def wrote(self, answer: int, n: int) -> None:
         """``n`` more bytes of ``answer`` were written."""
         if answer in self._answers:
@@ -199,44 +195,34 @@ class BulkWindow:
 
     def close_answer(self, answer: int) -> None:
         """``answer`` ended (written whole, or failed)."""
-        if self._answers.pop(answer, None) is not None and not self._answers:
-            self._measure(self.clock(), whole=True)  # short busy spells count too
+        self._answers.pop(answer, None)
+        if not self._answers:
             self._busy_since = None
-        self._grant()  # its share no longer counts: an answer held back by it may go on
+        self._grant()  # an answer passed over because this one waited may go on
 
-    def booked(self) -> int:
-        """Bytes the open answers have still to write, plus the bytes in flight."""
-        return sum(a.unwritten for a in self._answers.values()) + self.inflight
+    def queued(self) -> int:
+        """Bytes the open answers have still to write."""
+        return sum(a.unwritten for a in self._answers.values())
 
     def rate(self) -> float | None:
         """Bytes per second acknowledged over the last ``rate_window`` seconds while answers
-        were open (measured once they have been open for a quarter of that; until then the last
-        rate measured, None if there is none)."""
-        self._measure(self.clock())
-        return self._last_rate
-
-    def _measure(self, now: float, *, whole: bool = False) -> None:
-        """Update the rate from the acknowledgements of the current busy spell (the last
-        ``rate_window`` seconds of it), once it lasted a quarter of that; ``whole``: the spell
-        ends, measure it however short (answers that each finish fast must not leave the rate
-        unknown, which admits only ``min_answers`` at once)."""
+        were open; None until answers have been open for a quarter of that."""
+        now = self.clock()
         self._forget(now)
         if self._busy_since is None:
-            return
+            return None
         span = min(self.rate_window, now - self._busy_since)
-        if span >= self.rate_window / 4 or (whole and span > 0):
-            acked = sum(n for t, n in self._recent if t >= now - span)
-            if acked or not whole:
-                self._last_rate = acked / span
+        if span < self.rate_window / 4:
+            return None
+        return sum(n for t, n in self._recent if t >= now - span) / span
 
     def crowded(self) -> bool:
         """Whether a new answer should be refused ``busy``: at least ``min_answers`` are open
-        and what they have booked (:meth:`booked`) would take over ``horizon`` seconds at
-        :meth:`rate`; with no rate measured yet, whether ``min_answers`` are open."""
+        and their unwritten bytes would take over ``horizon`` seconds at :meth:`rate`."""
         if len(self._answers) < self.min_answers:
             return False
         rate = self.rate()
-        return rate is None or self.booked() > rate * self.horizon
+        return rate is not None and self.queued() > rate * self.horizon
 
     def _forget(self, now: float) -> None:
         while self._recent and self._recent[0][0] < now - self.rate_window:
@@ -248,22 +234,34 @@ class BulkWindow:
         quarter = int(self._window) // 4 // MIN_SLICE * MIN_SLICE
         return max(MIN_SLICE, min(MAX_SLICE, quarter))
 
-    def _fits(self, n: int) -> bool:
-        return self.inflight == 0 or self.inflight + n <= self._window
+    def _fits(self, n: int, now: float) -> bool:
+        # the bytes of silent readers wait on their own connections, not in the uplink's queue
+        moving = self.inflight - sum(a.held for a in self._answers.values() if self._slow(a, now))
+        return moving <= 0 or moving + n <= self._window
 
-    def _over_share(self, key: int, n: int) -> bool:
-        """Whether answer ``key`` holding ``n`` more bytes would exceed its ``share`` of the
-        window while another answer waits (one slice always fits: an answer is never stopped)."""
+    def _silence(self) -> float:
+        """How long a reader holding bytes may stay silent before it counts as slow."""
+        return max(self.slow_after, 4 * (self.base_rtt or 0.0))
+
+    def _slow(self, rec: _Answer, now: float) -> bool:
+        return rec.held > 0 and now - rec.heard > self._silence()
+
+    def _passed_over(self, key: int, n: int, now: float) -> bool:
+        """Whether answer ``key`` waits its turn although first: it holds bytes, and ``n`` more
+        would pass ``stream_window`` or its reader is slow, while another answer waits (module
+        doc). An answer holding nothing is never passed over."""
         rec = self._answers.get(key)
-        if rec is None or rec.held == 0 or rec.held + n <= self._window * self.share:
+        if rec is None or rec.held == 0:
+            return False
+        if rec.held + n <= self.stream_window and not self._slow(rec, now):
             return False
         return any(w[0] != key and not w[3].cancelled() for w in self._waiters)
 
     def reserve(self, n: int, answer: int = -1) -> asyncio.Future[None]:
         """A future done once ``n`` bytes may be written; waiting reservations are granted
         oldest ``answer`` first (first come, first served among one answer's, or when ``answer``
-        is not given), an answer past its ``share`` of the window passed over while another
-        waits. Cancel it to give up waiting (:meth:`withdraw`)."""
+        is not given), an answer passed over while it holds ``stream_window`` bytes or its
+        reader is slow and another waits. Cancel it to give up waiting (:meth:`withdraw`)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         key = answer if answer >= 0 else 1 << 62
@@ -290,6 +288,10 @@ class BulkWindow:
             rec.held = max(0, rec.held - n)
         self._grant()
 
+    def _heard(self, answer: int, now: float) -> None:
+        if answer in self._answers:
+            self._answers[answer].heard = now
+
     def ack(self, n: int, rtt: float, answer: int = -1) -> None:
         """``n`` bytes (of ``answer``) acknowledged ``rtt`` seconds after they were written:
         steer the window."""
@@ -309,27 +311,49 @@ class BulkWindow:
         off_target = max(-1.0, min(1.0, (self.target - queueing) / self.target))
         grown = self._window + self.gain * off_target * n
         self._window = max(float(self.min_window), min(float(self.max_window), grown))
+        self._heard(answer, now)
         self.release(n, answer)
 
     def _grant(self) -> None:
         """Grant waiting reservations in order while the window has room: the first that does
-        not fit stops the line; one only past its answer's share is passed over."""
+        not fit stops the line; one whose answer is passed over (:meth:`_passed_over`) is
+        skipped."""
+        now = self.clock()
         i = 0
         while i < len(self._waiters):
             key, _arrival, n, fut = self._waiters[i]
             if fut.cancelled():
                 self._waiters.pop(i)
                 continue
-            if not self._fits(n):
+            if not self._fits(n, now):
+                self._recheck(now)
                 return
-            if self._over_share(key, n):
+            if self._passed_over(key, n, now):
                 i += 1
                 continue
             self._waiters.pop(i)
             self.inflight += n
             if key in self._answers:
-                self._answers[key].held += n
+                rec = self._answers[key]
+                if rec.held == 0:  # its reader owes nothing until now
+                    rec.heard = now
+                rec.held += n
             fut.set_result(None)
+
+    def _recheck(self, now: float) -> None:
+        """Waiters are stuck for room: grant again when the next holder would turn slow (its
+        reader silent), since nothing else may happen until then."""
+        due = [a.heard + self._silence() for a in self._answers.values()
+               if a.held > 0 and not self._slow(a, now)]  # fmt: skip
+        if not due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven by hand (tests): the next call re-evaluates
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_later(max(0.0, min(due) - now) + 0.001, self._grant)
 
 
 async def write_windowed(
@@ -341,13 +365,11 @@ async def write_windowed(
     timeout: float,
     ack_timeout: float,
     limiter: TokenBucket | None = None,
-    answer: int | None = None,
     min_progress: int = 256 * 1024,
 ) -> None:
     """Write ``data`` in slices of :meth:`BulkWindow.slice_size`, each once ``window`` has room,
     reading the reader's cumulative :data:`ACK` acknowledgements meanwhile; returns when all are
-    acknowledged. ``answer``: its id from :meth:`BulkWindow.admit` (else one is opened here);
-    closed on return either way.
+    acknowledged.
 
     Raises ``TimeoutError`` when a write or the wait for room takes over ``timeout``, or when
     bytes are unacknowledged and the count has not advanced by ``min_progress`` bytes (or to all
@@ -356,10 +378,7 @@ async def write_windowed(
     loop = asyncio.get_running_loop()
     pending: deque[tuple[int, float, int]] = deque()  # (end offset, written at, bytes)
     state = {"sent": 0, "acked": 0}
-    if answer is None:
-        answer = window.open_answer(len(data))
-    else:
-        window.resize(answer, len(data))
+    answer = window.open_answer(len(data))
     ident = answer
 
     async def read_acks() -> None:

@@ -25,7 +25,7 @@ windowed streams, so DHT messages and RPC answers sharing the libp2p connection 
 session over one TCP connection per peer pair) do not queue behind MiBs of chunk data. The caller
 must pass ``windowed=True`` for such a method (its name says so, e.g. ``.../exchange/2``).
 Windowed answers go out oldest first, and a new one is answered ``busy`` when those already
-accepted would take longer than the window's horizon (``BulkWindow.admit``).
+accepted would take longer than the window's horizon (``BulkWindow.crowded``).
 """
 
 from __future__ import annotations
@@ -331,12 +331,11 @@ class P2PTransport:
         of this method meanwhile; False when the stream failed or timed out first."""
         slot = (name, caller)
         self._active[slot] += 1
-        answer: int | None = None  # this request's place in the bulk window's line
         try:
             unread = 0
             if self._active[slot] > limit:
                 status, body = _ERR, encode_error(*BUSY)
-            elif windowed and (answer := self.bulk_window.admit()) is None:
+            elif windowed and self.bulk_window.crowded():
                 # the answers accepted already fill the uplink for a while: queued behind them
                 # this one would get no byte for seconds (its asker would give us up as slow)
                 status, body = _ERR, encode_error(*CROWDED)
@@ -348,7 +347,7 @@ class P2PTransport:
             if windowed and status == _OK:  # the caller acknowledges the body as it arrives
                 await write_windowed(
                     writer, reader, body, window=self.bulk_window, timeout=self.io_timeout,
-                    ack_timeout=self.ack_timeout, limiter=self.upload_limiter, answer=answer,
+                    ack_timeout=self.ack_timeout, limiter=self.upload_limiter,
                 )  # fmt: skip
             else:
                 # only a small answer is control traffic: a large one on an unwindowed method
@@ -363,8 +362,6 @@ class P2PTransport:
             logger.debug("stream %s from %s ended: %r", name, caller, exc)
             return False
         finally:
-            if answer is not None:  # an error answer, or a failure before the body went out
-                self.bulk_window.close_answer(answer)
             self._active[slot] -= 1
             if self._active[slot] <= 0:
                 del self._active[slot]
