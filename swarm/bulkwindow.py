@@ -234,9 +234,11 @@ class BulkWindow:
         quarter = int(self._window) // 4 // MIN_SLICE * MIN_SLICE
         return max(MIN_SLICE, min(MAX_SLICE, quarter))
 
-    def _fits(self, n: int, now: float) -> bool:
-        # the bytes of silent readers wait on their own connections, not in the uplink's queue
-        moving = self.inflight - sum(a.held for a in self._answers.values() if self._slow(a, now))
+    def _fits(self, n: int, now: float, key: int) -> bool:
+        # the bytes of (other) silent readers wait on their own connections, not in the uplink's
+        # queue; a silent answer's own bytes still count against it
+        moving = self.inflight - sum(a.held for k, a in self._answers.items()
+                                     if k != key and self._slow(a, now))  # fmt: skip
         return moving <= 0 or moving + n <= self._window
 
     def _silence(self) -> float:
@@ -315,9 +317,9 @@ class BulkWindow:
         self.release(n, answer)
 
     def _grant(self) -> None:
-        """Grant waiting reservations in order while the window has room: the first that does
-        not fit stops the line; one whose answer is passed over (:meth:`_passed_over`) is
-        skipped."""
+        """Grant waiting reservations in order while the window has room: one whose answer is
+        passed over (:meth:`_passed_over`) is skipped; the first other that does not fit stops
+        the line."""
         now = self.clock()
         i = 0
         while i < len(self._waiters):
@@ -325,12 +327,12 @@ class BulkWindow:
             if fut.cancelled():
                 self._waiters.pop(i)
                 continue
-            if not self._fits(n, now):
-                self._recheck(now)
-                return
             if self._passed_over(key, n, now):
                 i += 1
                 continue
+            if not self._fits(n, now, key):
+                self._recheck(now)
+                return
             self._waiters.pop(i)
             self.inflight += n
             if key in self._answers:

@@ -191,6 +191,13 @@ async def test_a_silent_reader_is_passed_over_and_its_bytes_leave_the_window() -
     assert not z.done() and not o.done()  # 4 slices in flight: the window is full
     w.ack(BULK_SLICE, 0.01, old)
     assert o.done() and not z.done()
+    # alone and silent, an answer gets no room past the window: its own bytes count against it
+    w.withdraw(BULK_SLICE, z, young)
+    w.close_answer(young)
+    clock.t += 2.0
+    more = w.reserve(BULK_SLICE, old)
+    await asyncio.sleep(0)
+    assert not more.done()
 
 
 def test_bad_window_settings_are_refused() -> None:
