@@ -25,18 +25,15 @@ In what order. Room goes to the *oldest answer* first (the order answers were op
 slices first come, first served: interleaving the slices of every answer in flight would share the
 uplink evenly among them, so that with 32 answers queued each progresses at 1/32 of the uplink and
 every chunk completes late (a chunk can only be relayed once it is whole). One after another, each
-answer takes the uplink's full rate and its chunk can be relayed at once. Two exceptions, both
-only while another answer waits (the order never leaves the uplink idle):
-
-* an answer holding ``stream_window`` bytes (256 KiB) gets no more: every answer is a new stream,
-  and a new yamux stream in p2pd may have only 256 KiB unacknowledged (its window grows later,
-  but an answer is over by then), so more would only wait in p2pd's buffers while the uplink
-  idles: one answer moves at most 256 KiB per round trip (6.4 MiB/s with 20 ms each way), the
-  window's other bytes go to the next answer;
-* an answer whose reader has acknowledged nothing for ``slow_after`` (1 s, or 4 base round trips
-  if longer) while holding bytes is passed over, and the bytes it holds no
-  longer count against the window (they wait on that reader's connection, not in our uplink's
-  queue): a slow downlink or a hostile peer cannot stall the others behind it.
+answer takes the uplink's full rate and its chunk can be relayed at once. One exception, only
+while another answer waits (the order never leaves the uplink idle): an answer holding
+``stream_window`` bytes (256 KiB) gets no more. Every answer is a new stream, and a new yamux
+stream in p2pd may have only 256 KiB unacknowledged (its window grows later, but an answer is over
+by then), so more would only wait in p2pd's buffers while the uplink idles: one answer moves at
+most 256 KiB per round trip (6.4 MiB/s with 20 ms each way), the window's other bytes go to the
+next answer. (Passing over an answer whose reader was silent for 1 s was tried and measured
+worse: on a loaded machine honest readers fall silent that long, and the seed went back to
+interleaving its answers.)
 
 How many. An answer queued behind others gets no byte until they are written, and the asker gives
 a holder up as slow when a request receives too little for a while (``DownloadConfig.min_rate``
@@ -97,14 +94,13 @@ class WindowStats:
     acked: int  # bytes acknowledged in all
     answers: int  # answers accepted and not yet fully written
     queued: int  # bytes of those answers not yet written
-    rate: float | None  # bytes/s acknowledged recently (None: never measured yet)
+    rate: float | None  # bytes/s acknowledged recently (None: not measured yet)
 
 
 @dataclass
 class _Answer:
-    unwritten: int  # bytes not yet written (an estimate until the answer's size is known)
+    unwritten: int  # bytes not yet written
     held: int = 0  # bytes granted to it and not yet acknowledged or released
-    heard: float = 0.0  # when its reader last acknowledged, or it last went from holding none
 
 
 class BulkWindow:
@@ -114,8 +110,8 @@ class BulkWindow:
     [``min_window``, ``max_window``] bytes. ``horizon`` (seconds): how long the answers already
     accepted may take at the recent rate before a new one is refused (:meth:`admit`; at least
     ``min_answers`` are always accepted); the rate is measured over the last ``rate_window``
-    seconds of acknowledgements. ``stream_window`` and ``slow_after``: when an answer is passed
-    over while another waits (module doc). ``clock`` is injectable for tests.
+    seconds of acknowledgements. ``stream_window``: what one answer may hold while another
+    waits (module doc). ``clock`` is injectable for tests.
     """
 
     def __init__(
@@ -131,7 +127,6 @@ class BulkWindow:
         min_answers: int = 2,
         rate_window: float = 2.0,
         stream_window: int = 256 * 1024,
-        slow_after: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if target <= 0 or not 0 < min_window <= initial <= max_window or gain <= 0:
@@ -140,10 +135,10 @@ class BulkWindow:
             )
         if horizon <= 0 or min_answers < 1 or rate_window <= 0:
             raise ValueError("BulkWindow needs horizon > 0, min_answers >= 1 and rate_window > 0")
-        if stream_window <= 0 or slow_after <= 0:
-            raise ValueError("BulkWindow needs stream_window > 0 and slow_after > 0")
+        if stream_window <= 0:
+            raise ValueError("BulkWindow needs stream_window > 0")
         self.horizon, self.min_answers, self.rate_window = horizon, min_answers, rate_window
-        self.stream_window, self.slow_after = stream_window, slow_after
+        self.stream_window = stream_window
         self.target = target
         self.min_window, self.max_window = min_window, max_window
         self.gain = gain
@@ -162,7 +157,6 @@ class BulkWindow:
         self._bucket_s = base_history / 4
         self._minima: deque[tuple[float, float]] = deque()  # (bucket start, min rtt)
         self.last_rtt: float | None = None
-        self._timer: asyncio.TimerHandle | None = None  # see _recheck
 
     @property
     def window(self) -> int:
@@ -234,36 +228,22 @@ class BulkWindow:
         quarter = int(self._window) // 4 // MIN_SLICE * MIN_SLICE
         return max(MIN_SLICE, min(MAX_SLICE, quarter))
 
-    def _fits(self, n: int, now: float, key: int) -> bool:
-        # the bytes of (other) silent readers wait on their own connections, not in the uplink's
-        # queue; a silent answer's own bytes still count against it
-        moving = self.inflight - sum(a.held for k, a in self._answers.items()
-                                     if k != key and self._slow(a, now))  # fmt: skip
-        return moving <= 0 or moving + n <= self._window
+    def _fits(self, n: int) -> bool:
+        return self.inflight == 0 or self.inflight + n <= self._window
 
-    def _silence(self) -> float:
-        """How long a reader holding bytes may stay silent before it counts as slow."""
-        return max(self.slow_after, 4 * (self.base_rtt or 0.0))
-
-    def _slow(self, rec: _Answer, now: float) -> bool:
-        return rec.held > 0 and now - rec.heard > self._silence()
-
-    def _passed_over(self, key: int, n: int, now: float) -> bool:
-        """Whether answer ``key`` waits its turn although first: it holds bytes, and ``n`` more
-        would pass ``stream_window`` or its reader is slow, while another answer waits (module
-        doc). An answer holding nothing is never passed over."""
+    def _passed_over(self, key: int, n: int) -> bool:
+        """Whether answer ``key`` waits its turn although first: it holds bytes and ``n`` more
+        would pass ``stream_window`` while another answer waits (module doc)."""
         rec = self._answers.get(key)
-        if rec is None or rec.held == 0:
-            return False
-        if rec.held + n <= self.stream_window and not self._slow(rec, now):
+        if rec is None or rec.held == 0 or rec.held + n <= self.stream_window:
             return False
         return any(w[0] != key and not w[3].cancelled() for w in self._waiters)
 
     def reserve(self, n: int, answer: int = -1) -> asyncio.Future[None]:
         """A future done once ``n`` bytes may be written; waiting reservations are granted
         oldest ``answer`` first (first come, first served among one answer's, or when ``answer``
-        is not given), an answer passed over while it holds ``stream_window`` bytes or its
-        reader is slow and another waits. Cancel it to give up waiting (:meth:`withdraw`)."""
+        is not given), an answer passed over while it holds ``stream_window`` bytes and
+        another waits. Cancel it to give up waiting (:meth:`withdraw`)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         key = answer if answer >= 0 else 1 << 62
@@ -290,10 +270,6 @@ class BulkWindow:
             rec.held = max(0, rec.held - n)
         self._grant()
 
-    def _heard(self, answer: int, now: float) -> None:
-        if answer in self._answers:
-            self._answers[answer].heard = now
-
     def ack(self, n: int, rtt: float, answer: int = -1) -> None:
         """``n`` bytes (of ``answer``) acknowledged ``rtt`` seconds after they were written:
         steer the window."""
@@ -313,49 +289,28 @@ class BulkWindow:
         off_target = max(-1.0, min(1.0, (self.target - queueing) / self.target))
         grown = self._window + self.gain * off_target * n
         self._window = max(float(self.min_window), min(float(self.max_window), grown))
-        self._heard(answer, now)
         self.release(n, answer)
 
     def _grant(self) -> None:
         """Grant waiting reservations in order while the window has room: one whose answer is
         passed over (:meth:`_passed_over`) is skipped; the first other that does not fit stops
         the line."""
-        now = self.clock()
         i = 0
         while i < len(self._waiters):
             key, _arrival, n, fut = self._waiters[i]
             if fut.cancelled():
                 self._waiters.pop(i)
                 continue
-            if self._passed_over(key, n, now):
+            if self._passed_over(key, n):
                 i += 1
                 continue
-            if not self._fits(n, now, key):
-                self._recheck(now)
+            if not self._fits(n):
                 return
             self._waiters.pop(i)
             self.inflight += n
             if key in self._answers:
-                rec = self._answers[key]
-                if rec.held == 0:  # its reader owes nothing until now
-                    rec.heard = now
-                rec.held += n
+                self._answers[key].held += n
             fut.set_result(None)
-
-    def _recheck(self, now: float) -> None:
-        """Waiters are stuck for room: grant again when the next holder would turn slow (its
-        reader silent), since nothing else may happen until then."""
-        due = [a.heard + self._silence() for a in self._answers.values()
-               if a.held > 0 and not self._slow(a, now)]  # fmt: skip
-        if not due:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # driven by hand (tests): the next call re-evaluates
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = loop.call_later(max(0.0, min(due) - now) + 0.001, self._grant)
 
 
 async def write_windowed(

@@ -168,38 +168,6 @@ async def test_one_answer_holds_at_most_a_stream_window_while_another_waits() ->
     assert w.inflight == 8 * BULK_SLICE
 
 
-async def test_a_silent_reader_is_passed_over_and_its_bytes_leave_the_window() -> None:
-    """The oldest answer's reader stops acknowledging with the whole window in its stream: after
-    ``slow_after`` the younger answers are served (a timer re-checks: no other event may come),
-    its bytes no longer counting against the window; once it acknowledges again it is first in
-    line again."""
-    clock = Clock()
-    w = BulkWindow(initial=4 * BULK_SLICE, min_window=BULK_SLICE, max_window=4 * BULK_SLICE,
-                   slow_after=0.25, clock=clock)  # fmt: skip
-    old, young = w.open_answer(1 << 20), w.open_answer(1 << 20)
-    assert w.reserve(4 * BULK_SLICE, old).done()
-    o, y = w.reserve(BULK_SLICE, old), w.reserve(BULK_SLICE, young)
-    assert not o.done() and not y.done()
-    clock.t += 0.2
-    await asyncio.sleep(0.3)  # the re-check timer fires: not silent long enough yet
-    assert not y.done()
-    clock.t += 0.1  # 0.3 s of silence
-    await asyncio.sleep(0.3)
-    assert y.done() and not o.done() and w.inflight == 5 * BULK_SLICE
-    w.ack(BULK_SLICE, 0.01, old)  # it speaks again: its bytes count, and it is first again
-    z = w.reserve(BULK_SLICE, young)
-    assert not z.done() and not o.done()  # 4 slices in flight: the window is full
-    w.ack(BULK_SLICE, 0.01, old)
-    assert o.done() and not z.done()
-    # alone and silent, an answer gets no room past the window: its own bytes count against it
-    w.withdraw(BULK_SLICE, z, young)
-    w.close_answer(young)
-    clock.t += 2.0
-    more = w.reserve(BULK_SLICE, old)
-    await asyncio.sleep(0)
-    assert not more.done()
-
-
 def test_bad_window_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="min_window"):
         BulkWindow(initial=1024, min_window=4096)
