@@ -31,18 +31,17 @@ while another answer waits (the order never leaves the uplink idle): an answer h
 stream in p2pd may have only 256 KiB unacknowledged (its window grows later, but an answer is over
 by then), so more would only wait in p2pd's buffers while the uplink idles: one answer moves at
 most 256 KiB per round trip (6.4 MiB/s with 20 ms each way), the window's other bytes go to the
-next answer. (Passing over an answer whose reader was silent for 1 s was tried and measured
-worse: on a loaded machine honest readers fall silent that long, and the seed went back to
-interleaving its answers.)
+next answer. (Passing over an answer whose reader was silent for 1 s was tried and reverted:
+on a loaded machine honest readers fall silent that long; docs/swarm.md.)
 
 How many. An answer queued behind others gets no byte until they are written, and the asker gives
 a holder up as slow when a request receives too little for a while (``DownloadConfig.min_rate``
 over ``stall_timeout``). So a holder refuses a new answer ``busy`` (the asker tries another holder
 or comes back shortly) once the answers it has already accepted would take more than ``horizon``
 seconds at the rate its acknowledgements arrived recently (:meth:`BulkWindow.crowded`). Stricter
-admission was measured worse (docs/swarm.md): counting an answer from before its handler runs,
-accepting one instead of ``min_answers`` (2), or refusing while no rate is measured made the askers
-retry more often than the retries were worth.
+admission (counting an answer from before its handler runs, accepting one instead of
+``min_answers`` (2), refusing while no rate is measured) was tried and reverted: askers refused
+more often retry every 0.2 s (docs/swarm.md).
 
 A stream whose reader does not acknowledge ``min_progress`` more bytes (or all it was sent) within
 each ``ack_timeout`` while bytes are unacknowledged is ended (its bytes are released), so a peer
@@ -108,7 +107,7 @@ class BulkWindow:
 
     ``target`` is the queueing delay to aim at (seconds); the window stays within
     [``min_window``, ``max_window``] bytes. ``horizon`` (seconds): how long the answers already
-    accepted may take at the recent rate before a new one is refused (:meth:`admit`; at least
+    accepted may take at the recent rate before a new one is refused (:meth:`crowded`; at least
     ``min_answers`` are always accepted); the rate is measured over the last ``rate_window``
     seconds of acknowledgements. ``stream_window``: what one answer may hold while another
     waits (module doc). ``clock`` is injectable for tests.
@@ -192,7 +191,6 @@ class BulkWindow:
         self._answers.pop(answer, None)
         if not self._answers:
             self._busy_since = None
-        self._grant()  # an answer passed over because this one waited may go on
 
     def queued(self) -> int:
         """Bytes the open answers have still to write."""
@@ -336,7 +334,6 @@ async def write_windowed(
     pending: deque[tuple[int, float, int]] = deque()  # (end offset, written at, bytes)
     state = {"sent": 0, "acked": 0}
     answer = window.open_answer(len(data))
-    ident = answer
 
     async def read_acks() -> None:
         mark = (loop.time(), 0)  # (when, count): the last acknowledgement that made progress
@@ -358,7 +355,7 @@ async def write_windowed(
             now = loop.time()
             while pending and pending[0][0] <= count:
                 _end, at, n = pending.popleft()
-                window.ack(n, now - at, ident)
+                window.ack(n, now - at, answer)
             state["acked"] = count
             if count - mark[1] >= min_progress or count == state["sent"]:
                 mark = (now, count)

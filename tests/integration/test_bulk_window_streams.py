@@ -9,6 +9,7 @@ import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 
@@ -97,6 +98,22 @@ async def test_streams_sharing_a_small_window_do_not_wait_on_each_other() -> Non
     server.close()
 
 
+def serve_windowed(data: bytes, outcome: asyncio.Future[BaseException | None], **kw: Any) -> Serve:
+    """A server that answers ``data`` through ``write_windowed(**kw)`` and settles ``outcome``
+    with what ended it (None when all was acknowledged)."""
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            await write_windowed(w, r, data, **kw)
+            outcome.set_result(None)
+        except Exception as exc:
+            outcome.set_result(exc)
+        finally:
+            w.close()
+
+    return serve
+
+
 @pytest.mark.parametrize("lie", [False, True])
 async def test_a_reader_that_does_not_acknowledge_cannot_hold_the_window(lie: bool) -> None:
     """Never acknowledging ends the stream after ``ack_timeout``; acknowledging bytes that were
@@ -104,16 +121,7 @@ async def test_a_reader_that_does_not_acknowledge_cannot_hold_the_window(lie: bo
     data = os.urandom(8 * BULK_SLICE)
     window = BulkWindow(initial=2 * BULK_SLICE, min_window=BULK_SLICE)
     outcome: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-
-    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        try:
-            await write_windowed(w, r, data, window=window, timeout=10.0, ack_timeout=0.5)
-            outcome.set_result(None)
-        except Exception as exc:
-            outcome.set_result(exc)
-        finally:
-            w.close()
-
+    serve = serve_windowed(data, outcome, window=window, timeout=10.0, ack_timeout=0.5)
     reader, writer, server = await tcp_pair(serve)
     await reader.readexactly(BULK_SLICE)  # reads (so TCP is not what blocks) ...
     if lie:
@@ -133,19 +141,10 @@ async def test_a_reader_must_acknowledge_progress_to_hold_the_window(reader_kind
     keeps up is served whole."""
     data = os.urandom(16 * BULK_SLICE)
     window = BulkWindow(initial=4 * BULK_SLICE, min_window=BULK_SLICE)
-    outcome: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
     loop = asyncio.get_running_loop()
-
-    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        try:
-            await write_windowed(w, r, data, window=window, timeout=30.0, ack_timeout=0.6,
-                                 min_progress=4 * BULK_SLICE)  # fmt: skip
-            outcome.set_result(None)
-        except Exception as exc:
-            outcome.set_result(exc)
-        finally:
-            w.close()
-
+    outcome: asyncio.Future[BaseException | None] = loop.create_future()
+    serve = serve_windowed(data, outcome, window=window, timeout=30.0, ack_timeout=0.6,
+                           min_progress=4 * BULK_SLICE)  # fmt: skip
     reader, writer, server = await tcp_pair(serve)
     started = loop.time()
     got = 0
