@@ -39,6 +39,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 from prometheus_client import CollectorRegistry, Counter
 
 from coordinator.errors import IntakeRejection
@@ -48,7 +50,8 @@ from coordinator.store import LeaseRecord
 from policy.model import Tokenizer
 from policy.sampling import prompt_seed, sample_seed
 from protocol.errors import ReasonCode
-from protocol.messages import RolloutSubmission, Sample, unpack_logprobs, unpack_tokens
+from protocol.messages import RolloutSubmission, Sample
+from protocol.packed import logprobs_array, pack_tokens, tokens_array
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +154,9 @@ class AcceptedSample:
     reward: float
     exact: bool
     seed: int = 0
+    #: the packed bytes of ``prompt_tokens``, ``completion_tokens`` and ``logprobs`` when known
+    #: (the sample's own wire bytes: the stored row takes them as they are, not re-packed)
+    packed: tuple[bytes, bytes, bytes] | None = None
 
 
 def _reject(code: ReasonCode, detail: str) -> IntakeRejection:
@@ -241,59 +247,66 @@ def expected_seed(lease_seed: int, position: int, sample_index: int) -> int:
 
 # --- check 5 ----------------------------------------------------------------------------------
 def check_sample(sample: Sample, ctx: IntakeContext, where: str) -> tuple[list[int], list[float]]:
-    """Returns the unpacked ``(token_ids, logprobs)`` of a sample that passes."""
-    tokens = unpack_tokens(sample.token_ids)
-    logprobs = unpack_logprobs(sample.logprobs)
-    if len(tokens) != len(logprobs):
-        raise _reject(ReasonCode.SCHEMA, f"{where}: {len(tokens)} tokens, {len(logprobs)} logprobs")
-    bad = next((t for t in tokens if t >= ctx.vocab_size), None)
-    if bad is not None:
+    """Returns the unpacked ``(token_ids, logprobs)`` of a sample that passes.
+
+    The checks run on numpy views of the packed bytes (a 2,048-token sample was ~1 ms of
+    Python loops per check); log-probs are compared as float64, as the Python floats they
+    unpack to."""
+    toks = tokens_array(sample.token_ids)
+    lps = logprobs_array(sample.logprobs)
+    if toks.size != lps.size:
+        raise _reject(ReasonCode.SCHEMA, f"{where}: {toks.size} tokens, {lps.size} logprobs")
+    if toks.size and int(toks.max()) >= ctx.vocab_size:
+        bad = int(toks[int(np.argmax(toks >= ctx.vocab_size))])  # the first one
         raise _reject(
             ReasonCode.TOKEN_OUT_OF_VOCAB, f"{where}: token id {bad} >= vocab {ctx.vocab_size}"
         )
     limit = ctx.lease.max_new_tokens
-    if len(tokens) > limit:
-        raise _reject(ReasonCode.LENGTH_EXCEEDED, f"{where}: {len(tokens)} tokens > {limit}")
-    if any(not math.isfinite(x) for x in logprobs):
+    if toks.size > limit:
+        raise _reject(ReasonCode.LENGTH_EXCEEDED, f"{where}: {toks.size} tokens > {limit}")
+    wide = lps.astype(np.float64)
+    if not bool(np.isfinite(wide).all()):
         raise _reject(ReasonCode.NOT_FINITE, f"{where}: log-prob is NaN or infinite")
-    if any(x > LOGPROB_EPS for x in logprobs):
+    if bool((wide > LOGPROB_EPS).any()):
         raise _reject(ReasonCode.LOGPROB_MISMATCH, f"{where}: positive log-prob")
-    check_termination(tokens, sample.finish_reason, ctx, limit, where)
-    return tokens, logprobs
+    check_termination(toks, sample.finish_reason, ctx, limit, where)
+    return toks.tolist(), wide.tolist()
 
 
 def check_termination(
-    tokens: Sequence[int], finish: str, ctx: IntakeContext, limit: int, where: str
-) -> None:
+    tokens: Sequence[int] | npt.NDArray[np.integer], finish: str, ctx: IntakeContext, limit: int,
+    where: str,
+) -> None:  # fmt: skip
     """ "eos"/"stop" (either label: the node's word for which kind of stop token it was is not
     checked) iff a token of the lease's stop set is last, and none before it; "length": exactly
     ``limit`` tokens, none in the stop set. A stop token at position ``limit`` is a stop: the
     sample is "eos"/"stop", not "length" (docs/protocol.md §12.2 check 10)."""
-    stops = ctx.stop_token_ids
-    body = tokens[:-1] if finish in ("eos", "stop") else tokens
-    early = next((i for i, t in enumerate(body) if t in stops), None)
-    if early is not None and early == len(tokens) - 1:  # finish "length", a stop token last
+    arr = np.asarray(tokens, dtype=np.int64)
+    n = int(arr.size)
+    is_stop = np.isin(arr, np.fromiter(ctx.stop_token_ids, dtype=np.int64))
+    body = n - 1 if finish in ("eos", "stop") and n else n
+    hits = np.flatnonzero(is_stop[:body])
+    early = int(hits[0]) if hits.size else None
+    if early is not None and early == n - 1:  # finish "length", a stop token last
         raise _reject(
             ReasonCode.BAD_TERMINATION,
-            f"{where}: finish 'length' but the last token (id {tokens[-1]}) is in the lease's "
+            f"{where}: finish 'length' but the last token (id {int(arr[-1])}) is in the lease's "
             "stop set: a sample that ends on a stop token is 'eos' or 'stop', also at "
             "max_new_tokens",
         )
     if early is not None:
         raise _reject(
             ReasonCode.BAD_TERMINATION,
-            f"{where}: token {early} (id {tokens[early]}) is in the lease's stop set but "
-            f"{len(tokens) - 1 - early} token(s) follow it: a sample ends at its first stop token",
+            f"{where}: token {early} (id {int(arr[early])}) is in the lease's stop set but "
+            f"{n - 1 - early} token(s) follow it: a sample ends at its first stop token",
         )
-    if finish in ("eos", "stop") and (not tokens or tokens[-1] not in stops):
+    if finish in ("eos", "stop") and (not n or not bool(is_stop[-1])):
         raise _reject(
             ReasonCode.BAD_TERMINATION,
             f"{where}: finish {finish!r} but the last token is not in the lease's stop set",
         )
-    if finish == "length" and len(tokens) != limit:
-        raise _reject(
-            ReasonCode.BAD_TERMINATION, f"{where}: finish 'length' at {len(tokens)} of {limit}"
-        )
+    if finish == "length" and n != limit:
+        raise _reject(ReasonCode.BAD_TERMINATION, f"{where}: finish 'length' at {n} of {limit}")
 
 
 # --- check 6 ----------------------------------------------------------------------------------
@@ -309,6 +322,15 @@ def score_rewards(
         exact = bool(task.exact(slot.problem, text, finished)) if reward > 0 else False
         out.append((reward, exact))
     return out
+
+
+def score_groups(
+    task: Task,
+    tokenizer: Tokenizer,
+    groups: Sequence[tuple[PromptSlot, Sequence[tuple[list[int], str]]]],
+) -> list[list[tuple[float, bool]]]:
+    """:func:`score_rewards` of each ``(slot, samples)`` group, in order (blocking)."""
+    return [score_rewards(task, tokenizer, slot, samples) for slot, samples in groups]
 
 
 def severity(value: float, limit: float) -> float:
@@ -380,14 +402,14 @@ class Intake:
         check_groups(sub, ctx)
         check_version(sub, ctx)
         check_seeds(sub, ctx)
-        Row = tuple[list[int], list[float], str, int]
+        Row = tuple[list[int], list[float], str, int, Sample]
         unpacked: list[list[Row]] = []
         for group in sub.groups:
             rows: list[Row] = []
             for j, sample in enumerate(group.samples):
                 where = f"prompt {group.prompt_id!r} sample {j}"
                 tokens, logprobs = check_sample(sample, ctx, where)
-                rows.append((tokens, logprobs, sample.finish_reason, sample.seed))
+                rows.append((tokens, logprobs, sample.finish_reason, sample.seed, sample))
             unpacked.append(rows)
         todo = [
             (ctx.slots[g.prompt_id], rows)
@@ -395,10 +417,13 @@ class Intake:
             if ctx.slots[g.prompt_id].index in ctx.open_prompts
         ]
         accepted: list[AcceptedSample] = []
-        for slot, group_rows in todo:
-            texts = [(tokens, finish) for tokens, _, finish, _ in group_rows]
-            scores = await self.offload(score_rewards, self.task, self.tokenizer, slot, texts)
-            for j, ((tokens, logprobs, finish, seed), (reward, exact)) in enumerate(
+        groups = [(slot, [(row[0], row[2]) for row in rows]) for slot, rows in todo]
+        # one hop off the event loop for the whole submission (a hop costs more than scoring a
+        # small group of the embedded task)
+        scored = await self.offload(score_groups, self.task, self.tokenizer, groups) if todo else []
+        for (slot, group_rows), scores in zip(todo, scored, strict=True):
+            prompt_packed = pack_tokens(slot.token_ids)
+            for j, ((tokens, logprobs, finish, seed, sample), (reward, exact)) in enumerate(
                 zip(group_rows, scores, strict=True)
             ):
                 accepted.append(
@@ -413,6 +438,7 @@ class Intake:
                         reward,
                         exact,
                         seed,  # the lease's (check_seeds)
+                        (prompt_packed, sample.token_ids, sample.logprobs),
                     )
                 )
         if accepted and self.drawn(ctx):

@@ -224,9 +224,7 @@ def accepted(
     )  # fmt: skip
     throughput = None
     if completes:
-        progressed = replace(
-            lease, tokens=lease.tokens + tokens, samples=lease.samples + len(kept)
-        )
+        progressed = replace(lease, tokens=lease.tokens + tokens, samples=lease.samples + len(kept))
         throughput = measured_throughput(progressed, node, now, rules.throughput_ewma)
     progress = LeaseProgress(decision.prompts, tokens, len(kept), completes, throughput)
     checked = bool(report.spot_checked and report.passed)
@@ -284,8 +282,13 @@ _NEW = TrustState(0, False, None, None)
 def _row(
     lease: LeaseRecord, node_key: bytes, sub: RolloutSubmission, a: AcceptedSample, now: float
 ) -> RolloutRow:
+    if a.packed is not None:  # the wire bytes, as pack_* would write them
+        prompt, completion, logprobs = a.packed
+    else:
+        prompt, completion = pack_tokens(a.prompt_tokens), pack_tokens(a.completion_tokens)
+        logprobs = pack_logprobs(a.logprobs)
     return RolloutRow(
         lease.lease_id, a.prompt_index, a.sample_index, node_key, sub.policy_version,
-        a.prompt_id, pack_tokens(a.prompt_tokens), pack_tokens(a.completion_tokens),
-        pack_logprobs(a.logprobs), a.finish_reason, a.reward, a.exact, now, lease.group_size,
+        a.prompt_id, prompt, completion, logprobs, a.finish_reason, a.reward, a.exact, now,
+        lease.group_size,
     )  # fmt: skip

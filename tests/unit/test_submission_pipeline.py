@@ -14,18 +14,23 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordinator.admission import admission_refusal
 from coordinator.audits import AuditBook, AuditPair
 from coordinator.config import IntakeSection, ReputationSection, RewardAuditSection
 from coordinator.errors import IntakeRejection, Rejection
 from coordinator.intake import (
+    LOGPROB_EPS,
     AcceptedSample,
     CheckReport,
     Intake,
     IntakeContext,
     PromptSlot,
+    check_sample,
     expected_seed,
 )
 from coordinator.leases import newest_servable
@@ -47,7 +52,7 @@ from coordinator.reputation import Ban, Standing, StrikeDecision, ban_in_force
 from coordinator.tasks import ReverseTask
 from coordinator.trust import TrustState, leases_to_floor
 from policy.model import CharTokenizer
-from protocol.errors import ReasonCode
+from protocol.errors import ReasonCode, SchemaViolation
 from protocol.messages import (
     GroupResult,
     RolloutSubmission,
@@ -55,6 +60,7 @@ from protocol.messages import (
     Timings,
     pack_logprobs,
     pack_tokens,
+    unpack_tokens,
 )
 
 TOK = CharTokenizer()
@@ -261,6 +267,107 @@ def test_checks_3_to_6_run_on_the_built_context_without_a_store() -> None:
     with pytest.raises(IntakeRejection) as err:
         asyncio.run(intake.verify(submission(lease()), context_for_checks(stale, proceed)))
     assert err.value.code is ReasonCode.TOO_STALE
+
+
+def test_a_submission_is_scored_in_one_hop_and_its_rows_keep_the_wire_bytes() -> None:
+    """Reward scoring leaves the event loop once per submission, not once per group (a hop
+    cost more than scoring a small group); the accepted samples carry the submission's own
+    packed bytes, which the stored rows take as they are."""
+    ctx = context()
+    sub = submission(lease())
+    proceed = screen(ctx, NODE, sub, NOW)
+    assert isinstance(proceed, Proceed)
+    intake = Intake(TASK, TOK, verifier=None, secret=b"s" * 32)
+    hops: list[str] = []
+
+    async def counting(fn: Callable[..., Any], *args: Any) -> Any:
+        hops.append(fn.__name__)
+        return fn(*args)
+
+    intake.offload = counting
+    got = asyncio.run(intake.verify(sub, context_for_checks(ctx, proceed)))
+    assert len(sub.groups) == 2 and len(got) == 2 * G
+    assert hops == ["score_groups"]
+    wire = {
+        (g.prompt_id, j): (x.token_ids, x.logprobs)
+        for g in sub.groups
+        for j, x in enumerate(g.samples)
+    }
+    for a in got:
+        assert a.packed is not None
+        assert a.packed[0] == pack_tokens(a.prompt_tokens)
+        assert a.packed[1:] == wire[(a.prompt_id, a.sample_index)]
+        assert unpack_tokens(a.packed[1]) == a.completion_tokens
+
+
+def _check_sample_reference(
+    tokens: list[int], logprobs: list[float], finish: str, vocab: int, limit: int,
+    stops: frozenset[int],
+) -> str | None:  # fmt: skip
+    """Check 5 as the per-token Python loops wrote it before it ran on numpy views: the
+    reason code of the first failure, None when the sample passes."""
+    if len(tokens) != len(logprobs):
+        return "schema"
+    if next((t for t in tokens if t >= vocab), None) is not None:
+        return "token_out_of_vocab"
+    if len(tokens) > limit:
+        return "length_exceeded"
+    if any(x > LOGPROB_EPS for x in logprobs):
+        return "logprob_mismatch"
+    body = tokens[:-1] if finish in ("eos", "stop") else tokens
+    if next((i for i, t in enumerate(body) if t in stops), None) is not None:
+        return "bad_termination"
+    if finish in ("eos", "stop") and (not tokens or tokens[-1] not in stops):
+        return "bad_termination"
+    if finish == "length" and len(tokens) != limit:
+        return "bad_termination"
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, TOK.vocab_size + 2), max_size=6),
+    logprobs=st.lists(
+        st.one_of(
+            st.floats(-30.0, 0.0, width=32),
+            st.sampled_from([LOGPROB_EPS, 2 * LOGPROB_EPS, 1e-5, 0.5, -0.0]),
+        ),
+        max_size=6,
+    ),
+    finish=st.sampled_from(["eos", "stop", "length"]),
+    same_length=st.booleans(),
+)
+def test_check_sample_agrees_with_the_per_token_loops(
+    tokens: list[int], logprobs: list[float], finish: str, same_length: bool
+) -> None:
+    """The numpy check 5 refuses exactly what the Python loops refused, with the same code,
+    and returns the same token ids and log-probs (float32 values, as Python floats)."""
+    if same_length:
+        logprobs = (logprobs + [-1.0] * len(tokens))[: len(tokens)]
+    ctx = context()
+    proceed = screen(ctx, NODE, submission(lease()), NOW)
+    assert isinstance(proceed, Proceed)
+    check = context_for_checks(ctx, proceed)  # max_new_tokens 4, stop set {EOS}
+    try:
+        sample = Sample(
+            token_ids=pack_tokens(tokens), logprobs=pack_logprobs(logprobs),
+            finish_reason=finish, seed=0,  # type: ignore[arg-type]
+        )  # fmt: skip
+    except SchemaViolation:  # refused at decode (token/log-prob counts): never reaches check 5
+        assert len(tokens) != len(logprobs)
+        return
+    f32 = [float(x) for x in np.asarray(logprobs, dtype=np.float32)]
+    want = _check_sample_reference(
+        tokens, f32, finish, TOK.vocab_size, check.lease.max_new_tokens, check.stop_token_ids
+    )
+    try:
+        got_tokens, got_logprobs = check_sample(sample, check, "here")
+    except IntakeRejection as exc:
+        assert exc.code.value == want
+        return
+    assert want is None
+    assert got_tokens == tokens and got_logprobs == f32
+    assert all(type(t) is int for t in got_tokens) and all(type(x) is float for x in got_logprobs)
 
 
 async def _inline(fn: Callable[..., Any], *args: Any) -> Any:
