@@ -299,6 +299,10 @@ class LeaseManager:
         #: queued for verification (the core passes :meth:`coordinator.verifying.VerifyingLeases.
         #: holds`; issue 35); None: never
         self.verifying: Callable[[LeaseRecord], bool] = verifying or _never
+        #: no active lease has its deadline before this (clock seconds): the due leases need no
+        #: read until then. Set from the earliest deadline when a read finds none due, lowered
+        #: by every lease issued (deadlines never move; leases only leave the active state).
+        self._quiet_until = -math.inf
 
     def seed_of(self, lease_id: str) -> int:
         """The lease's sampling seed, ``u64be(HMAC-SHA256(secret, SEED_LABEL + id)[:8]) >> 1``.
@@ -411,9 +415,21 @@ class LeaseManager:
         )  # fmt: skip
         return lease
 
+    def _due(self, now: float) -> list[LeaseRecord]:
+        """The active leases past their deadline at ``now`` (in verification or not); one read
+        at most, none while :attr:`_quiet_until` says none can be due (every submission and
+        lease request asks)."""
+        if now < self._quiet_until:
+            return []
+        due = self.store.due_leases(now)
+        if not due:
+            nxt = self.store.next_deadline()
+            self._quiet_until = math.inf if nxt is None else nxt
+        return due
+
     def _read_request(self, node_key: bytes, size: int, now: float) -> RequestBook:
         store = self.store
-        due = tuple(lease for lease in store.due_leases(now) if not self.verifying(lease))
+        due = tuple(lease for lease in self._due(now) if not self.verifying(lease))
         held = {lease.lease_id: tuple(self._held(lease)) for lease in due}
         copies = sorted({p for ps in held.values() for p in ps if p < 0})
         pending = tuple(store.pending_prompts(size, node_key))
@@ -443,6 +459,7 @@ class LeaseManager:
             store.set_meta(CURSOR, str(decision.cursor))
         store.set_meta(EPOCH, str(decision.epoch))
         store.insert_lease(lease)
+        self._quiet_until = min(self._quiet_until, lease.deadline)
 
     def expire_due(self) -> list[LeaseRecord]:
         """Expire active leases past their deadline; their unfinished prompts are re-queued.
@@ -451,10 +468,10 @@ class LeaseManager:
         one indexed read, without opening a write transaction."""
         now = self.clock()
         held = self.verifying
-        if not [lease for lease in self.store.due_leases(now) if not held(lease)]:
+        if not [lease for lease in self._due(now) if not held(lease)]:
             return []
         with self.store.transaction():
-            due = [lease for lease in self.store.due_leases(now) if not held(lease)]
+            due = [lease for lease in self._due(now) if not held(lease)]
             for lease in due:
                 self.store.close_lease(lease.lease_id, "expired", now)
                 self.store.requeue_prompts(self._held(lease))

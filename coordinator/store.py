@@ -56,6 +56,10 @@ class Store:
         self.path = Path(path)
         self._lock = threading.RLock()
         self._depth = 0
+        #: the newest published versions, newest first, as last read (None: read again). Every
+        #: heartbeat and lease request reads them; only :meth:`put_version` changes them, and
+        #: a rolled-back transaction forgets them.
+        self._recent: tuple[int, tuple[int, ...]] | None = None  # (n asked, the versions)
         with self._guard("open"):
             if str(path) != ":memory:":
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -103,6 +107,7 @@ class Store:
                 yield
             except BaseException:
                 self._depth = 0
+                self._recent = None  # it may hold a version this transaction wrote
                 with self._guard("rollback"):
                     self._conn.execute("ROLLBACK")
                 raise
@@ -114,6 +119,7 @@ class Store:
                 # SQLite may leave the transaction open when COMMIT fails (BUSY, IOERR, FULL):
                 # roll it back, or this connection would read writes that never became durable
                 # (a re-sent submission told "ack") and fail every later BEGIN.
+                self._recent = None
                 if self._conn.in_transaction:
                     with self._guard("rollback"):
                         self._conn.execute("ROLLBACK")
@@ -359,6 +365,11 @@ class Store:
         )
         return [lease_from_row(r) for r in self._all(sql, (now,))]
 
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of an active lease (None: none is active)."""
+        value = self._all("SELECT MIN(deadline) FROM leases WHERE state = 'active'")[0][0]
+        return None if value is None else float(value)
+
     def close_lease(self, lease_id: str, state: str, now: float) -> None:
         with self.transaction():
             self._exec(
@@ -598,6 +609,7 @@ class Store:
     # --- published versions ----------------------------------------------------------------------
     def put_version(self, version: int, manifest: bytes, created_at: float) -> None:
         with self.transaction():
+            self._recent = None
             self._exec(
                 "INSERT INTO versions (version, manifest, created_at) VALUES (?,?,?)",
                 (version, manifest, created_at),
@@ -612,9 +624,14 @@ class Store:
         return None if value is None else int(value)
 
     def recent_versions(self, n: int) -> tuple[int, ...]:
-        """The ``n`` newest published versions, newest first (an index walk, not the history)."""
-        sql = "SELECT version FROM versions ORDER BY version DESC LIMIT ?"
-        return tuple(int(r[0]) for r in self._all(sql, (max(0, n),)))
+        """The ``n`` newest published versions, newest first (an index walk, not the history;
+        kept in memory between versions)."""
+        n = max(0, n)
+        with self._lock:
+            if self._recent is None or self._recent[0] < n:
+                sql = "SELECT version FROM versions ORDER BY version DESC LIMIT ?"
+                self._recent = (n, tuple(int(r[0]) for r in self._all(sql, (n,))))
+            return self._recent[1][:n]
 
     def versions(self) -> list[int]:
         return [int(r[0]) for r in self._all("SELECT version FROM versions ORDER BY version")]

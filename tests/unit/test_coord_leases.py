@@ -65,6 +65,38 @@ def test_expiry_requeues_and_reassigns(tmp_path: Path) -> None:
     assert lm.store.get_node(A).leases_expired == 1  # type: ignore[union-attr]
 
 
+def test_expiry_reads_no_lease_until_a_deadline_can_have_passed(tmp_path: Path) -> None:
+    """Every submission and lease request asks for the due leases: between deadlines that is
+    no read at all, and a lease issued with an earlier deadline than any before is still
+    expired on time."""
+    clock = FakeClock()
+    lm = manager(tmp_path, clock)
+    reads: list[float] = []
+    due_leases = lm.store.due_leases
+
+    def counted(now: float) -> list[LeaseRecord]:
+        reads.append(now)
+        return due_leases(now)
+
+    lm.store.due_leases = counted  # type: ignore[method-assign]
+    slow = lm.issue(A, version=1, tokens_per_s=1.0, max_prompts=3)  # 1 prompt: 2 · 40 / 1 = 80 s
+    assert slow.deadline == clock() + 80.0
+    reads.clear()
+    clock.advance(5.0)
+    assert lm.expire_due() == [] and reads == []
+    fast = lm.issue(B, version=1, tokens_per_s=20.0, max_prompts=2)  # 30 s: earlier than slow's
+    assert fast.deadline == clock() + 30.0 < slow.deadline
+    assert lm.expire_due() == [] and reads == []
+    clock.advance(31.0)
+    assert [x.lease_id for x in lm.expire_due()] == [fast.lease_id]
+    assert reads  # read once a deadline had passed
+    clock.advance(100.0)
+    assert [x.lease_id for x in lm.expire_due()] == [slow.lease_id]
+    reads.clear()
+    assert lm.expire_due() == [] and reads == [clock()]  # none active: one read, then none
+    assert lm.expire_due() == [] and reads == [clock()]
+
+
 def test_fencing_and_ownership(tmp_path: Path) -> None:
     clock = FakeClock()
     lm = manager(tmp_path, clock)
