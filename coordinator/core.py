@@ -393,13 +393,15 @@ class Coordinator:
         self.active.planned_at = value
 
     # --- identity and admission ------------------------------------------------------------------
-    def open(self, env: SignedEnvelope, type_: type[T]) -> tuple[bytes, T]:
-        """Check 2: signature, replay window, and (except for Register) a known, unbanned node."""
+    def open(self, env: SignedEnvelope, type_: type[T], *, admit: bool = True) -> tuple[bytes, T]:
+        """Check 2: signature, replay window, and (except for Register) a known, unbanned node;
+        ``admit=False`` leaves the last to the caller (a heartbeat: :meth:`LeaseDesk.heartbeat`
+        admits the sender from the one read it makes anyway)."""
         # A decode error (unknown field, NaN, too long, ...) costs no strike, even with a valid
         # signature (docs/operations.md §6.2): a node one protocol revision ahead, or with a
         # numerical glitch, must not be banned for it; the refusal is all it gets.
         msg = open_envelope(env, type_, now=self.clock(), replay=self.replay)
-        if not isinstance(msg, Register):
+        if admit and not isinstance(msg, Register):
             self.admission.admit(env.signer)
         return env.signer, msg
 

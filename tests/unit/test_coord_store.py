@@ -42,6 +42,31 @@ def test_transaction_rolls_back_as_a_unit(tmp_path: Path) -> None:
     assert store.rollout_count() == 0 and store.get_meta("x") is None
 
 
+def test_the_newest_versions_are_read_once_per_publication(tmp_path: Path) -> None:
+    """Every heartbeat and lease request asks for the newest versions: they are read once per
+    publication (and size asked), a rolled-back publication is forgotten."""
+    store = Store(tmp_path / "s.sqlite")
+    reads: list[str] = []
+    store._conn.set_trace_callback(
+        lambda sql: reads.append(sql) if "FROM versions" in sql else None
+    )
+    assert store.recent_versions(3) == ()
+    for v in (1, 2):
+        store.put_version(v, b"m", 0.0)
+    reads.clear()
+    assert store.recent_versions(3) == (2, 1) == store.recent_versions(3)
+    assert store.recent_versions(1) == (2,) and len(reads) == 1
+    assert store.recent_versions(5) == (2, 1) and len(reads) == 2  # more asked: read again
+    store.put_version(3, b"m", 0.0)
+    assert store.recent_versions(3) == (3, 2, 1)
+    with pytest.raises(RuntimeError), store.transaction():
+        store.put_version(4, b"m", 0.0)
+        assert store.recent_versions(3) == (4, 3, 2)  # this transaction's own write
+        raise RuntimeError("crash before commit")
+    assert store.recent_versions(3) == (3, 2, 1)
+    assert Store(tmp_path / "s.sqlite").recent_versions(3) == (3, 2, 1)
+
+
 def test_sqlite_errors_are_translated(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.sqlite")
     store.put_version(1, b"m", 0.0)

@@ -82,3 +82,39 @@ async def test_other_refusals_still_end_the_registration(tmp_path: Path) -> None
         await registrar.register_with_retries(5.0)
     # (a banned identity never registered is answered unknown_node): no wait, no second try
     assert refused.value.code is not ReasonCode.SWARM_FULL and slept == []
+
+
+async def test_a_heartbeat_reads_its_sender_once_and_still_refuses_strangers(
+    tmp_path: Path,
+) -> None:
+    """The most frequent call admits its sender from the one read the heartbeat makes (not a
+    second one in the envelope's opening); an unknown or banned sender is refused as before."""
+    from coordinator.errors import Rejection
+    from protocol.codec import decode, encode
+    from protocol.envelope import seal
+    from protocol.messages import Heartbeat, HeartbeatAck
+
+    h = Harness(tmp_path)
+    h.publish(1)
+    handlers = NodeHandlers(h.core, versions=_NoVersions(), on_rollouts=lambda: None)
+    known, stranger = h.node(), Identity.generate()
+    seq = iter(range(1, 100))
+
+    def beat(ident: Identity) -> bytes:
+        hb = Heartbeat(peer_id="p", seq=next(seq), policy_version=None, active_leases=[],
+                       tokens_per_s=None)  # fmt: skip
+        return encode(seal(ident, hb, now=h.clock()))
+
+    reads: list[str] = []
+    h.store._conn.set_trace_callback(lambda sql: reads.append(sql) if "FROM nodes" in sql else None)
+    ack = decode(await handlers.on_heartbeat("p", beat(known)))
+    assert isinstance(ack, HeartbeatAck) and ack.current_policy_version == 1
+    assert len(reads) == 1
+    with pytest.raises(Rejection) as err:
+        await handlers.on_heartbeat("p", beat(stranger))
+    assert err.value.code is ReasonCode.UNKNOWN_NODE
+    h.core.reputation.ban_now(known.public_key, "test", "banned by the test", h.clock())
+    with pytest.raises(Rejection) as err:
+        await handlers.on_heartbeat("p", beat(known))
+    assert err.value.code is ReasonCode.BANNED
+    assert handlers.peer_of(stranger.fingerprint) is None
