@@ -18,9 +18,10 @@ import os
 import stat
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from nacl.bindings import crypto_sign_open
+from nacl.exceptions import CryptoError
 
 from protocol.errors import KeyFileError
 
@@ -71,18 +72,19 @@ def parse_fingerprint(text: str) -> str:
     return FINGERPRINT_PREFIX + body
 
 
-@functools.lru_cache(maxsize=4096)
-def _public_key(raw: bytes) -> Ed25519PublicKey:
-    return Ed25519PublicKey.from_public_bytes(raw)
-
-
 def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
-    """True iff ``signature`` is a valid Ed25519 signature of ``data`` by ``public_key``."""
+    """True iff ``signature`` is a valid Ed25519 signature of ``data`` by ``public_key``.
+
+    Verified by libsodium (``crypto_sign_open``, through PyNaCl): ~2x faster than OpenSSL on
+    short messages (59 against 117 us here), which is what a coordinator verifies most
+    (heartbeats, lease requests). Stricter than bare RFC 8032 in what a forger could try:
+    besides a non-canonical ``S`` it refuses small-order or non-canonical public keys and
+    small-order ``R`` (an honest signer never produces them)."""
     if len(public_key) != 32 or len(signature) != 64:
         return False
     try:
-        _public_key(public_key).verify(signature, data)
-    except (InvalidSignature, ValueError):
+        crypto_sign_open(signature + data, public_key)
+    except (CryptoError, ValueError, TypeError):
         return False
     return True
 

@@ -72,3 +72,21 @@ def test_sign_and_verify() -> None:
     assert not verify_signature(Identity.generate().public_key, sig, b"hello")
     assert not verify_signature(ident.public_key[:31], sig, b"hello")
     assert not verify_signature(ident.public_key, sig[:63], b"hello")
+
+
+def test_verify_follows_rfc8032_and_refuses_small_order_forgeries() -> None:
+    """RFC 8032 §7.1 TEST 1 verifies; a small-order public key (the identity point, with
+    R = identity and S = 0, "verifies" any message under bare RFC 8032 and OpenSSL) and a
+    non-canonical S (S + L, the same point equation) are refused (libsodium's checks)."""
+    pk = bytes.fromhex("d75a980182b10ab7d54bfed3c964073a0ee172f3daa62325af021a68f707511a")
+    sig = bytes.fromhex(
+        "e5564300c360ac729086e2cc806e828a84877f1eb8e5d974d873e065224901555fb8821590a33bacc61e"
+        "39701cf9b46bd25bf5f0595bbe24655141438e7a100b"
+    )
+    assert verify_signature(pk, sig, b"")
+    assert not verify_signature(pk, sig, b"\x00")
+    identity = bytes([1]) + bytes(31)
+    assert not verify_signature(identity, identity + bytes(32), b"any message at all")
+    L = 2**252 + 27742317777372353535851937790883648493
+    s = int.from_bytes(sig[32:], "little")
+    assert not verify_signature(pk, sig[:32] + (s + L).to_bytes(32, "little"), b"")
