@@ -70,15 +70,17 @@ VERSION = 1
 TOK = CharTokenizer()
 
 
-def config(db: Path, fraction: float) -> CoordinatorConfig:
+def config(
+    db: Path, fraction: float, *, prompts: int = PROMPTS, g: int = G, max_new: int = MAX_NEW
+) -> CoordinatorConfig:
     return CoordinatorConfig.model_validate(
         {
             "db_path": str(db),
-            "group_size": G,
-            "sampling": {"max_new_tokens": MAX_NEW},
+            "group_size": g,
+            "sampling": {"max_new_tokens": max_new},
             # a round's leases are all issued before it is timed: no per-node cap on them
             "leases": {
-                "max_prompts_per_lease": PROMPTS,
+                "max_prompts_per_lease": prompts,
                 "target_lease_s": 1000.0,
                 "max_active_per_node": 1_000_000,
             },
@@ -124,6 +126,8 @@ class Bench:
     cpu_s: float = 0.0
     rescored: int = 0
     rescored_latencies: list[float] = field(default_factory=list)
+    #: prompts per lease (the config's max_prompts_per_lease)
+    prompts: int = PROMPTS
     _turn: itertools.count = field(default_factory=itertools.count)  # type: ignore[type-arg]
 
     def prepare(self, n: int) -> list[bytes]:
@@ -140,10 +144,10 @@ class Bench:
             node = self.nodes[next(self._turn) % len(self.nodes)]
             lease = self.core.request_lease(
                 node.public_key,
-                LeaseRequest(peer_id="bench", policy_version=VERSION, max_prompts=PROMPTS),
+                LeaseRequest(peer_id="bench", policy_version=VERSION, max_prompts=self.prompts),
             )
-            if not isinstance(lease, Lease) or len(lease.prompts) != PROMPTS:
-                raise SystemExit(f"{self.name}: no lease of {PROMPTS} prompts: {lease}")
+            if not isinstance(lease, Lease) or len(lease.prompts) != self.prompts:
+                raise SystemExit(f"{self.name}: no lease of {self.prompts} prompts: {lease}")
             out.append((node, lease))
         return out
 
@@ -182,8 +186,13 @@ class Bench:
         self.cpu_s += time.process_time() - cpu0
 
 
-def make_bench(name: str, tmp: Path, fraction: float, model: Any) -> Bench:
-    cfg = config(tmp / f"{name}.sqlite", fraction)
+def make_bench(
+    name: str, tmp: Path, fraction: float, model: Any, *, prompts: int = PROMPTS, g: int = G,
+    max_new: int = MAX_NEW,
+) -> Bench:  # fmt: skip
+    """A coordinator core on a temp database (leases of ``prompts`` prompts x ``g`` samples of
+    at most ``max_new`` tokens) and the node identities that feed it."""
+    cfg = config(tmp / f"{name}.sqlite", fraction, prompts=prompts, g=g, max_new=max_new)
     publisher = Identity.generate()
     verifier = InProcessLogprobVerifier(
         lambda version: model, cfg.intake.tolerances, cache_size=cfg.staleness_bound + 1
@@ -211,7 +220,8 @@ def make_bench(name: str, tmp: Path, fraction: float, model: Any) -> Bench:
     nodes = [Identity.generate() for _ in range(4)]
     for node in nodes:
         core.register(node.public_key, advert(node))
-    return Bench(name, core, verifier, nodes, HFBackend(model=model, device="cpu"))
+    backend = HFBackend(model=model, device="cpu")
+    return Bench(name, core, verifier, nodes, backend, prompts=prompts)
 
 
 def render(benches: list[Bench], fractions: dict[str, float]) -> str:
