@@ -421,10 +421,11 @@ class LeaseManager:
         lease request asks)."""
         if now < self._quiet_until:
             return []
-        due = self.store.due_leases(now)
-        if not due:
-            nxt = self.store.next_deadline()
-            self._quiet_until = math.inf if nxt is None else nxt
+        with self.store.locked():  # no lease issued between the two reads and the assignment
+            due = self.store.due_leases(now)
+            if not due:
+                nxt = self.store.next_deadline()
+                self._quiet_until = math.inf if nxt is None else nxt
         return due
 
     def _read_request(self, node_key: bytes, size: int, now: float) -> RequestBook:

@@ -58,7 +58,8 @@ class Store:
         self._depth = 0
         #: the newest published versions, newest first, as last read (None: read again). Every
         #: heartbeat and lease request reads them; only :meth:`put_version` changes them, and
-        #: a rolled-back transaction forgets them.
+        #: a rolled-back transaction forgets them. This connection is the only writer of the
+        #: versions table (the coordinator's; the audit CLI and benches only read the file).
         self._recent: tuple[int, tuple[int, ...]] | None = None  # (n asked, the versions)
         with self._guard("open"):
             if str(path) != ":memory:":

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from protocol.errors import KeyFileError
 from protocol.identity import (
+    SODIUM_MAX_BYTES,
     Identity,
     fingerprint_of,
     parse_fingerprint,
@@ -90,3 +93,38 @@ def test_verify_follows_rfc8032_and_refuses_small_order_forgeries() -> None:
     L = 2**252 + 27742317777372353535851937790883648493
     s = int.from_bytes(sig[32:], "little")
     assert not verify_signature(pk, sig[:32] + (s + L).to_bytes(32, "little"), b"")
+
+
+def _sign_with_identity_r(seed: bytes, message: bytes) -> tuple[bytes, bytes]:
+    """(public key, signature with R = the identity point and S = k·a): only the key's owner
+    can make it, bare RFC 8032 (OpenSSL) accepts it, libsodium refuses it."""
+    h = hashlib.sha512(seed).digest()
+    a = int.from_bytes(h[:32], "little")
+    a &= (1 << 254) - 8
+    a |= 1 << 254
+    public = Identity(Ed25519PrivateKey.from_private_bytes(seed)).public_key
+    r_enc = bytes([1]) + bytes(31)
+    k = int.from_bytes(hashlib.sha512(r_enc + public + message).digest(), "little") % L_ORDER
+    return public, r_enc + (k * a % L_ORDER).to_bytes(32, "little")
+
+
+L_ORDER = 2**252 + 27742317777372353535851937790883648493
+
+
+@pytest.mark.parametrize("size", [100, SODIUM_MAX_BYTES + 1])
+def test_both_verification_paths_refuse_the_same_forgeries(size: int) -> None:
+    """Short messages go to libsodium, long ones to OpenSSL after libsodium's checks of the
+    key and R: an honest signature verifies on both, a tampered message, a small-order key
+    and a small-order R are refused on both (OpenSSL alone accepts the last two)."""
+    message = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    ident = Identity.generate()
+    sig = ident.sign(message)
+    assert verify_signature(ident.public_key, sig, message)
+    assert verify_signature(ident.public_key, sig, memoryview(message))
+    assert not verify_signature(ident.public_key, sig, message[:-1] + b"\x01")
+    small = bytes([1]) + bytes(31)
+    assert not verify_signature(small, small + bytes(32), message)
+    Ed25519PublicKey.from_public_bytes(small).verify(small + bytes(32), message)  # OpenSSL: ok
+    public, forged_r = _sign_with_identity_r(bytes(range(32)), message)
+    Ed25519PublicKey.from_public_bytes(public).verify(forged_r, message)  # OpenSSL: ok
+    assert not verify_signature(public, forged_r, message)

@@ -34,7 +34,7 @@ from coordinator.intake import (
     expected_seed,
 )
 from coordinator.leases import newest_servable
-from coordinator.outcome import Accepted, AcceptRules, accepted
+from coordinator.outcome import Accepted, AcceptRules, _row, accepted
 from coordinator.outcome import refused as refused_outcome
 from coordinator.pipeline import (
     MAX_VERDICTS_PER_LEASE,
@@ -298,6 +298,9 @@ def test_a_submission_is_scored_in_one_hop_and_its_rows_keep_the_wire_bytes() ->
         assert a.packed[0] == pack_tokens(a.prompt_tokens)
         assert a.packed[1:] == wire[(a.prompt_id, a.sample_index)]
         assert unpack_tokens(a.packed[1]) == a.completion_tokens
+        row = _row(lease(), NODE, sub, a, NOW)  # the stored row: the wire bytes as they are
+        assert (row.prompt_tokens, row.completion_tokens, row.logprobs) == a.packed
+        assert row.completion_tokens is wire[(a.prompt_id, a.sample_index)][0]
 
 
 def _check_sample_reference(
