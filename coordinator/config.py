@@ -487,6 +487,13 @@ class CoordinatorConfig(_Section):
         description="Node identities remembered at most; when full, the longest-gone node with "
         "no active lease and no ban is forgotten, else a new registration is refused",
     )
+    rollout_retention_s: float = Field(
+        default=86_400.0,
+        ge=0,
+        description="Audit window: an accepted rollout the learner has consumed is deleted from "
+        "the database this many seconds after its acceptance (its receipt stays; "
+        "coordinator/retention.py)",
+    )
     sampling: SamplingSection = Field(
         default_factory=lambda: SamplingSection(), description="Sampling"
     )

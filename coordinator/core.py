@@ -165,7 +165,7 @@ class Coordinator:
         )
         self.ledger = Ledger(store, self.receipts, verifier)
         #: bounded storage: consumed rollouts past the audit window are pruned on the tick
-        self.retention = Retention(store, clock)
+        self.retention = Retention(store, clock, retention_s=config.rollout_retention_s)
         self.admission = Admission(store, self.reputation, clock)
         #: verification as a budget (issue 35): V, D, new identities admitted at the rate it
         #: absorbs, leases whose submission waits for its check kept from expiring

@@ -25,7 +25,8 @@ from collections.abc import Callable
 
 from coordinator.store import Store
 
-#: Default audit window: consumed rollouts are kept this long after their acceptance (seconds).
+#: Default audit window: consumed rollouts are kept this long after their acceptance (seconds;
+#: the coordinator's ``rollout_retention_s``).
 RETENTION_S = 86_400.0
 
 

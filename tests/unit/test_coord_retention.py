@@ -74,3 +74,25 @@ def test_the_database_stops_growing_after_the_window(tmp_path: Path) -> None:
     assert all(rows <= 60 * 45 for _, _, rows in pruned)  # window + lag + a tick, no more
     grown = [size for _, size, _ in kept]
     assert grown[-1] > 3 * sizes[-1]  # what it would have been
+
+
+def test_the_coordinator_prunes_with_its_configured_window(tmp_path: Path) -> None:
+    """``rollout_retention_s`` sets the audit window of the coordinator's pruning (the default
+    is a day); a negative window is refused with the key named."""
+    from coord_harness import Harness
+    from pydantic import ValidationError
+
+    from coordinator.config import CoordinatorConfig
+    from coordinator.retention import RETENTION_S
+
+    assert Harness(tmp_path / "a").core.retention.retention_s == RETENTION_S
+    h = Harness(tmp_path / "b", rollout_retention_s=60.0)
+    assert h.core.retention.retention_s == 60.0
+    h.store.insert_rollouts(_rows(h.clock(), 4, 0))
+    h.store.set_meta("learner_cursor", "4")
+    h.clock.advance(59.0)
+    assert h.core.retention.prune(h.clock()) == 0
+    h.clock.advance(2.0)
+    assert h.core.retention.prune(h.clock()) == 4
+    with pytest.raises(ValidationError, match="rollout_retention_s"):
+        CoordinatorConfig.model_validate({"rollout_retention_s": -1.0})
