@@ -206,10 +206,13 @@ async def test_windowed_rpc_through_p2pd(pair: tuple[SwarmPeer, SwarmPeer]) -> N
                                              windowed=True) for _ in range(3)))  # fmt: skip
     assert all(g == payload for g in got)
 
-    async def settled() -> bool:  # the last acknowledgements reach the server just after
-        return server.bulk_window.inflight == 0
+    async def settled() -> bool:
+        # the last acknowledgements reach the server just after the caller has every byte, and
+        # each answer is closed just after its last acknowledgement (the writer's task ends)
+        stats = server.bulk_window.statistics()
+        return stats.inflight == 0 and stats.answers == 0
 
-    await wait_until(settled, timeout=5.0, what="the last acknowledgements")
+    await wait_until(settled, timeout=5.0, what="the last acknowledgements and answers closed")
     stats = server.bulk_window.statistics()
     assert stats.inflight == 0 and stats.acked == 3 * len(payload)
     with pytest.raises(RemoteError, match="not_held"):  # an error answer is not windowed
