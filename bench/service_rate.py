@@ -328,9 +328,11 @@ async def in_process(args: argparse.Namespace) -> dict[str, float]:
     big = make_bench("big", tmp, 0.0, model, prompts=1, g=args.group, max_new=args.tokens)
     rng = random.Random(0)
 
-    def synthetic(bench: Any, lease: Lease) -> RolloutSubmission:
-        stops = set(bench.core.desk.stop_token_ids) | {bench.core.desk.eos_token_id}
-        ok = [t for t in range(bench.core.desk.vocab_size) if t not in stops]
+    desk = big.core.desk
+    stops = set(desk.stop_token_ids) | {desk.eos_token_id}
+    ok = [t for t in range(desk.vocab_size) if t not in stops]  # any id a sample may carry
+
+    def synthetic(lease: Lease) -> RolloutSubmission:
         n = lease.sampling.max_new_tokens
         requests = lease_requests(lease)
         outs = [
@@ -343,7 +345,7 @@ async def in_process(args: argparse.Namespace) -> dict[str, float]:
             timings=Timings(started_at=0.0, finished_at=1.0, generate_s=1.0),
         )  # fmt: skip
 
-    def sealed(bench: Any, node: Identity, msg: Any) -> bytes:
+    def sealed(node: Identity, msg: Any) -> bytes:
         return encode(seal(node, msg, now=time.time()))
 
     best: dict[str, float] = {}
@@ -358,14 +360,14 @@ async def in_process(args: argparse.Namespace) -> dict[str, float]:
             batches: dict[str, tuple[Callable[[str, bytes], Awaitable[bytes]], list[bytes]]] = {}
             if "heartbeat" in kinds:
                 beats = [
-                    sealed(bench, nodes[i % len(nodes)], Heartbeat(
+                    sealed(nodes[i % len(nodes)], Heartbeat(
                         peer_id="bench", seq=next(seq), policy_version=1, active_leases=[],
                         tokens_per_s=None,
                     ))
                     for i in range(n)
                 ]  # fmt: skip
                 asks = [
-                    sealed(bench, nodes[i % len(nodes)], LeaseRequest(
+                    sealed(nodes[i % len(nodes)], LeaseRequest(
                         peer_id="bench", policy_version=1, max_prompts=MAX_PROMPTS
                     ))
                     for i in range(n)
@@ -375,7 +377,7 @@ async def in_process(args: argparse.Namespace) -> dict[str, float]:
                 batches["submit"] = (handlers.on_submit, bench.prepare(n))
             else:
                 leased = bench.lease(n)
-                subs = [sealed(bench, node, synthetic(bench, lease)) for node, lease in leased]
+                subs = [sealed(node, synthetic(lease)) for node, lease in leased]
                 batches["submit_long"] = (handlers.on_submit, subs)
             for kind, (handler, batch) in batches.items():
                 cpu0 = time.process_time()

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from coordinator.errors import ConfigError
+from coordinator.retention import RETENTION_S
 from protocol.limits import DEFAULT_LIMITS, worst_case_submission_bytes
 
 
@@ -488,7 +489,7 @@ class CoordinatorConfig(_Section):
         "no active lease and no ban is forgotten, else a new registration is refused",
     )
     rollout_retention_s: float = Field(
-        default=86_400.0,
+        default=RETENTION_S,
         ge=0,
         description="Audit window: an accepted rollout the learner has consumed is deleted from "
         "the database this many seconds after its acceptance (its receipt stays; "

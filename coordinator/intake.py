@@ -402,14 +402,14 @@ class Intake:
         check_groups(sub, ctx)
         check_version(sub, ctx)
         check_seeds(sub, ctx)
-        Row = tuple[list[int], list[float], str, int, Sample]
+        Row = tuple[list[int], list[float], Sample]
         unpacked: list[list[Row]] = []
         for group in sub.groups:
             rows: list[Row] = []
             for j, sample in enumerate(group.samples):
                 where = f"prompt {group.prompt_id!r} sample {j}"
                 tokens, logprobs = check_sample(sample, ctx, where)
-                rows.append((tokens, logprobs, sample.finish_reason, sample.seed, sample))
+                rows.append((tokens, logprobs, sample))
             unpacked.append(rows)
         todo = [
             (ctx.slots[g.prompt_id], rows)
@@ -417,13 +417,15 @@ class Intake:
             if ctx.slots[g.prompt_id].index in ctx.open_prompts
         ]
         accepted: list[AcceptedSample] = []
-        groups = [(slot, [(row[0], row[2]) for row in rows]) for slot, rows in todo]
+        groups = [
+            (slot, [(tokens, x.finish_reason) for tokens, _, x in rows]) for slot, rows in todo
+        ]
         # one hop off the event loop for the whole submission (a hop costs more than scoring a
         # small group of the embedded task)
         scored = await self.offload(score_groups, self.task, self.tokenizer, groups) if todo else []
         for (slot, group_rows), scores in zip(todo, scored, strict=True):
             prompt_packed = pack_tokens(slot.token_ids)
-            for j, ((tokens, logprobs, finish, seed, sample), (reward, exact)) in enumerate(
+            for j, ((tokens, logprobs, sample), (reward, exact)) in enumerate(
                 zip(group_rows, scores, strict=True)
             ):
                 accepted.append(
@@ -434,10 +436,10 @@ class Intake:
                         slot.token_ids,
                         tokens,
                         logprobs,
-                        finish,
+                        sample.finish_reason,
                         reward,
                         exact,
-                        seed,  # the lease's (check_seeds)
+                        sample.seed,  # the lease's (check_seeds)
                         (prompt_packed, sample.token_ids, sample.logprobs),
                     )
                 )
