@@ -27,6 +27,14 @@ inverse-CDF draw at ``u`` if it is for some such ``S`` (:func:`replay_admissible
   ``i ∈ inner_k`` and ``N / (N + R) < top_p`` with ``N = e^{d} · Σ_{j ∈ outer_k, j ≠ i,
   x_j ≥ x_i − d} e_j`` and ``R = e_i + Σ_{j ∈ inner_k, x_j < x_i − d} e_j`` (an upper bound).
 
+A node computes the mass ranked above a token in fp32 (a softmax, then a cumulative sum) and
+compares it with ``top_p`` rounded to fp32, so a token whose exact mass above lies within that
+rounding of ``top_p`` may go either way even on one machine: the nucleus comparisons carry a mass
+tolerance :data:`TOP_P_ROUNDING` on both sides (``< top_p + r`` for ``outer``, ``< top_p − r``
+for ``inner``). It matters where ``top_p`` sits within rounding of 1 (a tail token of mass 2e-9
+was dropped by the node and counted surely kept; issue 34); elsewhere the logit margin's factor
+``e^{±d}`` is far wider.
+
 Everything is vectorised over leading dimensions (one sort and a few prefix sums per position).
 
 The replay's CDF bounds may also be widened per position and bound (:func:`local_cdf_spread`):
@@ -47,6 +55,7 @@ from policy.draw import processed_logprobs
 __all__ = [
     "DEFAULT_LOGIT_MARGIN",
     "LOCAL_WINDOW",
+    "TOP_P_ROUNDING",
     "KeptBounds",
     "kept_bounds",
     "local_cdf_spread",
@@ -62,6 +71,14 @@ LOCAL_WINDOW = 2
 #: honest runs (bench/calibrate_verifier.py; docs/reliability.md "Calibration"). The coordinator's
 #: ``intake.tolerances`` default to these; tests compare across code paths with them.
 DEFAULT_LOGIT_MARGIN: dict[str, float] = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.05}
+
+#: Absolute tolerance on the mass compared with ``top_p``: 2^-16, 256 fp32 units in the last place
+#: at 1.0. It covers the node's fp32 rounding of ``top_p`` itself (half a unit), of the softmax (a
+#: few units) and of the cumulative sum of the higher-ranked mass (at most one unit per term summed
+#: for a sum that stays below 1, and a rounding walk of about the square root of that in practice:
+#: a cumulative sum over 65,536 terms stays inside it). Widening the nucleus test by it makes a
+#: token "possibly kept" only where its higher-ranked mass lies within 1.5e-5 of ``top_p``.
+TOP_P_ROUNDING = 2.0**-16
 
 
 @dataclass(frozen=True)
@@ -126,13 +143,14 @@ def kept_bounds(
     )
     # lower bound of the mass above i on any honest machine -> possibly kept
     surely_above = _masked_sums_above(asc, e_asc, in_asc, x + d, strict=True)
-    outer = outer_k & (shrink * surely_above / z_out < top_p)
+    outer = outer_k & (shrink * surely_above / z_out < top_p + TOP_P_ROUNDING)
     # upper bound of the mass above i -> surely kept
     maybe_above = _masked_sums_above(asc, e_asc, out_asc, x - d, strict=False) - e
     n_hi = grow * maybe_above.clamp_min(0.0)
     below_in = z_in - _masked_sums_above(asc, e_asc, in_asc, x - d, strict=False)
     r_lo = e + below_in.clamp_min(0.0)
-    inner = inner_k & (n_hi / (n_hi + r_lo) < top_p)
+    # a token nothing may outrank is first on every machine, and the first token is always kept
+    inner = inner_k & ((n_hi <= 0.0) | (n_hi / (n_hi + r_lo) < top_p - TOP_P_ROUNDING))
     return KeptBounds(x, e, inner & outer, outer)
 
 

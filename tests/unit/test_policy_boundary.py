@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from policy.boundary import kept_bounds, logprob_interval, replay_admissible
+from policy.boundary import TOP_P_ROUNDING, kept_bounds, logprob_interval, replay_admissible
 from policy.draw import draw_tokens, processed_logprobs
 
 
@@ -33,8 +33,18 @@ def cases(draw: st.DrawFn) -> tuple[torch.Tensor, float, float, int, int]:
     return logits, temperature, top_p, top_k, seed
 
 
+def _seeded_case(
+    seed: int, vocab: int, t: float, p: float, k: int
+) -> tuple[torch.Tensor, float, float, int, int]:
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return logits * 2, t, p, k, seed
+
+
 @settings(max_examples=300, deadline=None)
 @given(cases(), st.floats(1e-6, 0.2))
+# top_p one unit below 1: the node's fp32 nucleus drops a tail token of mass 2e-9 (its mass above
+# rounds to 1.0), which the float64 bounds once counted surely kept (a CI failure, stop 46)
+@example(_seeded_case(0, 3, 0.375, 0.9999999999999999, 0), 0.125)
 def test_another_machines_kept_set_lies_between_the_bounds(
     case: tuple[torch.Tensor, float, float, int, int], margin: float
 ) -> None:
@@ -69,6 +79,10 @@ def test_without_margin_and_ties_the_bounds_are_the_processed_set(
     bounds = kept_bounds(logits[None], t, p, k, 0.0)
     logp = processed_logprobs(logits[None], t, p, k)
     kept = torch.isfinite(logp)
+    # a token whose higher-ranked mass lies within the nucleus test's rounding tolerance of top_p
+    # is possibly kept by design, not surely
+    probs = torch.sort(torch.softmax(logp.double(), -1)[0], descending=True).values
+    assume(bool(((torch.cumsum(probs, 0) - probs - p).abs() > TOP_P_ROUNDING).all()) or p >= 1.0)
     assert torch.equal(bounds.inner, kept) and torch.equal(bounds.outer, kept)
     targets = torch.tensor([int(torch.argmax(logits))])
     lo, hi = logprob_interval(bounds, targets)
