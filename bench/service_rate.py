@@ -25,10 +25,12 @@ Two parts, one after the other on a quiet machine:
 
 A real-size submission on the service is costed as its in-process CPU plus what the transport
 added to the small one (service minus in-process). **The swarm** of ``--swarm-nodes`` nodes
-heartbeating every 10 s (the default ``heartbeat_interval_s``) and delivering
-``--rollouts-per-s`` rollouts in leases of one prompt x ``--group`` samples (the 10,000-node
-simulation's figures, docs/simulation.md) then costs sum(rate x CPU per call) of one core; the
-nodes one core carries follow (every per-node rate fixed, the node count scaled).
+heartbeating at the interval the coordinator hands out (10 s, the default
+``heartbeat_interval_s``, growing past ``heartbeat_rate_max`` x 10 s nodes; also priced at a
+fixed 10 s) and delivering ``--rollouts-per-s`` rollouts in leases of one prompt x ``--group``
+samples (the 10,000-node simulation's figures, docs/simulation.md) then costs sum(rate x CPU per
+call) of one core; the nodes one core carries follow (every per-node work rate fixed, the node
+count scaled).
 
 Usage: python bench/service_rate.py [--nodes 200] [--peers 4] [--seconds 20] [--concurrency 32]
        [--rounds 5] [--repeats 2] [--group 8] [--tokens 2048] [--swarm-nodes 10000]
@@ -69,6 +71,8 @@ from swarm_harness import (  # noqa: E402
     launch_coordinator,
 )
 
+from coordinator.config import CoordinatorConfig  # noqa: E402
+from coordinator.liveness import HeartbeatSchedule  # noqa: E402
 from coordinator.node_rpc import NodeHandlers  # noqa: E402
 from protocol.codec import decode, encode  # noqa: E402
 from protocol.envelope import seal  # noqa: E402
@@ -394,26 +398,56 @@ async def in_process(args: argparse.Namespace) -> dict[str, float]:
 def swarm_load(
     phases: list[Phase], local: dict[str, float], args: argparse.Namespace
 ) -> dict[str, float]:
-    """The swarm's requests/s and the coordinator's CPU seconds per second for them."""
+    """The swarm's requests/s and the coordinator's CPU seconds per second for them, with the
+    heartbeat interval the coordinator hands out (it grows past ``heartbeat_rate_max`` x 10 s
+    nodes: coordinator/liveness.py) and, for comparison, at a fixed 10 s."""
     service = {p.kind: p.per_call_ms / 1000 for p in phases}
     p2pd = {p.kind: p.p2pd_per_call_ms / 1000 for p in phases}
     transport = max(0.0, service["submit"] - local["submit"])
     long_submit = local["submit_long"] + transport
-    heartbeats = args.swarm_nodes / HEARTBEAT_INTERVAL_S
-    leases = args.rollouts_per_s / args.group
     idle = phases[0].idle
-    cpu = idle["python"] + heartbeats * service["heartbeat"]
-    cpu += leases * (service["lease"] + long_submit)
-    daemon = idle["p2pd"] + heartbeats * p2pd["heartbeat"]
-    daemon += leases * (p2pd["lease"] + p2pd["submit"])
+    rate_max = CoordinatorConfig().heartbeat_rate_max
+    schedule = HeartbeatSchedule(HEARTBEAT_INTERVAL_S, 3, rate_max)
+
+    def at(nodes: float, interval: Callable[[int], float]) -> tuple[float, float, float, float]:
+        """(heartbeats/s, leases/s, Python CPU, p2pd CPU) of ``nodes`` nodes, every per-node
+        work rate as in the swarm of ``--swarm-nodes``."""
+        beats = nodes / interval(int(nodes))
+        leases = args.rollouts_per_s * nodes / args.swarm_nodes / args.group
+        cpu = idle["python"] + beats * service["heartbeat"]
+        cpu += leases * (service["lease"] + long_submit)
+        daemon = idle["p2pd"] + beats * p2pd["heartbeat"]
+        daemon += leases * (p2pd["lease"] + p2pd["submit"])
+        return beats, leases, cpu, daemon
+
+    def per_core(interval: Callable[[int], float]) -> float:
+        """The most nodes whose Python CPU fits one core (bisection; the CPU grows with N)."""
+        lo, hi = 1.0, 1e7
+        while hi - lo > 1.0:
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if at(mid, interval)[2] <= 1.0 else (lo, mid)
+        return lo
+
+    def fixed(_n: int) -> float:
+        return HEARTBEAT_INTERVAL_S
+
+    beats, leases, cpu, daemon = at(args.swarm_nodes, schedule.target_s)
+    beats_fixed, _, cpu_fixed, daemon_fixed = at(args.swarm_nodes, fixed)
     return {
-        "heartbeats": heartbeats,
+        "rate_max": rate_max or math.inf,
+        "interval": schedule.target_s(args.swarm_nodes),
+        "heartbeats": beats,
         "leases": leases,
-        "requests": heartbeats + 2 * leases,
+        "requests": beats + 2 * leases,
         "long_submit": long_submit,
         "cpu": cpu,
         "p2pd": daemon,
-        "nodes_per_core": args.swarm_nodes / cpu,
+        "nodes_per_core": per_core(schedule.target_s),
+        "heartbeats_fixed": beats_fixed,
+        "requests_fixed": beats_fixed + 2 * leases,
+        "cpu_fixed": cpu_fixed,
+        "p2pd_fixed": daemon_fixed,
+        "nodes_per_core_fixed": per_core(fixed),
     }
 
 
@@ -473,13 +507,18 @@ def report(
         f"| submit ({args.group} x {args.tokens} tokens) | - | {1000 * m['long_submit']:.2f} "
         f"(estimated) | - | - | {1000 * local['submit_long']:.2f} |",
         "",
-        f"The swarm: {args.swarm_nodes:,} nodes heartbeating every {HEARTBEAT_INTERVAL_S:g} s and "
-        f"delivering {args.rollouts_per_s:g} rollouts/s in leases of {args.group} "
-        f"samples x {args.tokens} tokens: {m['requests']:,.0f} requests/s "
-        f"({m['heartbeats']:,.0f} heartbeats, {m['leases']:,.0f} leases and as many "
+        f"The swarm: {args.swarm_nodes:,} nodes delivering {args.rollouts_per_s:g} rollouts/s "
+        f"in leases of {args.group} samples x {args.tokens} tokens, heartbeating at the "
+        f"interval the coordinator hands out ({m['interval']:g} s: at most "
+        f"{m['rate_max']:g} heartbeats/s, `heartbeat_rate_max`): {m['requests']:,.0f} "
+        f"requests/s ({m['heartbeats']:,.0f} heartbeats, {m['leases']:,.0f} leases and as many "
         f"submissions), **{m['cpu']:.2f} of one core** for the coordinator's Python process "
-        f"({m['p2pd']:.2f} of another for its `p2pd`); **one core carries "
-        f"{m['nodes_per_core']:,.0f} such nodes**.",
+        f"and **{m['p2pd']:.2f}** for its `p2pd`, {m['cpu'] + m['p2pd']:.2f} together; "
+        f"**one core carries {m['nodes_per_core']:,.0f} such nodes** (Python process; every "
+        f"per-node work rate fixed, the node count scaled). With every node beating every "
+        f"{HEARTBEAT_INTERVAL_S:g} s (before the cap): {m['requests_fixed']:,.0f} requests/s "
+        f"({m['heartbeats_fixed']:,.0f} heartbeats), {m['cpu_fixed']:.2f} of a core plus "
+        f"{m['p2pd_fixed']:.2f} for `p2pd`, {m['nodes_per_core_fixed']:,.0f} nodes per core.",
         "",
         f"Command: `python bench/service_rate.py --nodes {args.nodes} --peers {args.peers} "
         f"--seconds {args.seconds:g} --concurrency {args.concurrency} --rounds {args.rounds} "

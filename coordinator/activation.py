@@ -129,8 +129,8 @@ class ActiveSet:
         self._g_active = Gauge("swarm_nodes_active", "Nodes in the active set", registry=registry)
 
     def horizon(self, now: float) -> float:
-        """Nodes last seen before this are not alive (``heartbeat_interval_s × misses``)."""
-        return now - self.config.heartbeat_interval_s * self.config.heartbeat_misses
+        """Nodes last seen before this are not alive (:meth:`Liveness.horizon`)."""
+        return self.liveness.horizon(now)
 
     def alive_nodes(self) -> list[NodeRecord]:
         """Registered, heard from within the heartbeat horizon, not banned (one query; the

@@ -482,6 +482,13 @@ class CoordinatorConfig(_Section):
     heartbeat_misses: int = Field(
         default=3, ge=1, description="A node missing this many heartbeats counts as gone"
     )
+    heartbeat_rate_max: float | None = Field(
+        default=250.0,
+        gt=0,
+        description="Heartbeats per second asked of the whole swarm at most: past "
+        "heartbeat_rate_max × heartbeat_interval_s live nodes the interval handed out grows "
+        "with the swarm (quarter-octave steps; coordinator/liveness.py); unset: never",
+    )
     max_nodes: int = Field(
         default=10_000,
         ge=1,

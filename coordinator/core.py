@@ -55,7 +55,7 @@ from coordinator.intake import Intake, IntakeMetrics
 from coordinator.lease_desk import LeaseDesk
 from coordinator.leases import LeaseManager
 from coordinator.ledger import Ledger
-from coordinator.liveness import Liveness
+from coordinator.liveness import HeartbeatSchedule, Liveness
 from coordinator.logprobs import LogprobVerifier
 from coordinator.outcome import AcceptRules
 from coordinator.problems import Task
@@ -175,7 +175,8 @@ class Coordinator:
         )  # fmt: skip
 
         # --- soft state: liveness, measured figures, the plan ---
-        self.liveness = Liveness(store)
+        #: last_seen in memory, and the heartbeat interval handed out (it grows with the swarm)
+        self.liveness = Liveness(store, HeartbeatSchedule.from_config(config))
         #: per-node μ_i, g_i, o_i, d_i measured from accepted leases (coordinator.throughput)
         self.throughput = ThroughputBook(config.leases.throughput_ewma)
         #: publish call -> first lease naming the version (a diagnostic beside T_bcast: much
@@ -449,10 +450,11 @@ class Coordinator:
         return self.publication.publish(manifest_env)
 
     def tick(self) -> None:
-        """Periodic upkeep: write liveness, expire overdue leases, seal new receipts, and re-plan
+        """Periodic upkeep: write liveness (and count the nodes alive: the heartbeat interval
+        handed out follows it), expire overdue leases, seal new receipts, and re-plan
         the active set when ``capacity.replan_interval_s`` has passed since the last plan (a
         re-plan reads every live node: ~0.1 s of CPU at 10,000 nodes, too much for every tick)."""
-        self.flush_liveness()
+        self.liveness.recount(self.clock())  # flushes; sets the heartbeat interval handed out
         self.leases.expire_due()
         if self.active.replan_due():
             self.replan()
@@ -475,7 +477,7 @@ class Coordinator:
         now = self.clock()
         # counts, not rows: at 10,000 nodes loading them twice cost ~0.4 s a tick (issue 35)
         banned = [fingerprint_of(k) for k in self.store.banned_registered(now)]
-        horizon = now - self.config.heartbeat_interval_s * self.config.heartbeat_misses
+        horizon = self.liveness.horizon(now)
         return {
             "policy_version": self.store.latest_version(),
             "versions": self.store.versions()[-(self.config.staleness_bound + 1) :],

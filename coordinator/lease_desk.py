@@ -151,6 +151,7 @@ class LeaseDesk:
             server_time=now,
             current_policy_version=newest_servable(sender.recent_versions, self.servable),
             active=self.active.is_active(node_key),
+            heartbeat_interval_s=self.liveness.interval_s,
         )
 
     def request_lease(self, node_key: bytes, req: LeaseRequest) -> Lease | Standby:
@@ -163,7 +164,7 @@ class LeaseDesk:
             return Standby(retry_after_s=1.0, reason="no policy version available yet")
         if not self.active.is_active(node_key):
             return Standby(
-                retry_after_s=self.config.heartbeat_interval_s,
+                retry_after_s=min(self.liveness.interval_s, 86400.0),
                 reason="standby: the active set covers the learner's demand",
             )
         backlog = self.backlog(
@@ -187,7 +188,7 @@ class LeaseDesk:
         )
         if isinstance(lease, int):
             return Standby(
-                retry_after_s=min(self.config.heartbeat_interval_s, 86400.0),
+                retry_after_s=min(self.liveness.interval_s, 86400.0),
                 reason=f"you hold {lease} active leases (limit {cap}); submit or release them",
             )
         self.lease_lag.leased(version, self.clock())
@@ -281,7 +282,7 @@ class LeaseDesk:
 
     def _backlog_retry_s(self) -> float:
         """Ask again after half a learner step (it frees B), within [1 s, the heartbeat]."""
-        return min(self.config.heartbeat_interval_s, max(1.0, self.learner.t_train_s / 2))
+        return min(self.liveness.interval_s, max(1.0, self.learner.t_train_s / 2))
 
     def lease_version(self) -> int | None:
         """The version new leases name: the newest published one that is servable (its chunks

@@ -58,6 +58,8 @@ class RegistrationContext:
     registered: int | None
     #: its ``last_seen`` heard and not yet written (:meth:`Liveness.unwritten`; -inf: none)
     unwritten_seen: float
+    #: nodes last heard from before this time are gone (:meth:`Liveness.horizon`)
+    horizon: float
 
 
 @dataclass(frozen=True)
@@ -133,9 +135,8 @@ def decide_registration(
     # seen before has no measured rate, so it cannot change the plan (unmeasured nodes are always
     # active); re-planning for each of 10,000 joining nodes would scan the swarm 10,000 times.
     # Its gauge count follows at the next tick.
-    horizon = now - config.heartbeat_interval_s * config.heartbeat_misses
     replan = old is not None and (
-        max(old.last_seen, ctx.unwritten_seen) < horizon
+        max(old.last_seen, ctx.unwritten_seen) < ctx.horizon
         or old.price_per_hour != record.price_per_hour
         or old.tokens_per_s != record.tokens_per_s
     )
@@ -210,7 +211,7 @@ class RegistrationDesk:
             self.replan()
         return RegisterAck(
             node_fingerprint=decision.record.fingerprint,
-            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            heartbeat_interval_s=self.liveness.interval_s,
             current_policy_version=self.lease_version(),
             server_time=now,
         )
@@ -233,6 +234,7 @@ class RegistrationDesk:
             trust_state(row, suspect) if relabel else None,
             registered,
             self.liveness.unwritten(node_key),
+            self.liveness.horizon(now),
         )
 
     def make_room(self, registered: int, now: float) -> int:
@@ -244,7 +246,7 @@ class RegistrationDesk:
         if registered < cap:
             return registered
         self.liveness.flush()
-        horizon = self.config.heartbeat_interval_s * self.config.heartbeat_misses
+        horizon = self.liveness.schedule.horizon_s(now)
         victim = self.store.evictable_node(now - horizon, now)
         if victim is None:
             raise Rejection(

@@ -140,7 +140,7 @@ def node_maps(
     the trust maps (operator only, :data:`coordinator.node_view.OPERATOR_ONLY_FIELDS`), the
     last problem, :func:`~coordinator.node_view.node_details` and :func:`capacity_maps`."""
     clock = core.clock()
-    horizon = clock - core.config.heartbeat_interval_s * core.config.heartbeat_misses
+    horizon = core.liveness.horizon(clock)
     banned = core.store.banned_keys(clock)
     states: dict[str, str] = {}
     last_seen: dict[str, float] = {}

@@ -5,7 +5,8 @@ Each piece owns its state and receives what it uses (:class:`node.worker.NodeWor
 * :class:`AdvertBuilder` -- the capability advert, fresh on every call (probe results, backend,
   throughput, loaded version, the reachability last measured);
 * :class:`Registrar`     -- registers with the coordinator (with retries at start-up, again after
-  ``unknown_node``) and keeps the heartbeat interval (configured, else the coordinator's);
+  ``unknown_node``) and keeps the heartbeat interval (configured, else the coordinator's latest:
+  its registration and every heartbeat answer name it);
 * :class:`Prefetcher`    -- starts fetching a newly published version before a lease asks for it
   (and so relays it);
 * :class:`AdvertLoop`    -- re-announces the signed advert in the DHT every ``advert_period_s``,
@@ -151,10 +152,15 @@ class Registrar:
         #: seconds between heartbeats: the configured value, else the coordinator's (register)
         self.heartbeat_interval_s = heartbeat_interval_s or 10.0
 
+    def follow(self, interval_s: float | None) -> None:
+        """The coordinator asks for heartbeats every ``interval_s`` (it grows with the swarm;
+        None: keep the interval followed now); a configured interval wins."""
+        if self._configured is None and interval_s is not None:
+            self.heartbeat_interval_s = interval_s
+
     async def register(self, *, timeout: float | None = None) -> None:
         ack = await self._client.register(self._advert(), timeout=timeout)
-        if self._configured is None:
-            self.heartbeat_interval_s = ack.heartbeat_interval_s
+        self.follow(ack.heartbeat_interval_s)
         skew = ack.server_time - self._clock()
         if abs(skew) > 30:
             log.warning("clock differs from the coordinator's by %+.0f s; enable NTP", skew)
@@ -365,6 +371,7 @@ class Presence:
         try:
             ack = await self._client.heartbeat(hb)
             self.active = ack.active
+            self._registrar.follow(ack.heartbeat_interval_s)
             self._prefetcher.offer(ack.current_policy_version)
         except Rejected as exc:
             if exc.code is ReasonCode.UNKNOWN_NODE:

@@ -185,6 +185,17 @@ class HeartbeatAck(MessageBase):
     server_time: Finite  # coordinator clock, Unix seconds
     current_policy_version: U64 | None  # the version new leases name (held); None = none yet
     active: bool  # False: the node is on standby (capacity planner) and should not ask for work
+    # the heartbeat interval asked for from now on (it grows with the swarm), seconds in
+    # (0, 86400]; None: keep the one you follow
+    heartbeat_interval_s: Finite | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        hb = self.heartbeat_interval_s
+        if hb is not None and not 0.0 < hb <= 86400.0:
+            raise SchemaViolation(
+                ReasonCode.OUT_OF_RANGE, f"heartbeat_interval_s={hb} not in (0, 86400]"
+            )
 
 
 # --- leases ------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Each node is one SimPy process (register → ask for a lease → Standby: wait ``retry_after_s`` /
 Lease: fetch the version, generate, upload, wait for the verdict → repeat) plus one heartbeat
-process (every ``heartbeat_interval_s``). Every message goes to the real coordinator core at the
-moment it would arrive (half an RTT after it is sent).
+process (at the interval the coordinator handed out last: it grows with the swarm). Every message
+goes to the real coordinator core at the moment it would arrive (half an RTT after it is sent).
 
 Disruptions come from one clock per node: the next one is drawn at rate ``churn.per_hour`` plus the
 GPU kind's hardware failure rate. A *leave* releases the lease in progress (as a draining node
@@ -33,8 +33,10 @@ from protocol.messages import (
     GpuInfo,
     GroupResult,
     Heartbeat,
+    HeartbeatAck,
     Lease,
     LeaseRequest,
+    RegisterAck,
     Reject,
     RolloutSubmission,
     Sample,
@@ -64,6 +66,7 @@ class SimNode:
         "gen_end",
         "gpu",
         "hb_phase",
+        "hb_s",
         "heartbeat",
         "idx",
         "joined_at",
@@ -101,6 +104,7 @@ class SimNode:
         self.cheat = cheat
         self.joined_at = joined_at
         self.hb_phase = joined_at + w.rng.random() * w.heartbeat_s
+        self.hb_s = w.heartbeat_s  # the interval the coordinator asked for last
         preloaded = w.scenario.model.preloaded and joined_at <= w.scenario.churn.ramp_s
         self.downloads = NodeDownloads(
             w.diss, self.hb_phase, link.down_bps, joined_at, holds_base=preloaded
@@ -211,6 +215,8 @@ class SimNode:
     def register(self) -> bool:
         got = self.w.call("register", self.w.core.register, self.key, self.advert())
         self.registered = not isinstance(got, Rejection)
+        if isinstance(got, RegisterAck):
+            self.hb_s = got.heartbeat_interval_s
         if isinstance(got, Rejection):
             self.w.stats.registrations_refused += 1
             self.retry_s = got.retry_after_s
@@ -222,9 +228,11 @@ class SimNode:
         while self.alive:
             if w.env.now >= self.stalled_until:
                 got = w.call("heartbeat", w.core.heartbeat, self.key, self.heartbeat)
+                if isinstance(got, HeartbeatAck) and got.heartbeat_interval_s is not None:
+                    self.hb_s = got.heartbeat_interval_s
                 if isinstance(got, Rejection) and got.code is ReasonCode.UNKNOWN_NODE:
                     self.register()
-            yield w.env.timeout(w.heartbeat_s)
+            yield w.env.timeout(self.hb_s)
 
     def run(self) -> Gen:
         w = self.w

@@ -360,6 +360,8 @@ class World:
             planned = self.core._planned_at
             t0 = time.process_time()
             self.core.tick()
+            # a node learns of a version at its next heartbeat: at the interval handed out now
+            self.diss.heartbeat_s = self.core.liveness.interval_s
             booked = self.stats.cpu["tick"]
             booked[0] += 1
             booked[1] += time.process_time() - t0

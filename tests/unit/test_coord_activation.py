@@ -11,7 +11,7 @@ from coord_harness import FakeClock, config
 from prometheus_client import CollectorRegistry
 
 from coordinator.activation import ActiveSet, LearnerFigures
-from coordinator.liveness import Liveness
+from coordinator.liveness import HeartbeatSchedule, Liveness
 from coordinator.store import NodeRecord, Store
 from coordinator.throughput import ThroughputBook
 
@@ -40,7 +40,7 @@ def test_the_active_set_plans_over_live_rows_and_puts_the_pricier_node_on_standb
     clock = FakeClock()
     cfg = config(tmp_path, capacity={"activation": True, "batch_rollouts": 10, "t_train_s": 10.0})
     store = Store(tmp_path / "s.sqlite")
-    liveness = Liveness(store)
+    liveness = Liveness(store, HeartbeatSchedule.from_config(cfg))
     active = ActiveSet(
         cfg, store=store, clock=clock, liveness=liveness, throughput=ThroughputBook(0.3),
         learner=LearnerFigures.from_config(cfg), registry=CollectorRegistry(),

@@ -188,6 +188,44 @@ async def test_the_interval_learned_at_registration_paces_the_heartbeats(
         coord.core.close()
 
 
+async def test_the_interval_named_by_a_heartbeat_answer_paces_the_next_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator asks a growing swarm for fewer heartbeats (issue 35): at 0.1 heartbeats/s
+    at most, one node alive beats every 10 s, not 2.5 (2.5 · 2^2); the node follows the
+    answer's interval from its next beat on. A node that configured its interval keeps it."""
+    import test_node_worker
+    from coord_harness import config
+
+    monkeypatch.setattr(
+        test_node_worker,
+        "config",
+        lambda tmp: config(tmp, heartbeat_interval_s=2.5, heartbeat_rate_max=0.1),
+    )
+    net, dirs = InMemoryNetwork(), MemoryHolderDirectory()
+    coord = RecordingCoordinator(net, dirs, tmp_path)
+    await coord.start()
+    (tmp_path / "node").mkdir()
+    parts = Parts(tmp_path, coord, net, heartbeat_interval_s=None)
+    try:
+        await parts.registrar.register()  # nobody was alive at the last count: the base
+        assert parts.registrar.heartbeat_interval_s == 2.5
+        await parts.start(dirs)
+        await until(lambda: bool(parts.steps.asked), "the heartbeat task to wait")
+        coord.core.tick()  # counts the one node alive: 1 / 0.1 = 10 s
+        await beats(coord, parts, 1)
+        await until(lambda: len(parts.steps.asked) >= 2, "the next wait")
+        assert parts.steps.asked == [2.5, 10.0]
+        configured = Parts(tmp_path, coord, net, heartbeat_interval_s=4.0).registrar
+        configured.follow(10.0)
+        assert configured.heartbeat_interval_s == 4.0
+    finally:
+        await parts.close()
+        assert coord.broadcast is not None
+        await coord.broadcast.stop()
+        coord.core.close()
+
+
 async def test_a_newer_version_named_by_the_ack_is_prefetched_not_loaded(
     world: tuple[RecordingCoordinator, Parts],
 ) -> None:

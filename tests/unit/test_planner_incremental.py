@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from coordinator.activation import ActiveSet, LearnerFigures
 from coordinator.capacity import Plan
-from coordinator.liveness import Liveness
+from coordinator.liveness import HeartbeatSchedule, Liveness
 from coordinator.planner_inputs import Predictions
 from coordinator.store import NodeRecord, Store
 from coordinator.throughput import ThroughputBook
@@ -32,8 +32,9 @@ def _setup(tmp_path: Path, **capacity: object) -> tuple[ActiveSet, Store, FakeCl
                                      **capacity})  # fmt: skip
     store = Store(tmp_path / "s.sqlite")
     active = ActiveSet(
-        cfg, store=store, clock=clock, liveness=Liveness(store), throughput=ThroughputBook(0.3),
-        learner=LearnerFigures.from_config(cfg), registry=CollectorRegistry(),
+        cfg, store=store, clock=clock, liveness=Liveness(store, HeartbeatSchedule.from_config(cfg)),
+        throughput=ThroughputBook(0.3), learner=LearnerFigures.from_config(cfg),
+        registry=CollectorRegistry(),
     )  # fmt: skip
     return active, store, clock
 

@@ -305,6 +305,31 @@ def test_every_coordinator_key_the_doc_names_exists_with_the_default_it_quotes()
         assert float(value) == float(default), f"protocol.md: `{key}` ({value}), code {default}"
 
 
+def test_the_heartbeat_interval_is_the_docs_formula() -> None:
+    """The rule's I(n), written out here, is what the coordinator hands out; the defaults it
+    quotes are the config's."""
+    import math
+
+    from coordinator.config import CoordinatorConfig
+    from coordinator.liveness import HeartbeatSchedule
+
+    text = rule("heartbeat-interval")
+    assert "`heartbeat_rate_max` heartbeats per second (250 by default)" in text
+    assert "(10 s up to 2,500 nodes; 40 s at 10,000)" in text
+    cfg = CoordinatorConfig()
+    assert (cfg.heartbeat_rate_max, cfg.heartbeat_interval_s) == (250.0, 10.0)
+
+    def doc_interval(n: int, b: float, r: float) -> float:
+        return b if n <= r * b else b * 2 ** (math.ceil(4 * math.log2(n / (r * b))) / 4)
+
+    for b, r in ((10.0, 250.0), (2.5, 0.1), (7.0, 33.0)):
+        s = HeartbeatSchedule(b, 3, r)
+        for n in (0, 1, 2, 3, 24, 25, 26, 99, 2_500, 2_501, 5_000, 10_000, 77_777):
+            assert math.isclose(s.target_s(n), doc_interval(n, b, r), rel_tol=1e-12), (b, r, n)
+    assert doc_interval(2_500, 10.0, 250.0) == 10.0
+    assert doc_interval(10_000, 10.0, 250.0) == 40.0
+
+
 def _reference_logprobs(logits: list[float], t: float, p: float, k: int) -> list[float | None]:
     """§11.3 written out in float64, independently of policy.draw."""
     import numpy as np

@@ -18,7 +18,7 @@ from coordinator.activation import ActiveSet, LearnerFigures
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import Rejection
 from coordinator.leases import LeaseManager, newest_servable
-from coordinator.liveness import Liveness
+from coordinator.liveness import HeartbeatSchedule, Liveness
 from coordinator.publication_desk import PublicationDesk, publication_refusal
 from coordinator.receipts import ReceiptLog
 from coordinator.records import NodeRecord
@@ -63,8 +63,9 @@ def ctx(
     ban: Ban | None = None,
     trust: TrustState | None = None,
     unwritten: float = -math.inf,
+    horizon: float = -math.inf,
 ) -> RegistrationContext:
-    return RegistrationContext(node, ban, trust, 3 if node is None else None, unwritten)
+    return RegistrationContext(node, ban, trust, 3 if node is None else None, unwritten, horizon)
 
 
 # --- the pure decision ---------------------------------------------------------------------------
@@ -127,7 +128,7 @@ def test_replan_only_when_the_plan_inputs_changed(tmp_path: Path) -> None:
     ad = advert(ident, NOW)
 
     def replan(node: NodeRecord, unwritten: float = -math.inf, price: float | None = None) -> bool:
-        loaded = ctx(node, unwritten=unwritten)
+        loaded = ctx(node, unwritten=unwritten, horizon=NOW - horizon)
         return decide_registration(
             ident.public_key, advert(ident, NOW, price=price), loaded, NOW, c
         ).replan
@@ -149,7 +150,7 @@ class Parts:
         self.cfg = cfg(tmp_path, **overrides)
         self.clock = FakeClock(NOW)
         self.store = Store(self.cfg.db_path)
-        self.liveness = Liveness(self.store)
+        self.liveness = Liveness(self.store, HeartbeatSchedule.from_config(self.cfg))
         self.receipts = ReceiptLog(self.store)
         trust = Trust(self.store, self.cfg.intake)
         leases = LeaseManager(
