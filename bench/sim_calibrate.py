@@ -18,7 +18,7 @@ with ``time.process_time`` (best of several rounds, pinned to one core where the
 Run it on a quiet machine; the figures are machine-specific, and the file says where they came
 from. ``--no-write`` prints the calibration instead of writing it.
 
-    python bench/sim_calibrate.py [--sizes 500 2000] [--nodes 100] [--minutes 5] [--no-write]
+    python bench/sim_calibrate.py [--sizes 1000 4000] [--nodes 100] [--minutes 5] [--no-write]
 """
 
 from __future__ import annotations
@@ -96,12 +96,21 @@ def line(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", type=int, nargs=2, default=[500, 2000])
+    ap.add_argument(
+        "--sizes",
+        type=int,
+        nargs=2,
+        default=[1000, 4000],
+        help=f"two pool sizes above NODE_MAPS_MAX ({NODE_MAPS_MAX}): the large-pool lines",
+    )
     ap.add_argument("--nodes", type=int, default=100)
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
+    if min(args.sizes) <= NODE_MAPS_MAX or args.sizes[0] == args.sizes[1]:
+        # at or below it the status carries per-node maps: a point of the other line
+        ap.error(f"--sizes must be two different sizes above NODE_MAPS_MAX ({NODE_MAPS_MAX})")
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     load = os.getloadavg()[0]
