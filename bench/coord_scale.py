@@ -13,7 +13,8 @@ as an accepted lease would), priced from a small catalogue. Then, with ``time.pr
   (:meth:`ActiveSet.plan_from_scratch`);
 * ``status``: :func:`coordinator.status.build_status` (the ``/status`` document the service builds
   every tick), cold (after a change) and warm (nothing changed);
-* ``tick``: :meth:`Coordinator.tick` without a re-plan (liveness flush and expiries).
+* ``tick``: :meth:`Coordinator.tick` without a re-plan (liveness flush and the count of the nodes
+  alive that sets the heartbeat interval, expiries).
 
 The figures are the best of ``--repeat`` calls (the machine is shared; CPU time still moves with
 cache pressure). ``bench/sim_calibrate.py`` uses :func:`build_core` and :func:`measure` for the

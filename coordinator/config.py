@@ -477,17 +477,22 @@ class CoordinatorConfig(_Section):
         description="κ: learner steps between published versions (default S − 1)",
     )
     heartbeat_interval_s: float = Field(
-        default=10.0, gt=0, description="Nodes send a heartbeat this often (seconds)"
+        default=10.0,
+        gt=0,
+        le=86400,
+        description="Nodes send a heartbeat this often (seconds): the shortest interval, handed "
+        "out while the swarm is under heartbeat_rate_max × this many live nodes",
     )
     heartbeat_misses: int = Field(
         default=3, ge=1, description="A node missing this many heartbeats counts as gone"
     )
-    heartbeat_rate_max: float | None = Field(
+    heartbeat_rate_max: float = Field(
         default=250.0,
-        gt=0,
+        ge=0,
         description="Heartbeats per second asked of the whole swarm at most: past "
         "heartbeat_rate_max × heartbeat_interval_s live nodes the interval handed out grows "
-        "with the swarm (quarter-octave steps; coordinator/liveness.py); unset: never",
+        "with the swarm (quarter-octave steps; coordinator/liveness.py); 0: never (every node "
+        "beats every heartbeat_interval_s)",
     )
     max_nodes: int = Field(
         default=10_000,

@@ -260,6 +260,10 @@ class Coordinator:
         )
 
         # --- resume ---
+        # the interval handed out before a restart is soft state: bind the horizon to the
+        # longest one the registered nodes may have been told until they have all heard anew
+        self.liveness.schedule.resume(store.node_count(), clock())
+        self.liveness.recount(clock())
         self.leases.expire_due()
         outstanding = self.leases.outstanding()
         if outstanding:

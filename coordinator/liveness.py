@@ -13,14 +13,18 @@ costs the coordinator a libp2p stream, a signature check and a decode (~0.4 ms o
 second from the whole swarm: with ``n`` nodes alive the interval it hands out (in every
 ``RegisterAck``, ``HeartbeatAck`` and standby answer) is ``max(heartbeat_interval_s, n /
 heartbeat_rate_max)``, rounded up to a quarter octave of ``heartbeat_interval_s`` so that it
-does not change with every node that joins. BOINC's scheduler does the same with its
-``request_delay``. The price is slower failure detection (``misses`` intervals) and a later
-prefetch of a new version by nodes that learn of it from their heartbeat.
+does not change with every node that joins (at most 86,400 s, what the wire allows). BOINC's
+scheduler does the same with its ``request_delay``. The price is slower failure detection
+(``misses`` intervals), a later prefetch of a new version by nodes that learn of it from their
+heartbeat, and a later start of a standby node the planner activates (it asks for work again
+after the interval).
 
 The liveness horizon follows what was handed out: a node told an interval ``I`` may stay silent
 for ``misses × I`` after the last answer that told it so, so the horizon is ``misses`` times the
 largest interval any node may still be following (a shrinking swarm does not declare the nodes
-that were told a long interval dead before they were due).
+that were told a long interval dead before they were due). What was handed out is soft state: a
+restarted coordinator assumes the interval its registered nodes could have been told
+(:meth:`HeartbeatSchedule.resume`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from coordinator.store import Store
 
 #: Interval steps per octave (a quarter octave: 19 % apart)
 STEPS_PER_OCTAVE = 4
+#: The longest interval the wire allows (``HeartbeatAck.heartbeat_interval_s``), seconds
+MAX_INTERVAL_S = 86400.0
 
 
 class HeartbeatSchedule:
@@ -45,10 +51,13 @@ class HeartbeatSchedule:
         self._interval = interval_s
         #: intervals no longer handed out: (when the last answer naming it left, interval)
         self._past: list[tuple[float, float]] = []
+        #: after a restart, the interval handed out stays at least this until then (resume)
+        self._floor: tuple[float, float] = (-math.inf, interval_s)
 
     @classmethod
     def from_config(cls, config: CoordinatorConfig) -> HeartbeatSchedule:
-        return cls(config.heartbeat_interval_s, config.heartbeat_misses, config.heartbeat_rate_max)
+        rate = config.heartbeat_rate_max
+        return cls(config.heartbeat_interval_s, config.heartbeat_misses, rate if rate > 0 else None)
 
     @property
     def interval_s(self) -> float:
@@ -62,17 +71,32 @@ class HeartbeatSchedule:
             return self.base_s
         octaves = math.log2(alive / self.rate_max / self.base_s)
         steps = math.ceil(octaves * STEPS_PER_OCTAVE - 1e-9)
-        return float(self.base_s * 2.0 ** (steps / STEPS_PER_OCTAVE))
+        return float(min(MAX_INTERVAL_S, self.base_s * 2.0 ** (steps / STEPS_PER_OCTAVE)))
 
     def observe(self, alive: int, now: float) -> float:
         """``alive`` nodes are alive at ``now``: set the interval handed out from here on;
         returns it."""
         interval = self.target_s(alive)
+        until, floor = self._floor
+        if now < until:  # nodes not yet heard from since a restart are not counted yet
+            interval = max(interval, floor)
         if interval != self._interval:
             self._past.append((now, self._interval))
             self._interval = interval
         self._past = [(t, i) for t, i in self._past if t + self.misses * i >= now]
         return interval
+
+    def resume(self, registered: int, now: float) -> None:
+        """After a restart: nodes may still follow an interval handed out before it, at most
+        the one ``registered`` nodes alive would have been told, so that interval binds the
+        horizon for ``misses`` times itself, and the interval handed out stays at least that
+        long meanwhile (a count taken before every node has beaten again is short, and a short
+        interval named to a reconnecting swarm would surge past the cap)."""
+        longest = self.target_s(registered)
+        if longest > self._interval:
+            self._past.append((now, longest))
+            self._floor = (now + self.misses * longest, longest)
+            self._interval = longest
 
     def horizon_s(self, now: float) -> float:
         """How long a node may stay silent before it counts as gone: ``misses`` times the
@@ -129,7 +153,7 @@ class Liveness:
 
     def recount(self, now: float) -> int:
         """Count the nodes alive and set the interval handed out from it (every upkeep tick:
-        one indexed count)."""
+        one count, a scan of the nodes table: ~2 ms at 10,000 nodes here)."""
         alive = self.alive(now)
         self.schedule.observe(alive, now)
         return alive

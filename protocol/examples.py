@@ -160,7 +160,9 @@ def example_messages() -> list[MessageBase]:
             active_leases=["lease-0001"],
             tokens_per_s=14_000.0,
         ),
-        HeartbeatAck(server_time=T0, current_policy_version=12, active=True),
+        HeartbeatAck(
+            server_time=T0, current_policy_version=12, active=True, heartbeat_interval_s=40.0
+        ),
         LeaseRequest(peer_id="12D3KooWExamplePeer", policy_version=12, max_prompts=4),
         Lease(
             lease_id="lease-0001",

@@ -160,13 +160,25 @@ class Register(MessageBase):
     advert: CapabilityAdvert  # current capabilities; advert.node_key must be the signer
 
 
+def check_interval(seconds: float) -> None:
+    """A heartbeat interval must lie in (0, 86400] seconds (``out_of_range``)."""
+    if not 0.0 < seconds <= 86400.0:
+        raise SchemaViolation(
+            ReasonCode.OUT_OF_RANGE, f"heartbeat_interval_s={seconds} not in (0, 86400]"
+        )
+
+
 class RegisterAck(MessageBase):
     """Coordinator -> node: registration accepted."""
 
     node_fingerprint: Id  # fingerprint of the registered node key ("ed25519:...")
-    heartbeat_interval_s: Finite  # send a Heartbeat at least this often, seconds (> 0)
+    heartbeat_interval_s: Finite  # send a Heartbeat at least this often, seconds in (0, 86400]
     current_policy_version: U64 | None  # the version new leases name (held); None = none yet
     server_time: Finite  # coordinator clock, Unix seconds (for skew diagnosis)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_interval(self.heartbeat_interval_s)
 
 
 class Heartbeat(MessageBase):
@@ -191,11 +203,8 @@ class HeartbeatAck(MessageBase):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        hb = self.heartbeat_interval_s
-        if hb is not None and not 0.0 < hb <= 86400.0:
-            raise SchemaViolation(
-                ReasonCode.OUT_OF_RANGE, f"heartbeat_interval_s={hb} not in (0, 86400]"
-            )
+        if self.heartbeat_interval_s is not None:
+            check_interval(self.heartbeat_interval_s)
 
 
 # --- leases ------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ def test_the_interval_is_the_base_until_the_rate_cap_then_grows_in_quarter_octav
         assert alive / s.target_s(alive) <= 250.0 * (1 + 1e-9)
         assert alive / s.target_s(alive) > 250.0 / 2**0.25 * (1 - 1e-9)  # and not far fewer
     assert HeartbeatSchedule(10.0, 3, rate_max=None).target_s(10**6) == 10.0
+    assert HeartbeatSchedule(10.0, 3, rate_max=0.001).target_s(10**6) == 86_400.0  # the wire's
 
 
 def test_a_shrinking_swarm_does_not_declare_the_long_interval_nodes_gone_early() -> None:
@@ -91,3 +92,31 @@ def test_the_ack_field_is_optional_and_bounded_on_the_wire() -> None:
     with pytest.raises(DecodeError) as e:
         decode(msgspec.msgpack.encode({**old, "heartbeat_interval_s": math.inf}), HeartbeatAck)
     assert e.value.code is ReasonCode.NOT_FINITE
+
+
+def test_a_restarted_coordinator_keeps_the_nodes_told_a_long_interval(tmp_path: Path) -> None:
+    """The schedule is soft state. After a restart the nodes told 40 s before it stay alive for
+    3 × 40 s, not 3 × 10 s; and after an outage longer than that, while the nodes reconnect, the
+    coordinator keeps naming 40 s although its count finds only those heard since (naming 10 s
+    to a reconnecting swarm would ask it for four times the cap)."""
+    h = Harness(tmp_path, heartbeat_interval_s=10.0, heartbeat_rate_max=1.0)
+    nodes = [h.node() for _ in range(40)]
+    h.core.tick()
+    assert h.core.heartbeat(nodes[0].public_key, HB).heartbeat_interval_s == pytest.approx(40.0)
+    h.core.close()
+    h.clock.advance(80.0)  # a short outage
+    h.reopen()
+    h.clock.advance(20.0)  # silent for 100 s, told 40 s: alive
+    assert h.core.status()["nodes_alive"] == 40
+    h.core.close()
+    h.clock.advance(200.0)  # a long one: nobody heard for 300 s
+    h.reopen()
+    assert h.core.status()["nodes_alive"] == 0
+    assert h.core.liveness.interval_s == pytest.approx(40.0)
+    assert h.core.heartbeat(nodes[1].public_key, HB).heartbeat_interval_s == pytest.approx(40.0)
+    h.core.tick()  # one node counted: still 40 s until every node had its chance
+    assert h.core.liveness.interval_s == pytest.approx(40.0)
+    h.clock.advance(121.0)  # 3 × 40 s later only that one came back: the base
+    h.core.heartbeat(nodes[1].public_key, HB)
+    h.core.tick()
+    assert h.core.liveness.interval_s == 10.0

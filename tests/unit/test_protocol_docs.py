@@ -314,20 +314,20 @@ def test_the_heartbeat_interval_is_the_docs_formula() -> None:
     from coordinator.liveness import HeartbeatSchedule
 
     text = rule("heartbeat-interval")
+    assert "`I(n) = b` for `n ≤ r·b`, else `min(86400, b · 2^(⌈4 · log2(n / (r·b))⌉ / 4))`" in text
     assert "`heartbeat_rate_max` heartbeats per second (250 by default)" in text
     assert "(10 s up to 2,500 nodes; 40 s at 10,000)" in text
     cfg = CoordinatorConfig()
     assert (cfg.heartbeat_rate_max, cfg.heartbeat_interval_s) == (250.0, 10.0)
 
-    def doc_interval(n: int, b: float, r: float) -> float:
-        return b if n <= r * b else b * 2 ** (math.ceil(4 * math.log2(n / (r * b))) / 4)
+    def doc_interval(n: int, b: float, r: float) -> float:  # the formula quoted above
+        return b if n <= r * b else min(86400, b * 2 ** (math.ceil(4 * math.log2(n / (r * b))) / 4))
 
-    for b, r in ((10.0, 250.0), (2.5, 0.1), (7.0, 33.0)):
+    for b, r in ((10.0, 250.0), (2.5, 0.1), (7.0, 33.0), (10.0, 0.001)):
         s = HeartbeatSchedule(b, 3, r)
         for n in (0, 1, 2, 3, 24, 25, 26, 99, 2_500, 2_501, 5_000, 10_000, 77_777):
             assert math.isclose(s.target_s(n), doc_interval(n, b, r), rel_tol=1e-12), (b, r, n)
-    assert doc_interval(2_500, 10.0, 250.0) == 10.0
-    assert doc_interval(10_000, 10.0, 250.0) == 40.0
+    assert HeartbeatSchedule(10.0, 3, 250.0).target_s(10_000) == 40.0  # the doc's example
 
 
 def _reference_logprobs(logits: list[float], t: float, p: float, k: int) -> list[float | None]:
