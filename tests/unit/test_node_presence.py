@@ -5,6 +5,7 @@ each beat is stepped by the test."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -160,32 +161,41 @@ async def test_a_heartbeat_the_coordinator_does_not_know_registers_again(
     assert [hb.seq for hb in coord.heartbeats] == [2]
 
 
-async def test_the_interval_learned_at_registration_paces_the_heartbeats(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@contextlib.asynccontextmanager
+async def configured_world(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **overrides: Any
+) -> AsyncIterator[tuple[RecordingCoordinator, Parts, MemoryHolderDirectory, InMemoryNetwork]]:
+    """A coordinator with these config ``overrides`` and a node that takes its interval from
+    the coordinator (none configured); the node's pieces are not started."""
     import test_node_worker
     from coord_harness import config
 
-    # not the node's fallback of 10 s: the node must take the coordinator's word
-    monkeypatch.setattr(
-        test_node_worker, "config", lambda tmp: config(tmp, heartbeat_interval_s=2.5)
-    )
+    monkeypatch.setattr(test_node_worker, "config", lambda tmp: config(tmp, **overrides))
     net, dirs = InMemoryNetwork(), MemoryHolderDirectory()
     coord = RecordingCoordinator(net, dirs, tmp_path)
     await coord.start()
     (tmp_path / "node").mkdir()
     parts = Parts(tmp_path, coord, net, heartbeat_interval_s=None)
     try:
-        await parts.registrar.register()
-        assert parts.registrar.heartbeat_interval_s == coord.cfg.heartbeat_interval_s == 2.5
-        await parts.start(dirs)
-        await until(lambda: bool(parts.steps.asked), "the heartbeat task to wait")
-        assert parts.steps.asked == [2.5]
+        yield coord, parts, dirs, net
     finally:
         await parts.close()
         assert coord.broadcast is not None
         await coord.broadcast.stop()
         coord.core.close()
+
+
+async def test_the_interval_learned_at_registration_paces_the_heartbeats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # not the node's fallback of 10 s: the node must take the coordinator's word
+    async with configured_world(tmp_path, monkeypatch, heartbeat_interval_s=2.5) as world:
+        coord, parts, dirs, _net = world
+        await parts.registrar.register()
+        assert parts.registrar.heartbeat_interval_s == coord.cfg.heartbeat_interval_s == 2.5
+        await parts.start(dirs)
+        await until(lambda: bool(parts.steps.asked), "the heartbeat task to wait")
+        assert parts.steps.asked == [2.5]
 
 
 async def test_the_interval_named_by_a_heartbeat_answer_paces_the_next_ones(
@@ -194,20 +204,10 @@ async def test_the_interval_named_by_a_heartbeat_answer_paces_the_next_ones(
     """The coordinator asks a growing swarm for fewer heartbeats (issue 35): at 0.1 heartbeats/s
     at most, one node alive beats every 10 s, not 2.5 (2.5 · 2^2); the node follows the
     answer's interval from its next beat on. A node that configured its interval keeps it."""
-    import test_node_worker
-    from coord_harness import config
-
-    monkeypatch.setattr(
-        test_node_worker,
-        "config",
-        lambda tmp: config(tmp, heartbeat_interval_s=2.5, heartbeat_rate_max=0.1),
-    )
-    net, dirs = InMemoryNetwork(), MemoryHolderDirectory()
-    coord = RecordingCoordinator(net, dirs, tmp_path)
-    await coord.start()
-    (tmp_path / "node").mkdir()
-    parts = Parts(tmp_path, coord, net, heartbeat_interval_s=None)
-    try:
+    async with configured_world(
+        tmp_path, monkeypatch, heartbeat_interval_s=2.5, heartbeat_rate_max=0.1
+    ) as world:
+        coord, parts, dirs, net = world
         await parts.registrar.register()  # nobody was alive at the last count: the base
         assert parts.registrar.heartbeat_interval_s == 2.5
         await parts.start(dirs)
@@ -219,11 +219,6 @@ async def test_the_interval_named_by_a_heartbeat_answer_paces_the_next_ones(
         configured = Parts(tmp_path, coord, net, heartbeat_interval_s=4.0).registrar
         configured.follow(10.0)
         assert configured.heartbeat_interval_s == 4.0
-    finally:
-        await parts.close()
-        assert coord.broadcast is not None
-        await coord.broadcast.stop()
-        coord.core.close()
 
 
 async def test_a_newer_version_named_by_the_ack_is_prefetched_not_loaded(
