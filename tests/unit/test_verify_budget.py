@@ -91,6 +91,22 @@ def test_metered_verifier_records_the_scoring_counters_else_the_wall_time() -> N
     assert meter2.tokens_per_s(7.0) == pytest.approx((5 + 3) / 0.5, rel=1e-12)
 
 
+def test_tokens_per_rollout_counts_the_samples_of_a_check_whose_tokens_another_read() -> None:
+    """Two overlapping re-scores of 8 samples and 400 tokens each, read off the verifier's
+    counters: the first call to end reads both calls' tokens and seconds, the second nothing.
+    τ is still 800 / 16 = 50 tokens per rollout (it was 100: the second call's samples were
+    dropped with its zero tokens, and D, which τ multiplies, doubled), and V 400 / 0.2 s."""
+    meter = VerifierMeter(window_s=60.0, ewma=1.0)
+    inner = _Counting((0, 0.0))
+    metered = MeteredVerifier(inner, meter, lambda: 7.0)
+    prompts, comps = [[1, 2]] * 8, [[3, 4, 5]] * 8
+    inner.tokens, inner.compute_s = 800, 0.4  # both re-scores ran before either call returned
+    asyncio.run(metered.check(1, prompts, comps, [[-1.0] * 3] * 8))
+    asyncio.run(metered.check(1, prompts, comps, [[-1.0] * 3] * 8))
+    assert meter.tokens_per_rollout == pytest.approx(50.0, rel=1e-12)
+    assert meter.tokens_per_s(7.0) == pytest.approx(2000.0, rel=1e-12)
+
+
 # --- 1. D and the rule D <= (1 − h)·V in the plan -------------------------------------------------
 def _cfg(tmp_path: Path, **overrides: Any) -> CoordinatorConfig:
     data: dict[str, Any] = {
