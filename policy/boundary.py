@@ -15,7 +15,11 @@ two honest machines differ by at most ``m``, calibrated per dtype: bench/calibra
 
 Any honest node's kept set ``S`` lies between them. Then for a token ``t`` the admissible
 log-prob is the interval :func:`logprob_interval` over those sets, and ``t`` is an admissible
-inverse-CDF draw at ``u`` if it is for some such ``S`` (:func:`replay_admissible`). Where
+inverse-CDF draw at ``u`` if it is for some such ``S`` (:func:`replay_admissible`). Not every
+set between them is possible: a kept set is a prefix of its machine's ranking, and two tokens
+whose ``x`` differ by more than ``d`` are ranked alike on every honest machine, so the replay tests
+the sets ``inner ∪ O`` with ``O`` closed upwards under ``d`` (up to :data:`EXACT_OPTIONAL_MAX`
+optional tokens; above, the hull of all subsets). Where
 ``inner == outer`` (nearly everywhere) both reduce to the exact single-set answers. With
 ``x = logits / T`` and ``d = 2m / T`` (both machines may move by ``m``):
 
@@ -54,6 +58,7 @@ from policy.draw import processed_logprobs
 
 __all__ = [
     "DEFAULT_LOGIT_MARGIN",
+    "EXACT_OPTIONAL_MAX",
     "LOCAL_WINDOW",
     "TOP_P_ROUNDING",
     "KeptBounds",
@@ -80,6 +85,13 @@ DEFAULT_LOGIT_MARGIN: dict[str, float] = {"float32": 1e-3, "bfloat16": 0.25, "fl
 #: token "possibly kept" only where its higher-ranked mass lies within 1.5e-5 of ``top_p``.
 TOP_P_ROUNDING = 2.0**-16
 
+#: Optional tokens (possibly but not surely kept) a position may have for the replay to test each
+#: kept set an honest machine can hold (``2^n`` subsets); above it, the hull over all of them.
+EXACT_OPTIONAL_MAX = 8
+
+#: Elements per position chunk of the exact test (positions x subsets x slots): ~32 MB of int64
+_EXACT_CHUNK = 2**22
+
 
 @dataclass(frozen=True)
 class KeptBounds:
@@ -93,6 +105,9 @@ class KeptBounds:
     inner: torch.Tensor
     #: possibly kept (for some rounding within the margin); ``inner ⊆ outer``
     outer: torch.Tensor
+    #: ``2 · margin / temperature``: two tokens whose ``x`` differ by more are ranked alike on
+    #: every honest machine
+    d: float = 0.0
 
 
 def _masked_sums_above(
@@ -132,7 +147,7 @@ def kept_bounds(
     else:
         outer_k, inner_k = everything, everything
     if top_p >= 1.0:
-        return KeptBounds(x, e, inner_k, outer_k)
+        return KeptBounds(x, e, inner_k, outer_k, d)
     e_asc = e.gather(-1, order)
     in_asc, out_asc = inner_k.gather(-1, order), outer_k.gather(-1, order)
     z_out = torch.where(outer_k, e, torch.zeros_like(e)).sum(-1, keepdim=True)
@@ -151,7 +166,7 @@ def kept_bounds(
     r_lo = e + below_in.clamp_min(0.0)
     # a token nothing may outrank is first on every machine, and the first token is always kept
     inner = inner_k & ((n_hi <= 0.0) | (n_hi / (n_hi + r_lo) < top_p - TOP_P_ROUNDING))
-    return KeptBounds(x, e, inner & outer, outer)
+    return KeptBounds(x, e, inner & outer, outer, d)
 
 
 def logprob_interval(
@@ -259,4 +274,81 @@ def replay_admissible(
             targets > 0, lw.gather(-1, (t - 1).clamp_min(0)).squeeze(-1), torch.zeros_like(e_t)
         )
         s_hi = s_hi + lw.gather(-1, t).squeeze(-1)
-    return out_t & (f_max >= -s_lo * z) & (f_min < e_t + s_hi * z)
+    hull = out_t & (f_max >= -s_lo * z) & (f_min < e_t + s_hi * z)
+    return _exact_sets(bounds, targets, hull, uf, below_in, tot_in, in_t, -s_lo * z,
+                       e_t + s_hi * z)  # fmt: skip
+
+
+def _exact_sets(
+    bounds: KeptBounds,
+    targets: torch.Tensor,
+    hull: torch.Tensor,
+    u: torch.Tensor,
+    below_in: torch.Tensor,
+    tot_in: torch.Tensor,
+    in_t: torch.Tensor,
+    f_lo: torch.Tensor,
+    f_hi: torch.Tensor,
+) -> torch.Tensor:
+    """``hull`` narrowed, where a position has at most :data:`EXACT_OPTIONAL_MAX` optional tokens
+    (possibly but not surely kept), to the kept sets an honest machine can hold: every ``S =
+    inner ∪ O`` with ``O`` a subset of the optional tokens that is *closed upwards* (a token whose
+    ``x`` lies more than ``d`` above one in ``O`` is in ``O`` too: both machines rank them alike,
+    and every kept set is a prefix of its machine's ranking). ``t`` is admissible iff ``t ∈ S`` and
+    ``f(S) = u · Σ_S e − Σ_{j ∈ S, j < t} e_j`` lies in ``[f_lo, f_hi)`` for one such ``S``."""
+    opt = bounds.outer & ~bounds.inner
+    n_opt = opt.sum(-1)
+    sel = hull & (n_opt > 0) & (n_opt <= EXACT_OPTIONAL_MAX)
+    if not bool(sel.any()):
+        return hull
+    where = sel.nonzero(as_tuple=True)
+    args = (bounds.x[where], bounds.e[where], opt[where], n_opt[where], targets[where], u[where],
+            below_in[where], tot_in[where], in_t[where], f_lo[where], f_hi[where])  # fmt: skip
+    width = int(n_opt[where].max())
+    rows = max(1, _EXACT_CHUNK // (2**width * width))  # positions per chunk: bounded memory
+    found = torch.cat([_any_set(bounds.d, width, *(a[k : k + rows] for a in args))
+                       for k in range(0, len(args[0]), rows)])  # fmt: skip
+    narrowed = hull.clone()
+    narrowed[where] = found
+    return narrowed
+
+
+def _any_set(
+    d: float,
+    width: int,
+    x: torch.Tensor,
+    e: torch.Tensor,
+    opt: torch.Tensor,
+    n_opt: torch.Tensor,
+    t: torch.Tensor,
+    u: torch.Tensor,
+    below_in: torch.Tensor,
+    tot_in: torch.Tensor,
+    in_t: torch.Tensor,
+    f_lo: torch.Tensor,
+    f_hi: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`_exact_sets` for ``P`` positions (rows ``[P, V]`` / ``[P]``) with at most ``width``
+    optional tokens each."""
+    # the optional tokens, highest x first; slots past a position's count are padding
+    ox, slot = torch.where(opt, x, torch.full_like(x, -torch.inf)).topk(width, -1)  # [P, W]
+    real = torch.arange(width, device=x.device) < n_opt.unsqueeze(-1)
+    oe = torch.where(real, e.gather(-1, slot), torch.zeros_like(ox))
+    pos = 1 << torch.arange(width, device=x.device)  # slot a's bit
+    subset = torch.arange(2**width, device=x.device)  # [M]: bit a set = slot a's token in S
+    member = (subset.unsqueeze(-1) & pos).bool()  # [M, W]
+    # slots ranked surely above slot b (more than d higher): S holding b must hold them all
+    above = (ox.unsqueeze(-1) > ox.unsqueeze(-2) + d) & real.unsqueeze(-1)  # [P, a, b]
+    need = (above.long() * pos.unsqueeze(-1)).sum(-2)  # [P, b] bitmask of a
+    missing = (need.unsqueeze(1) & ~subset.view(1, -1, 1)) != 0  # [P, M, b]
+    closed = ~(member.unsqueeze(0) & missing).any(-1)  # [P, M]
+    padding = (subset.unsqueeze(0) >> n_opt.unsqueeze(-1)) != 0  # a padding slot's bit set
+    w = member.to(e.dtype).unsqueeze(0) * oe.unsqueeze(1)  # [P, M, W] the members' e
+    z_s = tot_in.unsqueeze(-1) + w.sum(-1)
+    below_s = below_in.unsqueeze(-1) + (w * (slot < t.unsqueeze(-1)).unsqueeze(1)).sum(-1)
+    holds_t = in_t.unsqueeze(-1) | (
+        member.unsqueeze(0) & (slot == t.unsqueeze(-1)).unsqueeze(1)
+    ).any(-1)
+    f = u.unsqueeze(-1) * z_s - below_s
+    ok = closed & ~padding & holds_t & (f >= f_lo.unsqueeze(-1)) & (f < f_hi.unsqueeze(-1))
+    return ok.any(-1)

@@ -8,13 +8,21 @@ no ties, both sets are exactly the processed distribution's."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from policy.boundary import TOP_P_ROUNDING, kept_bounds, logprob_interval, replay_admissible
+from policy.boundary import (
+    EXACT_OPTIONAL_MAX,
+    TOP_P_ROUNDING,
+    KeptBounds,
+    kept_bounds,
+    logprob_interval,
+    replay_admissible,
+)
 from policy.draw import draw_tokens, processed_logprobs
 
 
@@ -112,3 +120,65 @@ def test_a_tie_at_the_kth_logit_admits_either_set() -> None:
     far = kept_bounds(torch.tensor([[3.0, 2.0, 1.0, -5.0]]), top_k=3, margin=1e-3)
     lo, hi = logprob_interval(far, torch.tensor([3]))
     assert lo.item() == hi.item() == -math.inf
+
+
+def _draws_of_closed_sets(bounds: KeptBounds, t: int, u: float, lo: float, hi: float) -> bool:
+    """Reference for the exact replay: enumerate every kept set ``inner ∪ O`` (``O`` a subset of
+    the optional tokens closed upwards under the margin) in float64, one position."""
+    x, e = bounds.x[0].double(), bounds.e[0].double()
+    inner = [i for i in range(x.numel()) if bounds.inner[0, i]]
+    optional = [i for i in range(x.numel()) if bounds.outer[0, i] and not bounds.inner[0, i]]
+    for r in range(len(optional) + 1):
+        for chosen in itertools.combinations(optional, r):
+            if any(x[a] > x[b] + bounds.d for b in chosen for a in optional if a not in chosen):
+                continue  # a token ranked surely above a member is missing: no machine keeps it
+            members = set(inner) | set(chosen)
+            if t not in members:
+                continue
+            f = u * sum(e[j] for j in members) - sum(e[j] for j in members if j < t)
+            if lo <= f < hi:
+                return True
+    return False
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases(), st.floats(0.01, 0.5), st.floats(0.0, 1.0))
+def test_the_replay_tests_each_kept_set_an_honest_machine_can_hold(
+    case: tuple[torch.Tensor, float, float, int, int], margin: float, u_value: float
+) -> None:
+    """With up to EXACT_OPTIONAL_MAX optional tokens the replay admits ``t`` iff one kept set of
+    the closed family draws it (against a brute-force enumeration), not whenever the hull of
+    ``f`` over all subsets reaches ``[0, e_t)``: a token lying between two sets' draws."""
+    logits, t_, p, k, _ = case
+    bounds = kept_bounds(logits[None], t_, p, k, margin)
+    vocab = logits.numel()
+    assume(int((bounds.outer & ~bounds.inner).sum()) <= EXACT_OPTIONAL_MAX)
+    u = torch.tensor([u_value], dtype=logits.dtype)
+    for t in range(vocab):
+        got = bool(replay_admissible(bounds, torch.tensor([t]), u, slack=0.0)[0])
+        z = float(bounds.e[0][bounds.outer[0]].sum())
+        # the reference with a hair of slack either way: float rounding at a bound decides nothing
+        loose = _draws_of_closed_sets(
+            bounds, t, u_value, -1e-9 * z, float(bounds.e[0, t]) + 1e-9 * z
+        )
+        tight = _draws_of_closed_sets(
+            bounds, t, u_value, 1e-9 * z, float(bounds.e[0, t]) - 1e-9 * z
+        )
+        assert tight <= got <= loose, f"token {t}: replay {got}, reference {tight}/{loose}"
+
+
+def test_a_draw_only_an_impossible_kept_set_gives_is_refused() -> None:
+    """Logits (−0.23, −0.36, −0.72, −0.31, 1.38), top-p 0.72, margin 0.05 (d = 0.1): token 4 is
+    surely kept, tokens 0, 1 and 3 possibly. Token 0 lies more than d above token 1, so every
+    machine that keeps 1 keeps 0, which comes first in id order with ~14 % of the mass: at u = 0.1
+    the draw is 0 (or, without 1, 0 or 4), never 1. The hull over every subset of the optional
+    tokens counted the set {4, 1}, where 1 comes first, and admitted it."""
+    logits = torch.tensor([[-0.23, -0.36, -0.72, -0.31, 1.38]], dtype=torch.float64)
+    bounds = kept_bounds(logits, top_p=0.72, margin=0.05)
+    assert bounds.inner.tolist() == [[False, False, False, False, True]]
+    assert bounds.outer.tolist() == [[True, True, False, True, True]]
+    u = torch.tensor([0.1], dtype=torch.float64)
+    admitted = [t for t in range(5) if bool(replay_admissible(bounds, torch.tensor([t]), u, 0.0))]
+    assert 1 not in admitted and 0 in admitted
+    for t in range(5):
+        assert (t in admitted) == _draws_of_closed_sets(bounds, t, 0.1, 0.0, float(bounds.e[0, t]))
