@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from coordinator.errors import ConfigError
 from coordinator.retention import RETENTION_S
+from protocol.identity import parse_fingerprint
 from protocol.limits import DEFAULT_LIMITS, worst_case_submission_bytes
 
 
@@ -201,6 +202,13 @@ class IntakeSection(_Section):
         lt=1,
         description="Bound on the expected share of forged leases among a cheater's accepted "
         "ones, whenever it starts forging; sets how slowly the check rate falls",
+    )
+    vouched_nodes: list[str] = Field(
+        default_factory=list,
+        description="Fingerprints (ed25519:...) of nodes the operator vouches for (its own or a "
+        "partner's machines): they skip probation, starting at the spot_check_fraction floor "
+        "and outside the verification budget's admission, until a strike or flag (coordinator/"
+        "trust.py vouched_state)",
     )
     ban_multiple: float = Field(
         default=10.0,
@@ -565,6 +573,11 @@ class CoordinatorConfig(_Section):
                 f"{self.group_size}: the results of one prompt can reach {worst / 2**20:.0f} MiB, "
                 f"more than one {DEFAULT_LIMITS.bulk_frame // 2**20} MiB submission; lower either"
             )
+        for i, text in enumerate(self.intake.vouched_nodes):
+            try:
+                parse_fingerprint(text)
+            except ValueError as exc:
+                raise ValueError(f"intake.vouched_nodes[{i}]: {exc}") from None
         for key in self.intake.tolerances:
             if key.count("/") != 1:
                 raise ValueError(f'intake.tolerances key {key!r} must look like "backend/dtype"')

@@ -7,8 +7,9 @@
     ├─► decide_registration (pure: signer, accepted dtype, ban in force, relabel interval;
     │     the row to write, the receipt, the relabelled trust state, whether to re-plan)
     ├─► new identity only: make_room (evict the longest-gone node that holds nothing, or
-    │     refuse swarm_full) ─► VerificationBudget.admit_new (issue 35)
-    ├─► record (ONE transaction: the node row, the trust row of a relabel, the receipt)
+    │     refuse swarm_full) ─► VerificationBudget.admit_new (issue 35; not for a vouched node)
+    ├─► record (ONE transaction: the node row, the trust row of a relabel or a vouch, the
+    │     receipt)
     └─► re-plan when the plan's inputs changed ─► RegisterAck (the version leases name now)
 
 :func:`decide_registration` is a function of the loaded :class:`RegistrationContext`, the
@@ -31,11 +32,19 @@ from coordinator.receipts import ReceiptLog
 from coordinator.records import NodeRecord
 from coordinator.reputation import Ban, ban_in_force
 from coordinator.store import Store
-from coordinator.trust import PUT_SQL, TrustState, put_args, relabelled_state, trust_state
+from coordinator.trust import (
+    PUT_SQL,
+    TrustState,
+    leases_to_floor,
+    put_args,
+    relabelled_state,
+    trust_state,
+    vouched_state,
+)
 from coordinator.verify_budget import VerificationBudget
 from protocol.codec import encode
 from protocol.errors import ReasonCode
-from protocol.identity import fingerprint_of
+from protocol.identity import fingerprint_of, parse_fingerprint
 from protocol.messages import CapabilityAdvert, RegisterAck
 
 __all__ = ["Registration", "RegistrationContext", "RegistrationDesk", "decide_registration"]
@@ -60,6 +69,10 @@ class RegistrationContext:
     unwritten_seen: float
     #: nodes last heard from before this time are gone (:meth:`Liveness.horizon`)
     horizon: float
+    #: listed in ``intake.vouched_nodes`` (its trust state is then loaded too)
+    vouched: bool = False
+    #: a strike or ban on record (loaded for a vouched node): the vouch no longer waives anything
+    struck_before: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,7 +83,8 @@ class Registration:
     record: NodeRecord
     #: a new identity (room is made for it and the verification budget admits it first)
     new: bool
-    #: the relabelled node's new trust state (its clean history restarts); None: no relabel
+    #: the trust state to write: a relabelled node's (its clean history restarts), a vouched
+    #: node's (probation waived); None: unchanged
     trust: TrustState | None
     #: the ``register`` receipt's body (a new identity or a relabel); None: no receipt
     receipt: dict[str, Any] | None
@@ -123,13 +137,18 @@ def decide_registration(
         leases_expired=old.leases_expired if old else 0,
     )
     trust = relabelled_state(ctx.trust, now) if relabel and ctx.trust is not None else None
-    receipt = None
+    if ctx.vouched and not ctx.struck_before and ctx.trust is not None:
+        waived = vouched_state(trust or ctx.trust, leases_to_floor(config.intake))
+        trust = waived or trust
+    receipt: dict[str, Any] | None = None
     if old is None or relabel:
         receipt = {
             "node": record.fingerprint,
             "held_to": f"{advert.backend}/{advert.dtype}",
             "previous": f"{old.backend}/{old.dtype}" if old is not None else None,
         }
+        if ctx.vouched:
+            receipt["vouched"] = True
     # Re-planning scans the whole swarm: only when the plan's inputs changed (a new or returning
     # node, another price or throughput), so repeated re-registrations stay cheap. A node never
     # seen before has no measured rate, so it cannot change the plan (unmeasured nodes are always
@@ -193,6 +212,8 @@ class RegistrationDesk:
         self.receipts = receipts
         self.replan = replan
         self.lease_version = lease_version
+        #: fingerprints of the nodes the operator vouches for (``intake.vouched_nodes``)
+        self.vouched = frozenset(parse_fingerprint(f) for f in config.intake.vouched_nodes)
 
     def register(self, node_key: bytes, advert: CapabilityAdvert) -> RegisterAck:
         """Register (or re-register) ``node_key`` as ``advert`` describes it; a
@@ -203,9 +224,10 @@ class RegistrationDesk:
         if decision.new:
             assert ctx.registered is not None  # loaded for a new identity
             registered = self.make_room(ctx.registered, now)
-            self.budget.admit_new(  # issue 35
-                node_key, advert.tokens_per_s or None, now, registered=registered
-            )
+            if not ctx.vouched:  # a vouched node starts at the floor: no probation to book
+                self.budget.admit_new(  # issue 35
+                    node_key, advert.tokens_per_s or None, now, registered=registered
+                )
         self.record(decision, now)
         if decision.replan:
             self.replan()
@@ -225,16 +247,21 @@ class RegistrationDesk:
             ban = store.get_ban(node_key)
             held_to = (advert.backend, advert.dtype)
             relabel = node is not None and (node.backend, node.dtype) != held_to
-            row = store.trust_row(node_key) if relabel else None
-            suspect = relabel and row is None and store.has_record(node_key)
+            vouched = fingerprint_of(node_key) in self.vouched
+            row = store.trust_row(node_key) if relabel or vouched else None
+            record = (relabel and row is None) or vouched
+            struck = record and store.has_record(node_key)
+            suspect = struck and row is None
             registered = store.node_count() if node is None else None
         return RegistrationContext(
             node,
             ban_in_force(ban, now),
-            trust_state(row, suspect) if relabel else None,
+            trust_state(row, suspect) if relabel or vouched else None,
             registered,
             self.liveness.unwritten(node_key),
             self.liveness.horizon(now),
+            vouched=vouched,
+            struck_before=struck,
         )
 
     def make_room(self, registered: int, now: float) -> int:

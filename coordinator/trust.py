@@ -17,6 +17,8 @@ accepted since it registered, changed its registration, was struck or released f
   share of at most ``1/(1 + P) < ε`` among its accepted leases, wherever it starts; forging
   each lease with probability ``p`` gives at most ``ε`` too (:mod:`coordinator.detection`
   computes each strategy; docs/reliability.md "Detection power");
+* a node the operator **vouches** for (``intake.vouched_nodes``) starts at ``h = h_f``, the floor
+  (:func:`vouched_state`, at registration), until it has a strike, ban or flag on record;
 * a **suspect** — struck, banned or flagged by the reward audit — is checked on every lease
   (``intake.suspect_full_check``) until it passes ``intake.suspect_release_checks`` checks in a
   row; it then starts again from ``h = 0``. A strike resets ``h`` to 0.
@@ -122,6 +124,17 @@ def relabelled_state(state: TrustState, now: float) -> TrustState:
     """``state`` after the node registered another backend/dtype at ``now``: its clean history
     no longer applies (a suspect stays one)."""
     return TrustState(0, state.suspect, state.flagged_at, now, 0)
+
+
+def vouched_state(state: TrustState, floor_leases: int) -> TrustState | None:
+    """``state`` of a node the operator vouches for (``intake.vouched_nodes``) with its probation
+    waived: ``h`` raised to ``floor_leases`` (the clean leases at which the rate reaches the
+    floor). None when nothing changes: already there, or a suspect or a flagged node, which earns
+    its rate back like any other (so does one struck or banned before: the caller does not
+    vouch for it)."""
+    if state.suspect or state.flagged_at is not None or state.clean_leases >= floor_leases:
+        return None
+    return TrustState(state.clean_checks, False, None, state.label_changed_at, max(0, floor_leases))
 
 
 def leases_to_floor(config: IntakeSection, clean_leases: int = 0) -> int:

@@ -15,8 +15,8 @@ from coord_harness import TOK, FakeClock, Harness, advert, submission
 
 from coordinator.admission import ProbationBucket
 from coordinator.capacity import plan_activation, verification_rule, with_verification
-from coordinator.config import CoordinatorConfig
-from coordinator.errors import Rejection
+from coordinator.config import CoordinatorConfig, parse_config
+from coordinator.errors import ConfigError, Rejection
 from coordinator.leases import LeaseManager
 from coordinator.logprobs import LogprobVerdict
 from coordinator.sim.base import reference_logprob
@@ -27,6 +27,7 @@ from coordinator.trust import Trust
 from coordinator.verify_budget import MeteredVerifier, VerificationBudget, VerifierMeter
 from coordinator.verifying import VerifyingLeases
 from protocol.errors import ReasonCode
+from protocol.identity import Identity, fingerprint_of
 from protocol.messages import Ack, Lease
 
 KEY = [bytes([i]) * 32 for i in range(10)]
@@ -221,6 +222,41 @@ def test_registrations_beyond_the_spare_budget_are_refused_oldest_first(tmp_path
     with pytest.raises(Rejection) as full:
         h.node()
     assert full.value.retry_after_s == 30.0 and h.core.budget.refused == 2
+
+
+def test_a_vouched_node_skips_admission_and_probation(tmp_path: Path) -> None:
+    """The operator's own machines (``intake.vouched_nodes``): admitted while the budget refuses
+    every newcomer, held to the floor from the first lease, booked at the floor in D. Its
+    receipt says it was vouched for. Once struck it earns its rate back like any other node, and
+    registering again does not restore the vouch."""
+    clock = FakeClock()
+    own = Identity.generate()
+    fp = fingerprint_of(own.public_key)
+    h = Harness(tmp_path, clock=clock, verifier=ReferenceVerifier({}, TOK.vocab_size),
+                intake={"spot_check_fraction": 0.05, "new_node_check_rate": 1.0,
+                        "vouched_nodes": [fp.upper().removeprefix("ED25519:")]},
+                verification={"assumed_tokens_per_s": 1000.0, "admission_burst": 1,
+                              "admission_min_nodes": 0})  # fmt: skip
+    h.core.budget.planned_demand = 800.0  # the budget is full: no stranger gets in
+    with pytest.raises(Rejection) as refused:
+        h.node()
+    assert refused.value.code is ReasonCode.SWARM_FULL
+    h.core.register(own.public_key, advert(own, clock()))
+    trust = Trust(h.store, h.cfg.intake)
+    assert trust.rate(own.public_key) == pytest.approx(0.05)
+    assert trust.obligation(own.public_key).checks_to_floor == 0.0
+    assert h.core.budget.admitted == 0 and h.core.budget.refused == 1
+    entry = [e for e in h.core.receipts.entries() if e.kind == "register"][-1]
+    assert entry.data()["node"] == fp and entry.data()["vouched"] is True
+    trust.struck(own.public_key)
+    h.store.add_strike(own.public_key, "bad_logprobs", "", clock())
+    h.core.register(own.public_key, advert(own, clock()))
+    assert trust.rate(own.public_key) == 1.0 and trust.is_suspect(own.public_key)
+
+
+def test_a_malformed_vouched_fingerprint_is_refused_with_its_place(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"intake.vouched_nodes\[1\]: 'zz' is not a node fing"):
+        parse_config({"intake": {"vouched_nodes": [fingerprint_of(KEY[0]), "zz"]}})
 
 
 def test_without_a_verifier_or_a_known_v_nobody_is_refused(tmp_path: Path) -> None:
