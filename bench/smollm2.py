@@ -425,6 +425,11 @@ def render(
         "(lr 2e-5). Held-out: 100 `arith` sums never trained on, greedy accuracy at v0 and every "
         "5 versions (trainer/evaluation.py). Plot: docs/smollm2.png.\n\n"
         + "\n".join(rows + summary)
+        + "".join(
+            f"\n\nSeed {r['seed']} {r['mode']} S = {r['staleness']}: {r['note']}"
+            for r in results
+            if r.get("note")
+        )
         + f"\n\nS = 2 learner steps to reach the S = 0 run's final score, as a share of the "
         f"S = 0 run's steps (target <= 1.3): {', '.join(ratios) or '-'}. Adapter bytes / full "
         f"keyframe bytes: {share} (target <= 2%). {speed_line}\n\nHeld-out curves:\n\n"
