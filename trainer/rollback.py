@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainer.loss import k3_terms
+
 
 def reshard(model: torch.nn.Module) -> None:
     """Free every FSDP2 module's gathered weights and register its shards again (a no-op for a
@@ -97,5 +99,5 @@ def kl_k3_sums(new_logp: Tensor, prox_logp: Tensor, mask: Tensor) -> tuple[float
     """(Σ mask·(r − 1 − log r), Σ mask) with r = exp(new − prox): the sums behind ``step_kl``
     (summed over minibatches and ranks before dividing)."""
     log_r = (new_logp - prox_logp).clamp(-60.0, 60.0) * mask
-    k3 = (log_r.exp() - 1.0 - log_r) * mask
+    k3 = k3_terms(log_r) * mask
     return float(k3.sum()), float(mask.sum())

@@ -106,6 +106,22 @@ def test_sequence_level_uses_product_of_ratios() -> None:
     assert (stats.units, stats.modified, stats.tokens) == (2.0, 1.0, 4.0)
 
 
+def test_mismatch_kl_of_agreeing_policies_is_not_rounding_noise() -> None:
+    """Node and trainer agreeing to ~1e-6 nats a token (kernel rounding at S = 0) have a mismatch
+    KL of ~5e-13 a token; the fp32 k3 reported ~1e-9 of rounding noise instead."""
+    g = torch.Generator().manual_seed(1)
+    prox = -torch.rand(8, 64, generator=g) * 3.0
+    beh = prox + 1e-6 * torch.randn(8, 64, generator=g)
+    mask = torch.ones(8, 64)
+    st = torch.zeros(8, dtype=torch.long)
+    bw = behaviour_weights(prox, beh, mask, st, cap=2.0, mode="truncate", level="token")
+    stats = weight_stats(prox, beh, mask, bw, "token")
+    x = prox.double() - beh.double()  # the fp32 log-ratios, exactly
+    exact = float((torch.expm1(x) - x).sum())
+    assert stats.kl_sum == pytest.approx(exact, rel=1e-3)
+    assert 0 < stats.kl_sum / 512 < 1e-11
+
+
 def test_weight_off_and_staleness_decay() -> None:
     prox, beh, mask, _ = _ratio_batch()
     st = torch.tensor([2, 1])

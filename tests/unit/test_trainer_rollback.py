@@ -27,6 +27,30 @@ def test_kl_k3_sums_by_hand() -> None:
     assert n == 2.0
 
 
+def _tiny_move(delta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """512 near-certain tokens (log-probs -1e-3 .. -1e-1) each moved by +-``delta`` nats, and the
+    exact k3 sum: r − 1 − log r = x²/2 + x³/6 + ... for x = ±delta (float64 reference)."""
+    g = torch.Generator().manual_seed(0)
+    prox = -torch.logspace(-3, -1, 512, dtype=torch.float64)[None]
+    x = delta * torch.where(torch.rand(prox.shape, generator=g, dtype=torch.float64) < 0.5, -1, 1)
+    new = prox + x
+    exact = float((torch.expm1(new.float().double() - prox.float().double())
+                   - (new.float().double() - prox.float().double())).sum())  # fmt: skip
+    return new.float(), prox.float(), torch.ones_like(prox, dtype=torch.float32), exact
+
+
+@pytest.mark.parametrize("delta", [1e-6, 1e-5, 1e-4])
+def test_k3_of_a_tiny_move_is_its_true_value_not_rounding_noise(delta: float) -> None:
+    # In fp32, exp(x) − 1 − x is off by up to 6e-8 a token with either sign: for 512 tokens moved
+    # by 1e-5 it came out ~3e-6 (true 2.6e-8), and negative as often as not, so a step that
+    # barely moved the policy read as noise (the KL-adaptive rate's "0 < step_kl" a coin flip).
+    new, prox, mask, exact = _tiny_move(delta)
+    k3, n = kl_k3_sums(new, prox, mask)
+    assert n == 512.0
+    assert exact > 0
+    assert k3 == pytest.approx(exact, rel=1e-3)
+
+
 def test_snapshot_restores_weights_and_adam_moments() -> None:
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
