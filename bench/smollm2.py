@@ -136,6 +136,7 @@ def run_one(
     ]  # fmt: skip
     for setting in MODES[mode]:
         argv += ["--trainer-set", setting]
+    measured = commit()  # the code the run's processes load: the tree may change while it runs
     t0 = time.monotonic()
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - t0
@@ -146,7 +147,7 @@ def run_one(
     out = figures(run_dir, wall)
     out.update(
         seed=seed, staleness=staleness, mode=mode, minutes=minutes, load=loadavg(),
-        returncode=proc.returncode, commit=commit(),
+        returncode=proc.returncode, commit=measured,
         date=time.strftime("%Y-%m-%d", time.gmtime()),
     )  # fmt: skip
     return out

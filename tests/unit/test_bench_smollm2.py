@@ -4,6 +4,7 @@ that names each run's commit, and the S = 2 vs S = 0 step ratio; no model, no pr
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -117,3 +118,25 @@ def test_figures_read_the_learners_waiting_share(tmp_path: Path) -> None:
     got = bench.figures(tmp_path, 100.0)
     assert got["learner_steps"] == 2
     assert got["learner_idle_frac"] == pytest.approx(0.5)  # the last record's running share
+
+
+def test_a_run_records_the_commit_its_processes_loaded_not_the_one_at_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tree may change during a 30-minute run (the next commit, an edit): the record names
+    the commit at the run's start, the code the demo's processes imported."""
+    heads = iter(["aaa1111", "bbb2222+dirty"])
+    monkeypatch.setattr(bench, "commit", lambda: next(heads))
+
+    def demo(argv: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        run_dir = Path(argv[argv.index("--run-dir") + 1])
+        (run_dir / "trainer").mkdir(parents=True)
+        ev = {"record": "eval", "version": 0, "step": 0, "taken_at": 1.0, "eval_greedy_acc": 0.4,
+              "eval_greedy_lo": 0.3, "eval_greedy_hi": 0.5}  # fmt: skip
+        (run_dir / "trainer" / "metrics.jsonl").write_text(json.dumps(ev) + "\n")
+        bench.commit()  # the tree moves on while the demo runs
+        return subprocess.CompletedProcess(argv, 1, "", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", demo)
+    r = bench.run_one("smollm2", 1, 2, "lora", 0.1, tmp_path / "run", [])
+    assert r["commit"] == "aaa1111"
