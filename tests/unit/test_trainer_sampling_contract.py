@@ -64,8 +64,10 @@ def test_mismatch_kl_is_zero_at_staleness_zero(
     )
     record = trainer.train_step(_rollouts(backend, sampling, version=trainer.version))
     # fp32 on one CPU: the node's KV-cache decode and the trainer's full forward differ by
-    # rounding only (~1e-6 in log-prob), so KL(μ‖π_prox) is ~1e-12, far below 1e-5.
-    assert record["mismatch_kl"] < 1e-5
+    # rounding only (~1e-6 in log-prob, KL ≈ Δ²/2 ≈ 1e-12 at most; measured 6–8e-15 with the
+    # float64 k3). 1e-9 allows log-prob differences up to ~4e-5 on another CPU's kernels; the
+    # fp32 k3 of before e396d0d reported ±1e-9 of rounding noise here, negative as often as not.
+    assert 0.0 <= record["mismatch_kl"] < 1e-9
     assert abs(record["mismatch_kl_k1"]) < 1e-4
     assert record["ess_frac"] > 0.9999
     assert record["weight_modified_frac"] == 0.0
