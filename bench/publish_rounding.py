@@ -53,7 +53,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     from policy.sampling import SamplingConfig
     from policy.testing import build_tiny_chat_model
     from swarm.checkpoint_io import cast_floats
-    from trainer.loss import LOGP_FLOOR, shared_log_ratio, support_mask, token_logprobs
+    from trainer.loss import (
+        LOGP_FLOOR,
+        k3_terms,
+        shared_log_ratio,
+        support_mask,
+        token_logprobs,
+    )
 
     torch.set_num_threads(1)
     tmp = tempfile.TemporaryDirectory(prefix="publish-rounding-")
@@ -92,10 +98,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
                 mu = torch.tensor(sample.logprobs, dtype=lp.dtype)
                 shared = support_mask(lp, mu, torch.ones_like(lp))
                 log_r = shared_log_ratio(lp, mu, shared).double()
-                kl_shared += float((log_r.exp() - 1.0 - log_r).sum())
+                kl_shared += float(k3_terms(log_r).sum())
                 shared_tokens += float(shared.sum())
                 log_c = (lp - mu).clamp(-60.0, 60.0).double()
-                kl_clamped += float((log_c.exp() - 1.0 - log_c).sum())
+                kl_clamped += float(k3_terms(log_c).sum())
                 for t in (lp <= LOGP_FLOOR).nonzero().flatten().tolist():
                     outside += 1
                     cases.append([index, req.seed, j, t])

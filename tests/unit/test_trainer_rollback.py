@@ -33,10 +33,10 @@ def _tiny_move(delta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
     g = torch.Generator().manual_seed(0)
     prox = -torch.logspace(-3, -1, 512, dtype=torch.float64)[None]
     x = delta * torch.where(torch.rand(prox.shape, generator=g, dtype=torch.float64) < 0.5, -1, 1)
-    new = prox + x
-    exact = float((torch.expm1(new.float().double() - prox.float().double())
-                   - (new.float().double() - prox.float().double())).sum())  # fmt: skip
-    return new.float(), prox.float(), torch.ones_like(prox, dtype=torch.float32), exact
+    new, prox = (prox + x).float(), prox.float()
+    moved = new.double() - prox.double()  # the fp32 log-ratios, exactly
+    exact = float((torch.expm1(moved) - moved).sum())
+    return new, prox, torch.ones_like(prox), exact
 
 
 @pytest.mark.parametrize("delta", [1e-6, 1e-5, 1e-4])
