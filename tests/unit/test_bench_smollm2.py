@@ -140,3 +140,19 @@ def test_a_run_records_the_commit_its_processes_loaded_not_the_one_at_its_end(
     monkeypatch.setattr(bench.subprocess, "run", demo)
     r = bench.run_one("smollm2", 1, 2, "lora", 0.1, tmp_path / "run", [])
     assert r["commit"] == "aaa1111"
+
+
+def test_lora_is_set_against_full_fine_tuning_paired_by_seed() -> None:
+    """The report pairs each LoRA run with the full run of the same seed and S: the final-score
+    difference with its interval over seeds, and the step time ratio; unpaired runs are left out."""
+    lo0 = run(0, 0, [(0, 0.4), (20, 0.78)], step_time_s_median=22.0)
+    lo1 = run(1, 0, [(0, 0.4), (20, 0.74)], step_time_s_median=26.0)
+    fu0 = run(0, 0, [(0, 0.4), (20, 0.69)], mode="full", step_time_s_median=33.0)
+    fu1 = run(1, 0, [(0, 0.4), (20, 0.70)], mode="full", step_time_s_median=39.0)
+    alone = run(2, 2, [(0, 0.4), (20, 0.9)])  # no full run at seed 2, S = 2: not a pair
+    line = bench.lora_vs_full([lo0, lo1, fu0, fu1, alone])
+    # differences +0.09, +0.04: mean +0.065, half-width 12.706 x 0.0354 / sqrt(2) = 0.318
+    assert "S = 0, 2 seeds: final score LoRA - full +0.065 [-0.253, +0.383]" in line
+    assert "LoRA / full 0.67x" in line and "S = 2" not in line
+    assert bench.lora_vs_full([lo0, alone]) == ""
+    assert line in bench.render([lo0, lo1, fu0, fu1], None, 30.0, "--runs 0:0:lora")
