@@ -84,12 +84,18 @@ def loadavg() -> tuple[float, float]:
     return float(parts[0]), float(parts[1])
 
 
-def commit() -> str:
-    """The commit the runs measure (``+dirty`` when tracked files differ from it)."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+#: What the demo's processes import: a change elsewhere (this script, the kept records in docs/)
+#: does not make a run's code differ from its commit.
+LOADED = ("protocol", "swarm", "coordinator", "node", "trainer", "policy", "pyproject.toml")
+
+
+def commit(root: Path = ROOT) -> str:
+    """The commit the runs measure (``+dirty`` when the tracked code the processes import differs
+    from it)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                           text=True).stdout.strip() or "unknown"  # fmt: skip
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *LOADED],
+                           cwd=root, capture_output=True, text=True).stdout.strip()  # fmt: skip
     return head + ("+dirty" if dirty else "")
 
 

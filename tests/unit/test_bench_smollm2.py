@@ -156,3 +156,24 @@ def test_lora_is_set_against_full_fine_tuning_paired_by_seed() -> None:
     assert "LoRA / full 0.67x" in line and "S = 2" not in line
     assert bench.lora_vs_full([lo0, alone]) == ""
     assert line in bench.render([lo0, lo1, fu0, fu1], None, 30.0, "--runs 0:0:lora")
+
+
+def test_the_commit_is_dirty_only_when_the_code_the_processes_import_changed(
+    tmp_path: Path,
+) -> None:
+    """A run started while the kept records (docs/) or this script (bench/) had uncommitted
+    edits measured the committed code: ``+dirty`` says the packages themselves differ."""
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for path in ("swarm/x.py", "docs/runs.jsonl", "bench/smollm2.py"):
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        (tmp_path / path).write_text("a\n")
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    clean = bench.commit(tmp_path)
+    assert len(clean) >= 7 and not clean.endswith("+dirty")
+    (tmp_path / "docs" / "runs.jsonl").write_text("b\n")
+    (tmp_path / "bench" / "smollm2.py").write_text("b\n")
+    assert bench.commit(tmp_path) == clean
+    (tmp_path / "swarm" / "x.py").write_text("b\n")
+    assert bench.commit(tmp_path) == clean + "+dirty"
