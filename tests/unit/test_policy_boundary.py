@@ -76,8 +76,19 @@ def test_another_machines_kept_set_lies_between_the_bounds(
     assert lo.item() - value_change <= lp.item() <= hi.item() + value_change
 
 
+#: a CI failure (stop 51): token 29's higher-ranked mass is top_p - 1.4e-5, within the nucleus
+#: test's rounding tolerance, so it is possibly kept by design; the test once measured that
+#: margin on the processed (renormalized) distribution and missed it
+_NEAR_TOP_P = torch.tensor([
+    -1.7853, -1.7853, -1.7853, -0.4108, 3.0249, 0.7530, 1.7051, 1.5678, 0.4053, 0.7985, -0.6059,
+    2.8860, -0.1034, 1.3033, 2.0589, -2.5771, 1.4596, -1.6582, 1.0414, -1.1785, 1.3120, 1.8276,
+    2.0080, 1.8701, -0.1977, 2.7021, -0.0908, -1.8847, 3.5488, -2.2111,
+], dtype=torch.float64)  # fmt: skip
+
+
 @settings(max_examples=200, deadline=None)
 @given(cases())
+@example((_NEAR_TOP_P, 1.875, 0.99, 0, 1296145))
 def test_without_margin_and_ties_the_bounds_are_the_processed_set(
     case: tuple[torch.Tensor, float, float, int, int],
 ) -> None:
@@ -88,8 +99,10 @@ def test_without_margin_and_ties_the_bounds_are_the_processed_set(
     logp = processed_logprobs(logits[None], t, p, k)
     kept = torch.isfinite(logp)
     # a token whose higher-ranked mass lies within the nucleus test's rounding tolerance of top_p
-    # is possibly kept by design, not surely
-    probs = torch.sort(torch.softmax(logp.double(), -1)[0], descending=True).values
+    # is possibly kept by design, not surely: that mass is the one the nucleus tests, after
+    # temperature and top-k and before the nucleus (not the renormalized processed distribution)
+    pre = processed_logprobs(logits[None], t, 1.0, k)
+    probs = torch.sort(torch.softmax(pre.double(), -1)[0], descending=True).values
     assume(bool(((torch.cumsum(probs, 0) - probs - p).abs() > TOP_P_ROUNDING).all()) or p >= 1.0)
     assert torch.equal(bounds.inner, kept) and torch.equal(bounds.outer, kept)
     targets = torch.tensor([int(torch.argmax(logits))])
