@@ -33,6 +33,10 @@ Modules (transport-independent core; the network service is built on :class:`cor
 - :mod:`coordinator.leases`     ``LeaseManager``: the lease state machine (injected clock)
 - :mod:`coordinator.intake`     verification checks 3–7 of DESIGN.md §7 (``Intake``)
 - :mod:`coordinator.logprobs`   ``LogprobVerifier`` protocol, ``InProcessLogprobVerifier``
+- :mod:`coordinator.verifier_pool` re-scores as jobs on one queue for every verifier
+                                (``VerifierPool``, the ``rswarm/vtake``/``vdone`` handlers)
+- :mod:`coordinator.verifier_process` ``swarm coordinator verifier``: re-scores on another
+                                GPU or machine
 - :mod:`coordinator.trust`      adaptive check rates per node (new, suspect, trusted)
 - :mod:`coordinator.audits`     reward audits: audit copies of prompts, the per-node sign test
 - :mod:`coordinator.receipts`   the hash-chained, signed verdict log and its verification

@@ -424,6 +424,29 @@ class VerificationBudgetSection(_Section):
         "while that submission waits for verification (a node that stops answering still "
         "loses its lease at the deadline)",
     )
+    verifier_keys: list[str] = Field(
+        default_factory=list,
+        description="Fingerprints (ed25519:...) of the verifier processes allowed to take "
+        "re-score jobs (`swarm coordinator verifier`, run by the operator on its own GPUs); "
+        "each is one more verifier in V",
+    )
+    local_verifier: bool = Field(
+        default=True,
+        description="The coordinator re-scores in its own process too, one job at a time; "
+        "false: only the verifier processes do (at least one key in verifier_keys)",
+    )
+    job_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="A re-score job a verifier process took and has not answered within this "
+        "(seconds) is given to the next verifier that asks",
+    )
+    job_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="Times one re-score job is given out before its check fails (the lease "
+        "is re-scored again later, its rows held meanwhile)",
+    )
 
 
 class NetworkSection(_Section):
@@ -578,6 +601,16 @@ class CoordinatorConfig(_Section):
                 parse_fingerprint(text)
             except ValueError as exc:
                 raise ValueError(f"intake.vouched_nodes[{i}]: {exc}") from None
+        for i, text in enumerate(self.verification.verifier_keys):
+            try:
+                parse_fingerprint(text)
+            except ValueError as exc:
+                raise ValueError(f"verification.verifier_keys[{i}]: {exc}") from None
+        if not self.verification.local_verifier and not self.verification.verifier_keys:
+            raise ValueError(
+                "verification.local_verifier = false needs verification.verifier_keys: "
+                "otherwise nothing re-scores the spot checks"
+            )
         for key in self.intake.tolerances:
             if key.count("/") != 1:
                 raise ValueError(f'intake.tolerances key {key!r} must look like "backend/dtype"')

@@ -232,6 +232,25 @@ class InProcessLogprobVerifier:
         self.calibration_s = 0.0
         self.calibrations = 0
 
+    @classmethod
+    def for_config(
+        cls, cfg: Any, model_loader: ModelLoader, *, pad_id: int
+    ) -> InProcessLogprobVerifier:
+        """The verifier a coordinator with config ``cfg`` (:class:`coordinator.config.
+        CoordinatorConfig`) re-scores with; a verifier process builds the same from the same
+        config, so both hold nodes to the same tolerances."""
+        return cls(
+            model_loader,
+            cfg.intake.tolerances,
+            cache_size=cfg.staleness_bound + 1,
+            temperature=cfg.sampling.temperature,
+            top_p=cfg.sampling.top_p,
+            top_k=cfg.sampling.top_k,
+            pad_id=pad_id,
+            z_max=cfg.intake.sampling_z_max,
+            calibration=CalibrationSettings.from_intake(cfg.intake),
+        )
+
     def _model(self, version: int, dtype: str) -> Any:
         """The model of ``version`` in ``dtype`` (loaded/cast if not cached); call with
         ``_lock`` held."""

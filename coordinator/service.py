@@ -48,12 +48,13 @@ from coordinator.history import StatusHistory
 from coordinator.holding import SpotCheckModels, TBcastEstimate, VersionHolder, model_spec
 from coordinator.http import StatusHttpServer
 from coordinator.learner_link import LearnerLink
-from coordinator.logprobs import CalibrationSettings, InProcessLogprobVerifier
+from coordinator.logprobs import InProcessLogprobVerifier
 from coordinator.node_rpc import NodeHandlers
 from coordinator.status_board import StatusBoard, node_pages_on
 from coordinator.store import Store
 from coordinator.tasks import make_task
 from coordinator.upkeep import RECORD_TTL_S, TICK_S, Upkeep
+from coordinator.verifier_pool import VerifierHandlers, VerifierPool
 from policy.preflight import PolicySetup
 from protocol import rpc
 from protocol.codec import encode
@@ -70,6 +71,8 @@ from protocol.messages import (
     ReleaseLease,
     RolloutSubmission,
     StatusRequest,
+    VerifyTake,
+    VerifyVerdict,
 )
 from swarm.adverts import swarm_validators
 from swarm.broadcast import BroadcastNode
@@ -149,16 +152,19 @@ class CoordinatorService:
         store = Store(db_path)
         chunks = ChunkStore(self.state_dir / "checkpoints", keep_versions=keep)
         models = SpotCheckModels(chunks, model_spec(cfg))
-        verifier = InProcessLogprobVerifier(
-            models.load,
-            cfg.intake.tolerances,
-            cache_size=keep,
-            temperature=cfg.sampling.temperature,
-            top_p=cfg.sampling.top_p,
-            top_k=cfg.sampling.top_k,
-            pad_id=setup.tokenizer.pad_token_id,
-            z_max=cfg.intake.sampling_z_max,
-            calibration=CalibrationSettings.from_intake(cfg.intake),
+        verifier = InProcessLogprobVerifier.for_config(
+            cfg, models.load, pad_id=setup.tokenizer.pad_token_id
+        )
+        # with verifier processes, re-scores are jobs any of them (and this process) may take
+        vcfg = cfg.verification
+        pool = (
+            VerifierPool(
+                verifier if vcfg.local_verifier else None,
+                job_timeout_s=vcfg.job_timeout_s,
+                attempts=vcfg.job_attempts,
+            )
+            if vcfg.verifier_keys
+            else None
         )
         core = Coordinator(
             cfg,
@@ -167,12 +173,15 @@ class CoordinatorService:
             tokenizer=setup.tokenizer,
             prompts=setup.renderer,
             stop_token_ids=setup.stop_token_ids,
-            verifier=verifier,
+            verifier=pool if pool is not None else verifier,
             publisher_key=self.identity.public_key,
             servable=chunks.is_complete,  # leases name versions nodes can fetch from here
             signer=self.identity,
         )
         running.callback(core.close)
+        if pool is not None:
+            pool.start()
+            running.push_async_callback(pool.stop)
         # the network: peer, transport, the broadcast node that fills the chunk store
         running.push_async_callback(_quietly(self.peer.stop))
         await self.peer.start()
@@ -275,7 +284,13 @@ class CoordinatorService:
             on_published=published,
             check_version=models.check_lora_base,
         )
-        await register_handlers(transport, rpc_table(nodes, learner, board))
+        handlers = rpc_table(nodes, learner, board)
+        if pool is not None:
+            verifiers = VerifierHandlers(
+                pool, vcfg.verifier_keys, replay=core.replay, clock=core.clock
+            )
+            handlers |= {rpc.VERIFY_TAKE: verifiers.on_take, rpc.VERIFY_DONE: verifiers.on_done}
+        await register_handlers(transport, handlers)
         self.multiaddrs = await self.peer.visible_maddrs()
         upkeep.start()
         running.push_async_callback(upkeep.stop)
@@ -381,6 +396,7 @@ def request_limits(limits: Limits = DEFAULT_LIMITS) -> dict[str, int]:
         rpc.PUBLISH: PublishVersion,
         rpc.FETCH: FetchRollouts,
     }
+    signed |= {rpc.VERIFY_TAKE: VerifyTake, rpc.VERIFY_DONE: VerifyVerdict}
     out = {name: limits.max_frame(t) + ENVELOPE_OVERHEAD for name, t in signed.items()}
     out[rpc.STATUS] = limits.max_frame(StatusRequest)
     return out

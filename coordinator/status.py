@@ -36,6 +36,8 @@ VERIFY_BUDGET_FIELDS = frozenset(
         "verify_demand_tokens_per_s", "verify_budget_tokens_per_s", "verify_budget_meets",
         "verify_tokens_per_rollout", "admission_admitted", "admission_refused",
         "admission_waiting", "leases_in_verification", "leases_held_for_verification",
+        "verify_jobs_queued", "verify_jobs_taken", "verify_jobs_redelivered",
+        "verify_jobs_timed_out", "verifier_processes",
     }
 )  # fmt: skip
 #: Keys :func:`wire_status` leaves out of the unsigned ``rswarm/status`` answer.

@@ -219,10 +219,21 @@ class VerificationBudget:
         self.rho_measured: float | None = None
         self.admitted = 0
         self.refused = 0
+        #: the verifier pool's own figures (jobs queued, taken, ...), when it has one
+        self.pool_status: Callable[[], dict[str, Any]] | None = None
 
     def metered(self, verifier: LogprobVerifier | None) -> LogprobVerifier | None:
-        """``verifier`` as the intake should call it: metered into V (None stays None)."""
-        return None if verifier is None else MeteredVerifier(verifier, self.meter, self.clock)
+        """``verifier`` as the intake should call it: metered into V (None stays None). A
+        verifier of several verifiers (:class:`coordinator.verifier_pool.VerifierPool`) meters
+        each under its own name (``attach_meter``): V is their sum."""
+        if verifier is None:
+            return None
+        attach = getattr(verifier, "attach_meter", None)
+        if callable(attach):
+            attach(self.meter, self.clock)
+            self.pool_status = getattr(verifier, "status", None)
+            return verifier
+        return MeteredVerifier(verifier, self.meter, self.clock)
 
     # --- V and D ---------------------------------------------------------------------------------
     def capacity(self, now: float | None = None) -> float | None:
@@ -319,7 +330,8 @@ class VerificationBudget:
         t = self.clock() if now is None else now
         v = self.capacity(t)
         limit = None if v is None else (1.0 - self.config.headroom) * v
-        return {
+        pool = self.pool_status() if self.pool_status is not None else {}
+        return pool | {
             "verify_tokens_per_s": round(v, 3) if v is not None else None,
             "verify_tokens_per_s_measured": self.meter.tokens_per_s(t) is not None,
             "verify_verifiers": self.meter.verifiers,

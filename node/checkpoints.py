@@ -50,14 +50,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from protocol.codec import decode, encode
 from protocol.errors import ProtocolError, ReasonCode
-from protocol.identity import fingerprint_of, short_fingerprint
 from protocol.manifest import part_indices, part_size, verify_chunk, verify_manifest
-from protocol.messages import Manifest, ManifestRequest, ManifestResponse
-from swarm.broadcast import MANIFEST_RPC, BroadcastNode
+from protocol.messages import Manifest
+from swarm.broadcast import BroadcastNode
 from swarm.deltasync import Files
-from swarm.errors import BroadcastError, TransportError
+from swarm.errors import BroadcastError, ManifestUnavailable
 
 __all__ = [
     "ACCEPTED_FILE",
@@ -292,33 +290,16 @@ class CheckpointManager:
         """Raw public key of the pinned fingerprint, from a stored or fetched manifest signer."""
         if self._key is not None:
             return self._key
-        store = self.broadcast.store
-        for v in reversed(store.versions()):
-            entry = store.manifest(v)
-            if entry is not None and fingerprint_of(entry[0].signer) == self.fingerprint:
-                return self._adopt_key(entry[0].signer)
-        transport = self.broadcast.server.transport
-        request = encode(ManifestRequest(version=version))
-        problems = []
-        for peer in self.seeds():
-            try:
-                raw = await transport.call(peer, MANIFEST_RPC, request, timeout=10.0)
-                env = decode(raw, ManifestResponse).manifest
-            except (TransportError, ProtocolError) as exc:
-                problems.append(f"{peer[:12]}: {exc}")
-                continue
-            if env is None:
-                problems.append(f"{peer[:12]}: does not hold v{version}")
-            elif fingerprint_of(env.signer) != self.fingerprint:
-                signer = short_fingerprint(fingerprint_of(env.signer))
-                problems.append(f"{peer[:12]}: manifest signed by {signer}")
-            else:
-                return self._adopt_key(env.signer)
-        raise CheckpointUnavailable(
-            f"no manifest of v{version} signed by the pinned key "
-            f"{short_fingerprint(self.fingerprint)} ({'; '.join(problems) or 'no seeds'}); "
-            "check coordinator_key"
-        )
+        from swarm.pinned import resolve_pinned_key
+
+        try:
+            key = await resolve_pinned_key(
+                self.fingerprint, version, store=self.broadcast.store,
+                transport=self.broadcast.server.transport, seeds=self.seeds(),
+            )  # fmt: skip
+        except ManifestUnavailable as exc:
+            raise CheckpointUnavailable(f"{exc}; check coordinator_key") from exc
+        return self._adopt_key(key)
 
     def _adopt_key(self, key: bytes) -> bytes:
         self._key = key

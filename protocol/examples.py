@@ -42,6 +42,11 @@ from protocol.messages import (
     StatusRequest,
     StatusResponse,
     Timings,
+    VerifyGroup,
+    VerifyJob,
+    VerifySample,
+    VerifyTake,
+    VerifyVerdict,
     pack_logprobs,
     pack_tokens,
 )
@@ -189,4 +194,39 @@ def example_messages() -> list[MessageBase]:
         RolloutBatch(rollouts=[rollout], last_seq=1),
         StatusRequest(verbose=True),
         StatusResponse(status={"nodes": 3, "versions": [11, 12], "rates": {"accept": 0.97}}),
+        VerifyTake(wait_s=10.0),
+        VerifyJob(
+            job_id="vj-1",
+            version=12,
+            backend="hf",
+            dtype="float32",
+            steps=256,
+            replay=True,
+            groups=[
+                VerifyGroup(
+                    prompt_token_ids=pack_tokens([1, 5, 6, 3]),
+                    samples=[
+                        VerifySample(
+                            token_ids=pack_tokens([9, 4, 2]),
+                            logprobs=pack_logprobs([-0.5, -1.25, -0.125]),
+                            seed=1234 + j,
+                        )
+                        for j in range(2)
+                    ],
+                )
+            ],
+            deadline=T0 + 120,
+        ),
+        VerifyVerdict(
+            job_id="vj-1",
+            outcome="pass",
+            metric="max_abs",
+            value=2e-4,
+            threshold=1e-3,
+            detail="max_abs=0.0002, z=0.3 over 6 tokens of 2 samples at version 12",
+            code=ReasonCode.LOGPROB_MISMATCH,
+            figures={"tokens": 6.0, "samples": 2.0, "max_abs": 2e-4},
+            compute_s=0.05,
+            tokens=14,
+        ),
     ]

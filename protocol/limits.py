@@ -99,6 +99,7 @@ _BULK = frozenset(
         "Manifest",
         "ManifestResponse",
         "PublishVersion",
+        "VerifyJob",
     }
 )
 

@@ -94,6 +94,11 @@ __all__ = [
     "StatusResponse",
     "TensorInfo",
     "Timings",
+    "VerifyGroup",
+    "VerifyJob",
+    "VerifySample",
+    "VerifyTake",
+    "VerifyVerdict",
     "logprobs_array",
     "pack_logprobs",
     "pack_tokens",
@@ -486,6 +491,74 @@ class StatusResponse(MessageBase):
     status: Annotated[dict[Name, StatusValue], Meta(max_length=L.MAX_STATUS_KEYS)]
 
 
+# --- remote verification (coordinator <-> the operator's verifier processes) -----------------
+class VerifyTake(MessageBase):
+    """Verifier -> coordinator: the next re-score job, waiting up to ``wait_s`` for one."""
+
+    wait_s: Finite  # long-poll bound, seconds in [0, 30]; the coordinator waits at most that
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("wait_s", self.wait_s, 0.0, 30.0)
+
+
+class VerifySample(WireStruct):
+    token_ids: PackedTokens  # completion tokens as the node submitted them, packed uint32
+    logprobs: PackedLogprobs  # the node's claimed log-prob of each, packed float32
+    seed: U64  # the lease's seed of this sample (VerifyJob.replay), else 0
+
+    def __post_init__(self) -> None:
+        check_packed("token_ids", self.token_ids)
+        check_finite_f32("logprobs", self.logprobs)
+        if len(self.token_ids) != len(self.logprobs):
+            raise SchemaViolation(ReasonCode.SCHEMA, "token_ids and logprobs lengths differ")
+
+
+class VerifyGroup(WireStruct):
+    prompt_token_ids: PackedTokens  # the prompt of every sample below, packed uint32
+    samples: Annotated[list[VerifySample], Meta(min_length=1, max_length=L.MAX_GROUP_SIZE)]
+
+    def __post_init__(self) -> None:
+        check_packed("prompt_token_ids", self.prompt_token_ids)
+
+
+class VerifyJob(MessageBase):
+    """Coordinator -> verifier: re-score these samples at ``version`` (check 7, §12.2)."""
+
+    job_id: Id  # answer with it in VerifyVerdict.job_id
+    version: U64  # the policy version the samples claim (fetch it from the coordinator)
+    backend: Slug  # what the node is held to (its registration), used without calibration
+    dtype: Dtype
+    steps: U32 | None  # the lease's max_new_tokens (the replay's uniform width); nil = longest
+    replay: bool  # true: each Sample.seed is the lease's seed of that sample; replay the draws
+    groups: Annotated[list[VerifyGroup], Meta(min_length=1, max_length=L.MAX_PROMPTS)]
+    deadline: Finite  # Unix seconds; a verdict after it is refused and the job was given again
+
+
+VerifyOutcome = Literal["pass", "fail", "unavailable"]
+
+
+class VerifyVerdict(MessageBase):
+    """Verifier -> coordinator: the verdict of one job."""
+
+    job_id: Id  # from the VerifyJob
+    # pass / fail: the check's verdict; unavailable: this verifier cannot re-score the version
+    # (not fetched, another base model): the job goes to another verifier
+    outcome: VerifyOutcome
+    metric: Name  # the statistic that decided (max_abs, median_rel, tail_share, sampling_z, ...)
+    value: Finite  # its value
+    threshold: Finite  # its limit
+    detail: Text  # one human-readable line (the node's Reject detail on a fail)
+    code: ReasonCode  # on a fail: logprob_mismatch or sampling_mismatch
+    figures: Annotated[dict[Name, Finite], Meta(max_length=L.MAX_STATUS_KEYS)]  # for the receipt
+    compute_s: Finite  # seconds the re-score took on the verifier, >= 0 (V of the budget)
+    tokens: U64  # prompt + completion tokens re-scored
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("compute_s", self.compute_s, 0.0, L.MAX_FLOAT)
+
+
 Message = (
     SignedEnvelope
     | CapabilityAdvert
@@ -510,6 +583,9 @@ Message = (
     | RolloutBatch
     | StatusRequest
     | StatusResponse
+    | VerifyTake
+    | VerifyJob
+    | VerifyVerdict
 )
 """Union of every top-level message; ``codec.decode(data)`` decodes into one of these."""
 
@@ -537,4 +613,7 @@ MESSAGE_TYPES: tuple[type[MessageBase], ...] = (
     RolloutBatch,
     StatusRequest,
     StatusResponse,
+    VerifyTake,
+    VerifyJob,
+    VerifyVerdict,
 )

@@ -18,7 +18,12 @@ rswarm/release     ReleaseLease                Ack | Reject                     
 rswarm/publish     PublishVersion              ManifestResponse | Reject              trainer
 rswarm/fetch       FetchRollouts               RolloutBatch | Reject                  trainer
 rswarm/status      StatusRequest (unsigned)    StatusResponse                         anyone
+rswarm/vtake       VerifyTake                  VerifyJob | Standby | Reject           verifier
+rswarm/vdone       VerifyVerdict               Ack | Reject                           verifier
 =================  ==========================  =====================================  =========
+
+A verifier is a re-scoring process the operator runs (``swarm coordinator verifier``), signing
+with a key the coordinator's ``verification.verifier_keys`` lists.
 
 Checkpoint manifests and chunks use the methods of :mod:`swarm.broadcast` (served by every holder).
 """
@@ -35,6 +40,8 @@ RELEASE: Final = "rswarm/release"
 PUBLISH: Final = "rswarm/publish"
 FETCH: Final = "rswarm/fetch"
 STATUS: Final = "rswarm/status"
+VERIFY_TAKE: Final = "rswarm/vtake"
+VERIFY_DONE: Final = "rswarm/vdone"
 
 #: Seconds a caller waits for each method before giving up (every network wait has a timeout).
 DEFAULT_TIMEOUTS: Final[dict[str, float]] = {
@@ -46,4 +53,6 @@ DEFAULT_TIMEOUTS: Final[dict[str, float]] = {
     PUBLISH: 60.0,
     FETCH: 60.0,
     STATUS: 10.0,
+    VERIFY_TAKE: 10.0,  # plus the long-poll wait
+    VERIFY_DONE: 10.0,
 }

@@ -8,6 +8,7 @@ Commands::
     swarm demo                      local swarm on 127.0.0.1 (the main job)
     swarm coordinator launch        start the control plane (DHT, RPC, seed, /status, /metrics)
     swarm coordinator plan          print the capacity rule's numbers for a config and a node pool
+    swarm coordinator verifier      re-score the coordinator's spot checks on another GPU/machine
     swarm node run                  turn this machine into a contributor node
     swarm trainer run               start the GRPO learner
     swarm inspect                   show the swarm: nodes, versions, intake, capacity
@@ -177,6 +178,37 @@ def coordinator_launch(
             http_port=http_port,
             state_dir=state_dir,
             trainer_key=trainer_key,
+        )
+    )
+
+
+@coordinator_app.command("verifier")
+def coordinator_verifier(
+    coordinator: Annotated[
+        str | None, typer.Option(help="Coordinator multiaddr (/ip4/.../tcp/.../p2p/...).")
+    ] = None,
+    coordinator_key: Annotated[
+        str | None, typer.Option(help="The coordinator's key fingerprint (ed25519:...).")
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="The coordinator's TOML config (the same file).")
+    ] = None,
+    state_dir: Annotated[
+        Path | None, typer.Option(help="Directory for the verifier key and checkpoints.")
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="libp2p listen host [127.0.0.1].")] = None,
+) -> None:
+    """Re-score the coordinator's spot checks on this GPU or machine (list the key it prints
+    in the coordinator's verification.verifier_keys)."""
+    from coordinator.verifier_process import run_from_cli
+
+    raise typer.Exit(
+        run_from_cli(
+            config=config,
+            coordinator=coordinator,
+            coordinator_key=coordinator_key,
+            state_dir=state_dir,
+            host=host,
         )
     )
 

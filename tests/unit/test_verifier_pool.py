@@ -1,0 +1,281 @@
+"""Verification scaled out (issue 35): re-scores as jobs that the coordinator's own verifier and
+verifier processes take from one queue (:mod:`coordinator.verifier_pool`).
+
+A "verifier process" here is the test itself, going through the coordinator's two RPC handlers
+with signed requests and re-scoring with the same :class:`InProcessLogprobVerifier` and the same
+wire helpers the real process uses (:mod:`coordinator.verifier_process`); the real process over
+libp2p is in tests/integration/test_remote_verifier.py. A real tiny model samples with the ``hf``
+backend, as in tests/unit/test_deferred_check.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from coord_harness import Harness, sampled
+from test_deferred_check import tampered
+
+from coordinator.config import CoordinatorConfig
+from coordinator.errors import Rejection
+from coordinator.logprobs import InProcessLogprobVerifier, LogprobVerdict, VerifierUnavailable
+from coordinator.verifier_pool import (
+    CheckArgs,
+    VerificationTimeout,
+    VerifierHandlers,
+    VerifierPool,
+    job_args,
+    job_message,
+    verdict_message,
+)
+from policy.model import ModelSpec, build_model
+from protocol.codec import decode, encode
+from protocol.envelope import seal
+from protocol.errors import ReasonCode
+from protocol.identity import Identity
+from protocol.messages import Ack, Reject, Standby, VerifyJob, VerifyTake, VerifyVerdict
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    torch.set_num_threads(1)
+    return build_model(ModelSpec(), seed=0)
+
+
+class Setup:
+    """A coordinator core whose verifier is a pool (no local verifier unless ``local``), its
+    handlers, and one listed verifier key with its own in-process verifier."""
+
+    def __init__(self, tmp_path: Path, model: Any, *, local: bool = False,
+                 job_timeout_s: float = 30.0, attempts: int = 2) -> None:  # fmt: skip
+        self.key = Identity.generate()
+        self.h = Harness(
+            tmp_path,
+            intake={"spot_check_fraction": 1.0, "new_node_check_rate": 1.0},
+            sampling={"max_new_tokens": 8},
+            leases={"max_prompts_per_lease": 2, "max_active_per_node": 64},
+        )
+        tol = self.h.cfg.intake.tolerances
+        self.rescorer = InProcessLogprobVerifier(lambda v: model, tol, cache_size=2)
+        self.pool = VerifierPool(
+            InProcessLogprobVerifier(lambda v: model, tol, cache_size=2) if local else None,
+            job_timeout_s=job_timeout_s, attempts=attempts, clock=self.h.clock,
+        )  # fmt: skip
+        self.h.verifier = self.pool
+        self.h.reopen()
+        self.h.publish(1)
+        self.handlers = VerifierHandlers(
+            self.pool, [self.key.fingerprint], replay=None, clock=self.h.clock
+        )
+
+    async def take(self, who: Identity | None = None, wait_s: float = 5.0) -> VerifyJob | None:
+        env = seal(who or self.key, VerifyTake(wait_s=wait_s), now=self.h.clock())
+        out = decode(await self.handlers.on_take("peer", encode(env)))
+        assert isinstance(out, VerifyJob | Standby), out
+        return out if isinstance(out, VerifyJob) else None
+
+    async def answer(self, verdict: VerifyVerdict, who: Identity | None = None) -> None:
+        env = seal(who or self.key, verdict, now=self.h.clock())
+        out = decode(await self.handlers.on_done("peer", encode(env)))
+        assert isinstance(out, Ack), out
+
+    async def serve_one(self, who: Identity | None = None) -> VerifyVerdict:
+        """Take one job, re-score it as the verifier process does, answer it."""
+        job = await self.take(who)
+        assert job is not None
+        seconds, tokens = self.rescorer.compute_s, self.rescorer.tokens
+        verdict = await job_args(job).run(self.rescorer)
+        msg = verdict_message(job.job_id, verdict, compute_s=self.rescorer.compute_s - seconds,
+                              tokens=self.rescorer.tokens - tokens)  # fmt: skip
+        await self.answer(msg, who)
+        return msg
+
+
+async def test_a_verifier_process_passes_an_honest_lease_into_the_feed(
+    tmp_path: Path, model: Any
+) -> None:
+    s = Setup(tmp_path, model)
+    node = s.h.node()
+    lease = s.h.lease(node, 2)
+    answer, held = await s.h.core.desk.receive(node.public_key, sampled(lease, model))
+    assert isinstance(answer, Ack) and held is not None
+    final, msg = await asyncio.gather(s.h.core.desk.settle(held), s.serve_one())
+    assert isinstance(final, Ack), final
+    assert msg.outcome == "pass" and msg.tokens > 0 and msg.compute_s > 0
+    rows = s.h.core.fetch_rollouts(0, 100).rollouts
+    assert {r.lease_id for r in rows} == {lease.lease_id}
+    assert len(rows) == 2 * s.h.cfg.group_size
+    # metered under the verifier's own name, counted in the ledger's totals
+    meter = s.h.core.budget.meter
+    assert meter.verifiers == 1 and meter.tokens_per_s(s.h.clock()) is not None
+    assert s.pool.checks == 1 and s.pool.tokens == msg.tokens
+    status = s.h.core.budget.status()
+    assert status["verifier_processes"] == 1 and status["verify_jobs_queued"] == 0
+
+
+async def test_a_verifier_process_refuses_a_forged_lease(tmp_path: Path, model: Any) -> None:
+    s = Setup(tmp_path, model)
+    node = s.h.node()
+    lease = s.h.lease(node, 2)
+    sub = tampered(sampled(lease, model))
+    answer, held = await s.h.core.desk.receive(node.public_key, sub)
+    assert isinstance(answer, Ack) and held is not None
+    final, msg = await asyncio.gather(s.h.core.desk.settle(held), s.serve_one())
+    assert msg.outcome == "fail" and msg.code is ReasonCode.LOGPROB_MISMATCH
+    assert isinstance(final, Reject) and final.code is ReasonCode.LOGPROB_MISMATCH, final
+    assert len(s.h.store.live_strikes(node.public_key, 0.0)) == 1
+    assert s.h.core.fetch_rollouts(0, 100).rollouts == []
+
+
+async def test_a_key_not_listed_takes_nothing(tmp_path: Path, model: Any) -> None:
+    s = Setup(tmp_path, model)
+    with pytest.raises(Rejection) as info:
+        await s.take(Identity.generate())
+    assert info.value.code is ReasonCode.UNKNOWN_NODE
+    assert "verification.verifier_keys" in info.value.detail
+
+
+async def test_an_unanswered_job_goes_to_the_next_verifier_and_the_late_verdict_is_refused(
+    tmp_path: Path, model: Any
+) -> None:
+    s = Setup(tmp_path, model, job_timeout_s=30.0)
+    other = Identity.generate()
+    s.handlers = VerifierHandlers(
+        s.pool, [s.key.fingerprint, other.fingerprint], replay=None, clock=s.h.clock
+    )
+    node = s.h.node()
+    lease = s.h.lease(node, 2)
+    _, held = await s.h.core.desk.receive(node.public_key, sampled(lease, model))
+    assert held is not None
+    settling = asyncio.ensure_future(s.h.core.desk.settle(held))
+    first = await s.take()  # the first verifier takes it and goes silent
+    assert first is not None
+    assert await s.take(other, wait_s=0.0) is None  # not given twice within its deadline
+    s.h.clock.advance(31.0)
+    second = await s.take(other, wait_s=0.0)
+    assert second is not None and second.job_id == first.job_id
+    assert s.pool.redelivered == 1
+    verdict = await job_args(second).run(s.rescorer)
+    late = verdict_message(first.job_id, verdict, compute_s=0.1, tokens=10)
+    with pytest.raises(Rejection) as info:  # the first verifier's answer comes too late
+        await s.answer(late)
+    assert info.value.code is ReasonCode.UNKNOWN_LEASE
+    await s.answer(verdict_message(second.job_id, verdict, compute_s=0.1, tokens=10), other)
+    assert isinstance(await settling, Ack)
+
+
+async def test_unavailable_goes_to_another_verifier_and_fails_when_none_is_left(
+    tmp_path: Path, model: Any
+) -> None:
+    s = Setup(tmp_path, model)
+    other = Identity.generate()
+    s.handlers = VerifierHandlers(
+        s.pool, [s.key.fingerprint, other.fingerprint], replay=None, clock=s.h.clock
+    )
+    args = CheckArgs(1, [[1, 2]], [[3]], [[-0.5]], "hf", "float32", None, None)
+
+    def unavailable(job: VerifyJob, why: str) -> VerifyVerdict:
+        return VerifyVerdict(
+            job_id=job.job_id, outcome="unavailable", metric="", value=0.0, threshold=0.0,
+            detail=why, code=ReasonCode.INTERNAL, figures={}, compute_s=0.0, tokens=0,
+        )  # fmt: skip
+
+    assert await s.take(other, wait_s=0.0) is None  # the second verifier is present
+    checking = asyncio.ensure_future(s.pool.check(*_positional(args), **_keywords(args)))
+    job = await s.take()
+    assert job is not None
+    await s.answer(unavailable(job, "cannot fetch v1: no seed answered"))
+    assert not checking.done()
+    again = await s.take(other)  # given to the other verifier, never back to the first
+    assert again is not None and again.job_id == job.job_id
+    await s.answer(unavailable(again, "cannot fetch v1: disk full"), other)
+    with pytest.raises(VerifierUnavailable, match=r"no seed answered.*disk full"):
+        await checking  # nobody left: the intake's "skipped", as for the in-process verifier
+
+
+async def test_the_coordinators_own_verifier_takes_jobs_too(tmp_path: Path, model: Any) -> None:
+    s = Setup(tmp_path, model, local=True)
+    s.pool.start()
+    try:
+        node = s.h.node()
+        lease = s.h.lease(node, 2)
+        _, held = await s.h.core.desk.receive(node.public_key, sampled(lease, model))
+        assert held is not None
+        final = await asyncio.wait_for(s.h.core.desk.settle(held), 60)
+        assert isinstance(final, Ack), final  # the local worker took it (no process asked)
+        assert s.pool.checks == 1 and s.pool.remote_checks == 0
+        assert s.h.core.budget.meter.verifiers == 1
+    finally:
+        await s.pool.stop()
+
+
+async def test_a_job_nobody_takes_times_out_and_the_lease_stays_held(
+    tmp_path: Path, model: Any
+) -> None:
+    s = Setup(tmp_path, model, job_timeout_s=0.05, attempts=1)
+    node = s.h.node()
+    lease = s.h.lease(node, 2)
+    _, held = await s.h.core.desk.receive(node.public_key, sampled(lease, model))
+    assert held is not None
+    with pytest.raises(VerificationTimeout, match="no verifier re-scored"):
+        await s.h.core.desk.settle(held)
+    # its rows stay held, re-scored later (the node handlers' retry)
+    assert [p.lease_id for p in s.h.core.desk.records.held.pending()] == [lease.lease_id]
+    assert s.h.core.desk.records.held.count() == 2 * s.h.cfg.group_size
+    assert s.pool.timed_out == 1 and s.h.core.fetch_rollouts(0, 100).rollouts == []
+
+
+async def test_a_failed_verdict_must_carry_a_check_code(tmp_path: Path, model: Any) -> None:
+    s = Setup(tmp_path, model)
+    args = CheckArgs(1, [[1, 2]], [[3]], [[-0.5]], "hf", "float32", None, None)
+    checking = asyncio.ensure_future(s.pool.check(*_positional(args), **_keywords(args)))
+    job = await s.take()
+    assert job is not None
+    bad = verdict_message(
+        job.job_id, LogprobVerdict(False, "max_abs", 1.0, 1e-3, "x", ReasonCode.BANNED),
+        compute_s=0.0, tokens=3,
+    )  # fmt: skip
+    with pytest.raises(Rejection) as info:
+        await s.answer(bad)
+    assert info.value.code is ReasonCode.OUT_OF_RANGE
+    checking.cancel()
+
+
+def test_a_job_travels_intact() -> None:
+    args = CheckArgs(
+        7, [[1, 2], [1, 2], [5]], [[3, 4], [9], [6, 6, 6]],
+        [[-0.5, -1.25], [-2.0], [-0.1, -0.2, -0.3]], "hf", "bfloat16", [11, 12, 13], 8,
+    )  # fmt: skip
+    job = decode(encode(job_message("j-1", args, 123.0)), VerifyJob)
+    assert [len(g.samples) for g in job.groups] == [2, 1]  # equal consecutive prompts share
+    back = job_args(job)
+    assert back.prompt_ids == args.prompt_ids and back.completions == args.completions
+    assert back.seeds == args.seeds and back.steps == 8 and back.dtype == "bfloat16"
+    for got, want in zip(back.claimed_logprobs, args.claimed_logprobs, strict=True):
+        assert got == pytest.approx(want, abs=1e-6)  # float32 on the wire; these are exact
+    unreplayed = job_args(job_message("j-2", CheckArgs(7, [[1]], [[2]], [[-1.0]], "hf",
+                                                       "float32", None, None), 1.0))  # fmt: skip
+    assert unreplayed.seeds is None and unreplayed.steps is None
+
+
+def test_the_config_needs_a_verifier_somewhere() -> None:
+    with pytest.raises(ValueError, match="nothing re-scores"):
+        CoordinatorConfig.model_validate({"verification": {"local_verifier": False}})
+    with pytest.raises(ValueError, match=r"verifier_keys\[0\]"):
+        CoordinatorConfig.model_validate({"verification": {"verifier_keys": ["nope"]}})
+    fp = Identity.generate().fingerprint
+    cfg = CoordinatorConfig.model_validate(
+        {"verification": {"verifier_keys": [fp], "local_verifier": False}}
+    )
+    assert cfg.verification.verifier_keys == [fp]
+
+
+def _positional(a: CheckArgs) -> tuple[Any, ...]:
+    return (a.version, a.prompt_ids, a.completions, a.claimed_logprobs)
+
+
+def _keywords(a: CheckArgs) -> dict[str, Any]:
+    return {"backend": a.backend, "dtype": a.dtype, "seeds": a.seeds, "steps": a.steps}
