@@ -13,12 +13,15 @@ verdict's consequences and the commit, and hands check 7 to whichever verifier a
 Every job is acknowledged by its verdict. A job taken and not answered within
 ``verification.job_timeout_s`` is given to the next verifier that asks, up to
 ``verification.job_attempts`` times; a verifier that answers ``unavailable`` (it cannot fetch the
-version) is not given that job again. A job nobody could finish raises
-:class:`VerificationTimeout` to the caller (the node handlers re-score the lease later; its rows
-stay held meanwhile), or :class:`~coordinator.logprobs.VerifierUnavailable` when every verifier
-said it cannot score the version (as the in-process verifier says when the weights are not held).
-A verdict for a job that was given to another verifier meanwhile is refused (the first verdict
-recorded wins; the verdict is the same by construction, the calibration aside).
+version) or ``error`` (its re-score failed) is not given that job again. The first verdict from
+any verifier the job was given to wins (the verdict is the same by construction, the calibration
+aside); a later one is refused. A job nobody could finish raises :class:`VerificationTimeout` to
+the caller: the node handlers re-score the lease later and its rows stay held meanwhile, so an
+outage or a failing verifier never lets unchecked work through. Only when the coordinator's own
+verifier said it cannot score the version (it does not hold the weights) does the caller get
+:class:`~coordinator.logprobs.VerifierUnavailable` (the intake's "skipped", as before verifier
+processes). A queued job waits for as long as some verifier is present (the queue is bounded by
+the node handlers' pending re-scores); with none present for ``PRESENT_S`` it fails too.
 
 Each verdict is metered into V under its verifier's name (:class:`~coordinator.verify_budget.
 VerifierMeter`): the process's re-scoring seconds and tokens for a verifier process (its own
@@ -35,6 +38,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Collection
@@ -47,6 +51,7 @@ from protocol.codec import decode, encode
 from protocol.envelope import open_envelope
 from protocol.errors import ReasonCode
 from protocol.identity import fingerprint_of, parse_fingerprint, short_fingerprint
+from protocol.limits import MAX_FLOAT
 from protocol.messages import (
     Ack,
     SignedEnvelope,
@@ -108,8 +113,10 @@ class _Job:
     future: asyncio.Future[LogprobVerdict]
     #: times given out so far
     given: int = 0
-    #: verifiers that said they cannot score its version, with what they said
+    #: verifiers that said they cannot score it (unavailable, error), with what they said
     refused_by: dict[str, str] = field(default_factory=dict)
+    #: every verifier it was given to (any of them may answer it: the first verdict wins)
+    takers: set[str] = field(default_factory=set)
     taker: str | None = None
     #: clock seconds by which its taker must answer
     deadline: float = 0.0
@@ -155,14 +162,24 @@ def job_args(job: VerifyJob) -> CheckArgs:
     )  # fmt: skip
 
 
+def finite(x: float) -> float:
+    """``x`` as the wire carries it: ±inf clamped to the largest finite float, NaN to the largest
+    (a re-score's statistic is infinite when a claimed token lies outside top-k/top-p: the
+    verdict must still travel)."""
+    if math.isnan(x):
+        return MAX_FLOAT
+    return max(-MAX_FLOAT, min(MAX_FLOAT, x))
+
+
 def verdict_message(
     job_id: str, verdict: LogprobVerdict, *, compute_s: float, tokens: int
 ) -> VerifyVerdict:
+    figures = {k[:256]: finite(v) for k, v in list(verdict.figures.items())[:256]}
     return VerifyVerdict(
         job_id=job_id, outcome="pass" if verdict.ok else "fail", metric=verdict.metric[:256],
-        value=verdict.value, threshold=verdict.threshold, detail=verdict.detail[:4096],
-        code=verdict.code, figures=dict(list(verdict.figures.items())[:256]),
-        compute_s=max(0.0, compute_s), tokens=tokens,
+        value=finite(verdict.value), threshold=finite(verdict.threshold),
+        detail=verdict.detail[:4096], code=verdict.code, figures=figures,
+        compute_s=max(0.0, finite(compute_s)), tokens=tokens,
     )  # fmt: skip
 
 
@@ -178,16 +195,15 @@ class VerifierPool:
         job_timeout_s: float,
         attempts: int,
         clock: Callable[[], float] = time.time,
-        remote: bool = True,
     ) -> None:
         self.local = local
         self.job_timeout_s = job_timeout_s
         self.attempts = max(1, attempts)
         self.clock = clock
-        #: verifier processes may take jobs (some key is allowed)
-        self.remote = remote
         self._queue: deque[_Job] = deque()
         self._taken: dict[str, _Job] = {}
+        #: every job not finished yet, by id (queued or taken)
+        self._jobs: dict[str, _Job] = {}
         self._changed = asyncio.Event()
         self._ids = itertools.count(1)
         self._prefix = f"{time.time_ns():x}"  # job ids unique across restarts
@@ -228,7 +244,7 @@ class VerifierPool:
 
     def status(self) -> dict[str, Any]:
         now = self.clock()
-        present = [n for n, t in self._seen.items() if now - t <= PRESENT_S]
+        present = [n for n in self._present(now) if n != LOCAL]
         return {
             "verify_jobs_queued": len(self._queue),
             "verify_jobs_taken": len(self._taken),
@@ -254,6 +270,7 @@ class VerifierPool:
                 job.future.set_exception(VerificationTimeout("the coordinator is stopping"))
         self._queue.clear()
         self._taken.clear()
+        self._jobs.clear()
 
     # --- the intake's side -----------------------------------------------------------------------
     async def check(
@@ -275,26 +292,49 @@ class VerifierPool:
         )
         job = _Job(f"{self._prefix}-{next(self._ids)}", args,
                    asyncio.get_running_loop().create_future())  # fmt: skip
+        self._jobs[job.job_id] = job
         self._queue.append(job)
         self._notify()
-        # a job waits at most its attempts' deadlines for the verifiers, plus one for the queue
-        bound = self.job_timeout_s * (self.attempts + 1)
+        # every slice: the deadlines of taken jobs are enforced (even when nobody asks for
+        # work), and a job still queued fails once no verifier has been present for PRESENT_S
+        step = min(self.job_timeout_s, PRESENT_S / 4)
+        absent_since: float | None = None
         try:
-            return await asyncio.wait_for(asyncio.shield(job.future), bound)
-        except TimeoutError:
-            self.timed_out += 1
-            raise VerificationTimeout(
-                f"no verifier re-scored the job of v{version} ({len(completions)} samples) within "
-                f"{bound:.0f} s"
-            ) from None
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    return await asyncio.wait_for(asyncio.shield(job.future), step)
+                now = self.clock()
+                self._sweep(now)
+                if job.future.done():
+                    continue
+                if job.given or self._present(now):
+                    absent_since = None
+                    continue
+                absent_since = now if absent_since is None else absent_since
+                if now - absent_since >= PRESENT_S:
+                    self.timed_out += 1
+                    raise VerificationTimeout(
+                        f"no verifier has asked for work for {PRESENT_S:.0f} s; the re-score of "
+                        f"v{version} ({len(completions)} samples) waits for one"
+                    )
         finally:
             self._forget(job)
+
+    def _present(self, now: float) -> set[str]:
+        """Verifiers that asked for work within ``PRESENT_S`` or are working on a job now (the
+        coordinator's own counts while its worker runs)."""
+        here = {n for n, t in self._seen.items() if now - t <= PRESENT_S}
+        here |= {j.taker for j in self._taken.values() if j.taker is not None}
+        if self._worker is not None and not self._worker.done():
+            here.add(LOCAL)
+        return here
 
     def _forget(self, job: _Job) -> None:
         with contextlib.suppress(ValueError):
             self._queue.remove(job)
         if self._taken.get(job.job_id) is job:
             del self._taken[job.job_id]
+        self._jobs.pop(job.job_id, None)
         if not job.future.done():
             job.future.cancel()
 
@@ -316,11 +356,9 @@ class VerifierPool:
             job.taker = None
             if job.given >= self.attempts:
                 self.timed_out += 1
-                if not job.future.done():
-                    job.future.set_exception(VerificationTimeout(
-                        f"re-score job of v{job.args.version} given {job.given} times, never "
-                        "answered"
-                    ))  # fmt: skip
+                self._fail(job, VerificationTimeout(
+                    f"re-score job of v{job.args.version} given {job.given} times, never answered"
+                ))  # fmt: skip
                 continue
             self.redelivered += 1
             self._queue.appendleft(job)
@@ -328,14 +366,22 @@ class VerifierPool:
 
     def _pop_for(self, name: str, now: float) -> _Job | None:
         self._sweep(now)
+        present = self._present(now)
         for job in self._queue:
-            if name not in job.refused_by and not job.future.done():
-                self._queue.remove(job)
-                job.given += 1
-                job.taker = name
-                job.deadline = now + self.job_timeout_s
-                self._taken[job.job_id] = job
-                return job
+            if name in job.refused_by or job.future.done():
+                continue
+            # a job that missed its deadline with ``name`` goes to another verifier if one is here
+            if name in job.takers and any(
+                n not in job.takers and n not in job.refused_by for n in present
+            ):
+                continue
+            self._queue.remove(job)
+            job.given += 1
+            job.taker = name
+            job.takers.add(name)
+            job.deadline = now + self.job_timeout_s
+            self._taken[job.job_id] = job
+            return job
         return None
 
     async def take(self, name: str, wait_s: float) -> _Job | None:
@@ -356,54 +402,61 @@ class VerifierPool:
                 await asyncio.wait_for(changed.wait(), min(left, self.job_timeout_s))
 
     def finish(
-        self, name: str, job_id: str, verdict: LogprobVerdict | None, *, unavailable: str = "",
-        compute_s: float = 0.0, tokens: int = 0,
+        self, name: str, job_id: str, verdict: LogprobVerdict | None, *, refused: str = "",
+        compute_s: float = 0.0, tokens: int = 0, error: bool = False,
     ) -> None:  # fmt: skip
         """Record the answer of ``name`` to ``job_id``: a verdict, or (``verdict`` None) that it
-        cannot score the job's version (``unavailable`` says why). Raises :class:`Rejection`
-        when the job is not ``name``'s now (answered already, or given to another after its
-        deadline)."""
-        job = self._taken.get(job_id)
-        if job is None or job.taker != name:
+        cannot score the job (``refused`` says why; ``error``: its re-score failed, else it
+        cannot hold the version). Raises :class:`Rejection` when the job was never given to
+        ``name`` or is answered already."""
+        job = self._jobs.get(job_id)
+        if job is None or name not in job.takers or job.future.done():
             raise Rejection(
                 ReasonCode.UNKNOWN_LEASE,
-                f"re-score job {job_id} is not yours now (answered, or given to another verifier "
-                f"after its {self.job_timeout_s:.0f} s)",
+                f"re-score job {job_id} is not open for you (answered already, or never given "
+                "to you)",
             )
-        del self._taken[job_id]
+        if self._taken.get(job_id) is job:
+            del self._taken[job_id]
+        with contextlib.suppress(ValueError):
+            self._queue.remove(job)  # back in the queue after a missed deadline: answered now
         job.taker = None
         if name != LOCAL:
             self.remote_compute_s += compute_s
             self.remote_tokens += tokens
             if verdict is not None:
                 self.remote_checks += 1
-            if self._meter is not None:
-                self._meter.record(name, float(tokens), compute_s, len(job.args.completions),
-                                   self._meter_clock())  # fmt: skip
-        if job.future.done():
-            return
+                if self._meter is not None:  # a refusal re-scored nothing: it says nothing of V
+                    self._meter.record(name, float(tokens), compute_s, len(job.args.completions),
+                                       self._meter_clock())  # fmt: skip
         if verdict is not None:
+            self._jobs.pop(job_id, None)
             job.future.set_result(verdict)
             return
-        job.refused_by[name] = unavailable
+        job.refused_by[name] = ("error: " if error else "") + refused
         if self._someone_else_could(job):
             self._queue.appendleft(job)
             self._notify()
+            return
+        said = "; ".join(f"{_short(n)}: {why}" for n, why in job.refused_by.items())
+        if LOCAL in job.refused_by and not job.refused_by[LOCAL].startswith("error: "):
+            # the coordinator itself does not hold the version: skipped, as it always was
+            self._fail(job, VerifierUnavailable(said))
         else:
-            said = "; ".join(f"{_short(n)}: {why}" for n, why in job.refused_by.items())
-            job.future.set_exception(VerifierUnavailable(said))
+            self.timed_out += 1
+            self._fail(job, VerificationTimeout(f"no verifier could re-score it ({said})"))
+
+    def _fail(self, job: _Job, exc: Exception) -> None:
+        self._jobs.pop(job.job_id, None)
+        if not job.future.done():
+            job.future.set_exception(exc)
 
     def _someone_else_could(self, job: _Job) -> bool:
+        if self.local is not None and LOCAL not in job.refused_by:
+            return True  # the coordinator's own verifier has not tried: it always may
         if job.given >= self.attempts:
             return False
-        if self.local is not None and LOCAL not in job.refused_by:
-            return True
-        now = self.clock()
-        return any(
-            n not in job.refused_by and now - t <= PRESENT_S
-            for n, t in self._seen.items()
-            if n != LOCAL
-        )
+        return any(n not in job.refused_by for n in self._present(self.clock()))
 
     # --- the coordinator's own verifier ----------------------------------------------------------
     async def _work_locally(self) -> None:
@@ -414,17 +467,18 @@ class VerifierPool:
             try:
                 verdict = await job.args.run(self._metered_local)
             except VerifierUnavailable as exc:
-                with contextlib.suppress(Rejection):
-                    self.finish(LOCAL, job.job_id, None, unavailable=str(exc))
+                with contextlib.suppress(Rejection):  # answered meanwhile, or the caller left
+                    self.finish(LOCAL, job.job_id, None, refused=str(exc))
                 continue
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # the verifier failed: the caller's retries decide
-                self._taken.pop(job.job_id, None)
-                if not job.future.done():
-                    job.future.set_exception(exc)
+            except Exception as exc:  # the re-score failed: the caller's retries decide
+                log.warning("re-score job %s failed in process: %s: %s", job.job_id,
+                            type(exc).__name__, exc)  # fmt: skip
+                with contextlib.suppress(Rejection):
+                    self.finish(LOCAL, job.job_id, None, refused=str(exc), error=True)
                 continue
-            with contextlib.suppress(Rejection):  # the caller gave up meanwhile
+            with contextlib.suppress(Rejection):  # answered by another meanwhile
                 self.finish(LOCAL, job.job_id, verdict)
 
 
@@ -469,9 +523,10 @@ class VerifierHandlers:
 
     async def on_done(self, caller: str, request: bytes) -> bytes:
         who, msg = self._open(request, VerifyVerdict)
-        if msg.outcome == "unavailable":
-            self._pool.finish(who, msg.job_id, None, unavailable=msg.detail[:200],
-                              compute_s=msg.compute_s, tokens=msg.tokens)  # fmt: skip
+        if msg.outcome in ("unavailable", "error"):
+            self._pool.finish(who, msg.job_id, None, refused=msg.detail[:200],
+                              compute_s=msg.compute_s, tokens=msg.tokens,
+                              error=msg.outcome == "error")  # fmt: skip
         else:
             if msg.outcome == "fail" and msg.code not in _FAIL_CODES:
                 raise Rejection(

@@ -125,8 +125,8 @@ class VerifierProcess:
         await self.peer.start()
         self.transport = P2PTransport(self.peer.p2p, io_timeout=cfg.network.request_timeout_s)
         chunks = ChunkStore(self.state_dir / "checkpoints", keep_versions=keep)
-        self.broadcast = BroadcastNode(
-            self.transport, chunks, DhtHolderDirectory(self.peer), bytes(32)
+        self.broadcast = BroadcastNode(  # downloads only: it serves and announces nothing
+            self.transport, chunks, DhtHolderDirectory(self.peer), bytes(32), relay=False
         )
         await self.broadcast.start()
         models = SpotCheckModels(chunks, model_spec(cfg))
@@ -151,6 +151,11 @@ class VerifierProcess:
                 self.coordinator_peer_id, method, request, timeout=timeout
             )
         except RemoteError as exc:
+            if exc.code == "unknown_method":
+                raise VerifierRefused(
+                    "the coordinator takes no verifier processes (its verification."
+                    f"verifier_keys is empty): add {self.fingerprint} to it and restart it"
+                ) from exc
             raise TransportError(f"{method}: coordinator answered {exc}") from exc
         answer = decode(raw)
         if isinstance(answer, Reject) and answer.code is ReasonCode.UNKNOWN_NODE:
@@ -184,6 +189,24 @@ class VerifierProcess:
             return False
         raise TransportError(f"{rpc.VERIFY_DONE}: unexpected {type(out).__name__}")
 
+    async def deliver(self, verdict: VerifyVerdict, deadline: float, stop: asyncio.Event) -> None:
+        """:meth:`answer`, tried again on network trouble until the job's ``deadline`` (after
+        it the coordinator has given the job to another verifier: its verdict counts too if it
+        arrives first, so one last try is made)."""
+        delay = 0.5
+        while True:
+            try:
+                await self.answer(verdict)
+                return
+            except (TransportError, ProtocolError) as exc:
+                if time.time() + delay > deadline or stop.is_set():
+                    raise
+                log.warning("verdict of job %s not delivered (%s); again in %.1f s",
+                            verdict.job_id, exc, delay)  # fmt: skip
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay)
+                delay = min(BACKOFF_MAX_S, delay * 2)
+
     # --- one job ---------------------------------------------------------------------------------
     async def hold(self, version: int) -> None:
         """Have ``version`` in the chunk store (download it from the coordinator if not).
@@ -216,12 +239,14 @@ class VerifierProcess:
             seconds, tokens = self.verifier.compute_s, self.verifier.tokens
             verdict = await args.run(self.verifier)
         except Exception as exc:  # whatever failed here, another verifier may not fail it
-            if not isinstance(exc, VerifierUnavailable):
+            unavailable = isinstance(exc, VerifierUnavailable)
+            if not unavailable:
                 log.exception("re-score job %s failed", job.job_id)
             return VerifyVerdict(
-                job_id=job.job_id, outcome="unavailable", metric="", value=0.0, threshold=0.0,
-                detail=str(exc)[:4096], code=ReasonCode.INTERNAL, figures={}, compute_s=0.0,
-                tokens=0,
+                job_id=job.job_id, outcome="unavailable" if unavailable else "error", metric="",
+                value=0.0, threshold=0.0, detail=f"{type(exc).__name__}: {exc}"[:4096]
+                if not unavailable else str(exc)[:4096], code=ReasonCode.INTERNAL, figures={},
+                compute_s=0.0, tokens=0,
             )  # fmt: skip
         return verdict_message(
             job.job_id, verdict,
@@ -238,7 +263,7 @@ class VerifierProcess:
                     delay = 1.0
                     continue
                 verdict = await self.rescore(job)
-                await self.answer(verdict)
+                await self.deliver(verdict, job.deadline, stop)
                 self.answered[verdict.outcome] += 1
                 log.info(
                     "job %s: v%d, %d samples: %s (%s)", job.job_id, job.version,
@@ -314,14 +339,18 @@ def run_from_cli(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
-            await process.start()
+            try:
+                await process.start()
+            except Exception as exc:  # one line, whatever failed (peer, model, disk)
+                if not isinstance(exc, SwarmError | OSError):
+                    log.exception("verifier failed to start")
+                return fail(f"verifier failed to start: {type(exc).__name__}: {exc}", 1)
             await process.run(stop)
         except VerifierRefused as exc:
             return fail(str(exc), 1)
-        except SwarmError as exc:
-            return fail(f"verifier failed to start: {exc}", 1)
         finally:
-            await process.stop()
+            with contextlib.suppress(Exception):
+                await process.stop()
         return 0
 
     return asyncio.run(main())

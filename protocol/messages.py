@@ -535,15 +535,16 @@ class VerifyJob(MessageBase):
     deadline: Finite  # Unix seconds; a verdict after it is refused and the job was given again
 
 
-VerifyOutcome = Literal["pass", "fail", "unavailable"]
+VerifyOutcome = Literal["pass", "fail", "unavailable", "error"]
 
 
 class VerifyVerdict(MessageBase):
     """Verifier -> coordinator: the verdict of one job."""
 
     job_id: Id  # from the VerifyJob
-    # pass / fail: the check's verdict; unavailable: this verifier cannot re-score the version
-    # (not fetched, another base model): the job goes to another verifier
+    # pass / fail: the check's verdict; unavailable: this verifier cannot hold the version (not
+    # fetched, another base model); error: its re-score failed (its fault, not the node's);
+    # either way the job goes to another verifier
     outcome: VerifyOutcome
     metric: Name  # the statistic that decided (max_abs, median_rel, tail_share, sampling_z, ...)
     value: Finite  # its value

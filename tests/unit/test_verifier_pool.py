@@ -11,6 +11,8 @@ backend, as in tests/unit/test_deferred_check.py.
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.errors import Rejection
 from coordinator.logprobs import InProcessLogprobVerifier, LogprobVerdict, VerifierUnavailable
 from coordinator.verifier_pool import (
+    PRESENT_S,
     CheckArgs,
     VerificationTimeout,
     VerifierHandlers,
@@ -36,6 +39,7 @@ from protocol.codec import decode, encode
 from protocol.envelope import seal
 from protocol.errors import ReasonCode
 from protocol.identity import Identity
+from protocol.limits import MAX_FLOAT
 from protocol.messages import Ack, Reject, Standby, VerifyJob, VerifyTake, VerifyVerdict
 
 
@@ -138,7 +142,7 @@ async def test_a_key_not_listed_takes_nothing(tmp_path: Path, model: Any) -> Non
     assert "verification.verifier_keys" in info.value.detail
 
 
-async def test_an_unanswered_job_goes_to_the_next_verifier_and_the_late_verdict_is_refused(
+async def test_an_unanswered_job_goes_to_the_next_verifier_and_the_first_verdict_wins(
     tmp_path: Path, model: Any
 ) -> None:
     s = Setup(tmp_path, model, job_timeout_s=30.0)
@@ -155,45 +159,107 @@ async def test_an_unanswered_job_goes_to_the_next_verifier_and_the_late_verdict_
     assert first is not None
     assert await s.take(other, wait_s=0.0) is None  # not given twice within its deadline
     s.h.clock.advance(31.0)
+    assert await s.take(wait_s=0.0) is None  # not back to the silent one while another is here
     second = await s.take(other, wait_s=0.0)
     assert second is not None and second.job_id == first.job_id
     assert s.pool.redelivered == 1
     verdict = await job_args(second).run(s.rescorer)
-    late = verdict_message(first.job_id, verdict, compute_s=0.1, tokens=10)
-    with pytest.raises(Rejection) as info:  # the first verifier's answer comes too late
-        await s.answer(late)
-    assert info.value.code is ReasonCode.UNKNOWN_LEASE
-    await s.answer(verdict_message(second.job_id, verdict, compute_s=0.1, tokens=10), other)
+    # the first verifier's answer comes late, but first: it counts (the same re-score)
+    await s.answer(verdict_message(first.job_id, verdict, compute_s=0.1, tokens=10))
     assert isinstance(await settling, Ack)
+    with pytest.raises(Rejection) as info:  # the second answer finds the job answered
+        await s.answer(verdict_message(second.job_id, verdict, compute_s=0.1, tokens=10), other)
+    assert info.value.code is ReasonCode.UNKNOWN_LEASE
 
 
-async def test_unavailable_goes_to_another_verifier_and_fails_when_none_is_left(
+def _unavailable(job: VerifyJob, why: str, outcome: str = "unavailable") -> VerifyVerdict:
+    return VerifyVerdict(
+        job_id=job.job_id, outcome=outcome, metric="", value=0.0, threshold=0.0,  # type: ignore[arg-type]
+        detail=why, code=ReasonCode.INTERNAL, figures={}, compute_s=0.0, tokens=0,
+    )  # fmt: skip
+
+
+ARGS = CheckArgs(1, [[1, 2]], [[3]], [[-0.5]], "hf", "float32", None, None)
+
+
+async def test_a_job_no_process_could_score_keeps_its_lease_held(
     tmp_path: Path, model: Any
 ) -> None:
-    s = Setup(tmp_path, model)
+    s = Setup(tmp_path, model, attempts=5)
     other = Identity.generate()
     s.handlers = VerifierHandlers(
         s.pool, [s.key.fingerprint, other.fingerprint], replay=None, clock=s.h.clock
     )
-    args = CheckArgs(1, [[1, 2]], [[3]], [[-0.5]], "hf", "float32", None, None)
-
-    def unavailable(job: VerifyJob, why: str) -> VerifyVerdict:
-        return VerifyVerdict(
-            job_id=job.job_id, outcome="unavailable", metric="", value=0.0, threshold=0.0,
-            detail=why, code=ReasonCode.INTERNAL, figures={}, compute_s=0.0, tokens=0,
-        )  # fmt: skip
-
     assert await s.take(other, wait_s=0.0) is None  # the second verifier is present
-    checking = asyncio.ensure_future(s.pool.check(*_positional(args), **_keywords(args)))
+    checking = asyncio.ensure_future(s.pool.check(*_positional(ARGS), **_keywords(ARGS)))
     job = await s.take()
     assert job is not None
-    await s.answer(unavailable(job, "cannot fetch v1: no seed answered"))
+    await s.answer(_unavailable(job, "cannot fetch v1: no seed answered"))
     assert not checking.done()
-    again = await s.take(other)  # given to the other verifier, never back to the first
+    assert await s.take(wait_s=0.0) is None  # never back to the one that could not
+    again = await s.take(other)  # given to the other verifier
     assert again is not None and again.job_id == job.job_id
-    await s.answer(unavailable(again, "cannot fetch v1: disk full"), other)
-    with pytest.raises(VerifierUnavailable, match=r"no seed answered.*disk full"):
-        await checking  # nobody left: the intake's "skipped", as for the in-process verifier
+    await s.answer(_unavailable(again, "CUDA out of memory", "error"), other)
+    # nobody left; the coordinator holds the version, so this is no skip: the check fails
+    # without a verdict and the lease is re-scored later (its rows held)
+    with pytest.raises(VerificationTimeout, match=r"no seed answered.*error: CUDA out of memory"):
+        await checking
+    assert s.h.core.budget.meter.samples == 0  # refusals re-scored nothing: no τ, no V
+
+
+def _refusing(exc: Exception) -> InProcessLogprobVerifier:
+    """The coordinator's own verifier whose model loader raises ``exc`` (VerifierUnavailable:
+    the weights are not held, as :class:`coordinator.holding.SpotCheckModels` says)."""
+
+    def load(version: int) -> Any:
+        raise exc
+
+    return InProcessLogprobVerifier(load, {}, cache_size=1)
+
+
+async def test_only_the_coordinator_lacking_the_version_skips_the_check(
+    tmp_path: Path, model: Any
+) -> None:
+    s = Setup(tmp_path, model)
+    pool = VerifierPool(
+        _refusing(VerifierUnavailable("policy v1 is not held by the coordinator")),
+        job_timeout_s=30.0, attempts=3, clock=s.h.clock,
+    )  # fmt: skip
+    pool.start()
+    try:
+        with pytest.raises(VerifierUnavailable, match="not held by the coordinator"):
+            await asyncio.wait_for(pool.check(*_positional(ARGS), **_keywords(ARGS)), 10)
+        assert pool.status()["verifier_processes"] == 0  # its own verifier is no process
+    finally:
+        await pool.stop()
+    failing = VerifierPool(_refusing(RuntimeError("boom")), job_timeout_s=30.0, attempts=3,
+                           clock=s.h.clock)  # fmt: skip
+    failing.start()
+    try:  # a failure is not "unavailable": no skip, the caller retries later
+        with pytest.raises(VerificationTimeout, match="error: boom"):
+            await asyncio.wait_for(failing.check(*_positional(ARGS), **_keywords(ARGS)), 10)
+    finally:
+        await failing.stop()
+
+
+async def test_what_a_process_cannot_score_goes_to_the_coordinators_own_verifier(
+    tmp_path: Path, model: Any
+) -> None:
+    s = Setup(tmp_path, model, local=True)
+    node = s.h.node()
+    lease = s.h.lease(node, 2)
+    _, held = await s.h.core.desk.receive(node.public_key, sampled(lease, model))
+    assert held is not None
+    settling = asyncio.ensure_future(s.h.core.desk.settle(held))
+    job = await s.take()  # the process asks first (the local worker is not started yet)
+    assert job is not None
+    await s.answer(_unavailable(job, "cannot fetch v1"))
+    s.pool.start()
+    try:
+        assert isinstance(await asyncio.wait_for(settling, 60), Ack)
+        assert s.pool.remote_checks == 0 and s.pool.checks == 1
+    finally:
+        await s.pool.stop()
 
 
 async def test_the_coordinators_own_verifier_takes_jobs_too(tmp_path: Path, model: Any) -> None:
@@ -208,11 +274,12 @@ async def test_the_coordinators_own_verifier_takes_jobs_too(tmp_path: Path, mode
         assert isinstance(final, Ack), final  # the local worker took it (no process asked)
         assert s.pool.checks == 1 and s.pool.remote_checks == 0
         assert s.h.core.budget.meter.verifiers == 1
+        assert s.h.core.budget.status()["verifier_processes"] == 0
     finally:
         await s.pool.stop()
 
 
-async def test_a_job_nobody_takes_times_out_and_the_lease_stays_held(
+async def test_a_job_nobody_takes_fails_once_no_verifier_is_present_and_the_lease_stays_held(
     tmp_path: Path, model: Any
 ) -> None:
     s = Setup(tmp_path, model, job_timeout_s=0.05, attempts=1)
@@ -220,18 +287,51 @@ async def test_a_job_nobody_takes_times_out_and_the_lease_stays_held(
     lease = s.h.lease(node, 2)
     _, held = await s.h.core.desk.receive(node.public_key, sampled(lease, model))
     assert held is not None
-    with pytest.raises(VerificationTimeout, match="no verifier re-scored"):
-        await s.h.core.desk.settle(held)
+    settling = asyncio.ensure_future(s.h.core.desk.settle(held))
+    await asyncio.sleep(0.2)
+    assert not settling.done()  # queued: waits while it may still be taken
+    s.h.clock.advance(PRESENT_S + 1)
+    with pytest.raises(VerificationTimeout, match="no verifier has asked for work"):
+        await asyncio.wait_for(settling, 10)
     # its rows stay held, re-scored later (the node handlers' retry)
     assert [p.lease_id for p in s.h.core.desk.records.held.pending()] == [lease.lease_id]
     assert s.h.core.desk.records.held.count() == 2 * s.h.cfg.group_size
     assert s.pool.timed_out == 1 and s.h.core.fetch_rollouts(0, 100).rollouts == []
 
 
+async def test_a_taken_job_past_its_deadline_fails_after_its_attempts_without_any_ask(
+    tmp_path: Path, model: Any
+) -> None:
+    s = Setup(tmp_path, model, job_timeout_s=0.05, attempts=1)
+    checking = asyncio.ensure_future(s.pool.check(*_positional(ARGS), **_keywords(ARGS)))
+    assert await s.take() is not None  # taken, never answered; nobody asks again
+    s.h.clock.advance(1.0)
+    with pytest.raises(VerificationTimeout, match="given 1 times, never answered"):
+        await asyncio.wait_for(checking, 10)
+
+
+async def test_stop_fails_what_waits(tmp_path: Path, model: Any) -> None:
+    s = Setup(tmp_path, model)
+    checking = asyncio.ensure_future(s.pool.check(*_positional(ARGS), **_keywords(ARGS)))
+    await asyncio.sleep(0)
+    await s.pool.stop()
+    with pytest.raises(VerificationTimeout, match="stopping"):
+        await checking
+
+
+def test_an_infinite_statistic_still_travels() -> None:
+    verdict = LogprobVerdict(
+        False, "max_abs", math.inf, 1e-3, "max_abs=inf", ReasonCode.LOGPROB_MISMATCH,
+        figures={"max_abs": math.inf, "sampling_z": math.nan, "tokens": 3.0},
+    )  # fmt: skip
+    msg = decode(encode(verdict_message("j", verdict, compute_s=0.1, tokens=3)), VerifyVerdict)
+    assert msg.outcome == "fail" and msg.value == MAX_FLOAT and msg.threshold == 1e-3
+    assert msg.figures == {"max_abs": MAX_FLOAT, "sampling_z": MAX_FLOAT, "tokens": 3.0}
+
+
 async def test_a_failed_verdict_must_carry_a_check_code(tmp_path: Path, model: Any) -> None:
     s = Setup(tmp_path, model)
-    args = CheckArgs(1, [[1, 2]], [[3]], [[-0.5]], "hf", "float32", None, None)
-    checking = asyncio.ensure_future(s.pool.check(*_positional(args), **_keywords(args)))
+    checking = asyncio.ensure_future(s.pool.check(*_positional(ARGS), **_keywords(ARGS)))
     job = await s.take()
     assert job is not None
     bad = verdict_message(
@@ -279,3 +379,46 @@ def _positional(a: CheckArgs) -> tuple[Any, ...]:
 
 def _keywords(a: CheckArgs) -> dict[str, Any]:
     return {"backend": a.backend, "dtype": a.dtype, "seeds": a.seeds, "steps": a.steps}
+
+
+async def test_a_verifier_process_is_told_plainly_when_it_is_not_wanted(
+    tmp_path: Path, model: Any
+) -> None:
+    """The process's client side over the in-memory transport: a coordinator that takes no
+    verifier processes (no ``rswarm/vtake``), then one that does not list its key."""
+    from coordinator.service import register_handlers
+    from coordinator.verifier_process import VerifierProcess, VerifierRefused
+    from protocol import rpc
+    from swarm.memtransport import InMemoryNetwork
+
+    s = Setup(tmp_path, model)
+    net = InMemoryNetwork()
+    coordinator = net.endpoint("coord")
+    process = VerifierProcess(
+        s.h.cfg, tmp_path / "verifier", coordinator="/ip4/127.0.0.1/tcp/1/p2p/coord",
+        coordinator_key=s.h.publisher.fingerprint, pad_id=0,
+    )  # fmt: skip
+    process.transport = net.endpoint("verifier")
+    assert process.coordinator_peer_id == "coord"
+    stop = asyncio.Event()
+    with pytest.raises(VerifierRefused, match=r"takes no verifier processes.*verifier_keys"):
+        await asyncio.wait_for(process.run(stop), 10)
+    await register_handlers(
+        coordinator, {rpc.VERIFY_TAKE: s.handlers.on_take, rpc.VERIFY_DONE: s.handlers.on_done}
+    )
+    with pytest.raises(VerifierRefused, match=f"add {process.fingerprint} to its"):
+        await asyncio.wait_for(process.run(stop), 10)
+    # listed: it takes a job over the transport, and its answer is acknowledged
+    # (the process signs with the wall clock; the harness's is a fake one)
+    s.handlers = VerifierHandlers(s.pool, [process.fingerprint], replay=None, clock=time.time)
+    await coordinator.unregister(rpc.VERIFY_TAKE)
+    await coordinator.unregister(rpc.VERIFY_DONE)
+    await register_handlers(
+        coordinator, {rpc.VERIFY_TAKE: s.handlers.on_take, rpc.VERIFY_DONE: s.handlers.on_done}
+    )
+    checking = asyncio.ensure_future(s.pool.check(*_positional(ARGS), **_keywords(ARGS)))
+    job = await process.take()
+    assert job is not None and job_args(job).completions == ARGS.completions
+    verdict = await job_args(job).run(s.rescorer)
+    assert await process.answer(verdict_message(job.job_id, verdict, compute_s=0.0, tokens=3))
+    assert await checking == verdict
