@@ -307,7 +307,7 @@ class VerifierPool:
                 self._sweep(now)
                 if job.future.done():
                     continue
-                if job.given or self._present(now):
+                if self._taken.get(job.job_id) is job or self._present(now):
                     absent_since = None
                     continue
                 absent_since = now if absent_since is None else absent_since

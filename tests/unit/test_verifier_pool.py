@@ -310,6 +310,22 @@ async def test_a_taken_job_past_its_deadline_fails_after_its_attempts_without_an
         await asyncio.wait_for(checking, 10)
 
 
+async def test_a_job_given_back_to_the_queue_fails_once_its_silent_taker_is_gone(
+    tmp_path: Path, model: Any
+) -> None:
+    s = Setup(tmp_path, model, job_timeout_s=0.05, attempts=3)
+    checking = asyncio.ensure_future(s.pool.check(*_positional(ARGS), **_keywords(ARGS)))
+    assert await s.take() is not None  # taken; its verifier then dies
+    s.h.clock.advance(1.0)
+    await asyncio.sleep(0.2)  # its deadline passed: back in the queue (1 of 3 attempts used)
+    assert s.pool.redelivered == 1 and not checking.done()
+    s.h.clock.advance(PRESENT_S + 1)  # the dead verifier is no longer present: nobody is
+    await asyncio.sleep(0.2)
+    s.h.clock.advance(PRESENT_S + 1)
+    with pytest.raises(VerificationTimeout, match="no verifier has asked for work"):
+        await asyncio.wait_for(checking, 10)
+
+
 async def test_stop_fails_what_waits(tmp_path: Path, model: Any) -> None:
     s = Setup(tmp_path, model)
     checking = asyncio.ensure_future(s.pool.check(*_positional(ARGS), **_keywords(ARGS)))
