@@ -416,11 +416,6 @@ class VerifierPool:
                 f"re-score job {job_id} is not open for you (answered already, or never given "
                 "to you)",
             )
-        if self._taken.get(job_id) is job:
-            del self._taken[job_id]
-        with contextlib.suppress(ValueError):
-            self._queue.remove(job)  # back in the queue after a missed deadline: answered now
-        job.taker = None
         if name != LOCAL:
             self.remote_compute_s += compute_s
             self.remote_tokens += tokens
@@ -429,11 +424,20 @@ class VerifierPool:
                 if self._meter is not None:  # a refusal re-scored nothing: it says nothing of V
                     self._meter.record(name, float(tokens), compute_s, len(job.args.completions),
                                        self._meter_clock())  # fmt: skip
+        held_by_another = self._taken.get(job_id) is job and job.taker != name
+        if verdict is not None or not held_by_another:
+            if self._taken.get(job_id) is job:
+                del self._taken[job_id]
+            with contextlib.suppress(ValueError):
+                self._queue.remove(job)  # back in the queue after a missed deadline
+            job.taker = None
         if verdict is not None:
             self._jobs.pop(job_id, None)
             job.future.set_result(verdict)
             return
         job.refused_by[name] = ("error: " if error else "") + refused
+        if held_by_another:
+            return  # given to another verifier after this one's deadline: its answer decides
         if self._someone_else_could(job):
             self._queue.appendleft(job)
             self._notify()

@@ -326,6 +326,26 @@ async def test_a_job_given_back_to_the_queue_fails_once_its_silent_taker_is_gone
         await asyncio.wait_for(checking, 10)
 
 
+async def test_a_late_refusal_leaves_the_job_with_its_new_taker(tmp_path: Path, model: Any) -> None:
+    s = Setup(tmp_path, model, job_timeout_s=30.0)
+    other = Identity.generate()
+    s.handlers = VerifierHandlers(
+        s.pool, [s.key.fingerprint, other.fingerprint], replay=None, clock=s.h.clock
+    )
+    checking = asyncio.ensure_future(s.pool.check(*_positional(ARGS), **_keywords(ARGS)))
+    first = await s.take()
+    assert first is not None
+    s.h.clock.advance(31.0)
+    second = await s.take(other, wait_s=0.0)  # the first missed its deadline
+    assert second is not None
+    await s.answer(_unavailable(first, "cannot fetch v1"))  # the first's late refusal
+    assert s.pool.status()["verify_jobs_taken"] == 1  # still the other's
+    assert await s.take(wait_s=0.0) is None  # and not queued again for anyone
+    verdict = await job_args(second).run(s.rescorer)
+    await s.answer(verdict_message(second.job_id, verdict, compute_s=0.0, tokens=3), other)
+    assert await checking == verdict
+
+
 async def test_stop_fails_what_waits(tmp_path: Path, model: Any) -> None:
     s = Setup(tmp_path, model)
     checking = asyncio.ensure_future(s.pool.check(*_positional(ARGS), **_keywords(ARGS)))
