@@ -115,6 +115,8 @@ class _Job:
     given: int = 0
     #: verifiers that said they cannot score it (unavailable, error), with what they said
     refused_by: dict[str, str] = field(default_factory=dict)
+    #: those of them whose re-score failed (``error``), not that they lack the version
+    failed_by: set[str] = field(default_factory=set)
     #: every verifier it was given to (any of them may answer it: the first verdict wins)
     takers: set[str] = field(default_factory=set)
     taker: str | None = None
@@ -307,7 +309,7 @@ class VerifierPool:
                 self._sweep(now)
                 if job.future.done():
                     continue
-                if self._taken.get(job.job_id) is job or self._present(now):
+                if self._taken.get(job.job_id) is job or self._could_take(job, now):
                     absent_since = None
                     continue
                 absent_since = now if absent_since is None else absent_since
@@ -328,6 +330,10 @@ class VerifierPool:
         if self._worker is not None and not self._worker.done():
             here.add(LOCAL)
         return here
+
+    def _could_take(self, job: _Job, now: float) -> bool:
+        """Whether a present verifier may still take ``job`` (not one that refused it)."""
+        return any(n not in job.refused_by for n in self._present(now))
 
     def _forget(self, job: _Job) -> None:
         with contextlib.suppress(ValueError):
@@ -436,6 +442,8 @@ class VerifierPool:
             job.future.set_result(verdict)
             return
         job.refused_by[name] = ("error: " if error else "") + refused
+        if error:
+            job.failed_by.add(name)
         if held_by_another:
             return  # given to another verifier after this one's deadline: its answer decides
         if self._someone_else_could(job):
@@ -443,7 +451,7 @@ class VerifierPool:
             self._notify()
             return
         said = "; ".join(f"{_short(n)}: {why}" for n, why in job.refused_by.items())
-        if LOCAL in job.refused_by and not job.refused_by[LOCAL].startswith("error: "):
+        if LOCAL in job.refused_by and LOCAL not in job.failed_by:
             # the coordinator itself does not hold the version: skipped, as it always was
             self._fail(job, VerifierUnavailable(said))
         else:
@@ -460,7 +468,7 @@ class VerifierPool:
             return True  # the coordinator's own verifier has not tried: it always may
         if job.given >= self.attempts:
             return False
-        return any(n not in job.refused_by for n in self._present(self.clock()))
+        return self._could_take(job, self.clock())
 
     # --- the coordinator's own verifier ----------------------------------------------------------
     async def _work_locally(self) -> None:

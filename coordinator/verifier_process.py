@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +98,7 @@ class VerifierProcess:
         self.verifier: InProcessLogprobVerifier | None = None
         self._key_resolved = False
         #: jobs answered: pass, fail, unavailable
-        self.answered: dict[str, int] = {"pass": 0, "fail": 0, "unavailable": 0}
+        self.answered: Counter[str] = Counter()
 
     @property
     def fingerprint(self) -> str:
@@ -233,8 +234,8 @@ class VerifierProcess:
     async def rescore(self, job: VerifyJob) -> VerifyVerdict:
         """The verdict of ``job`` (``unavailable`` when its version cannot be held here)."""
         assert self.verifier is not None
-        args = job_args(job)
         try:
+            args = job_args(job)
             await self.hold(job.version)
             seconds, tokens = self.verifier.compute_s, self.verifier.tokens
             verdict = await args.run(self.verifier)
@@ -271,7 +272,8 @@ class VerifierProcess:
                 )  # fmt: skip
                 delay = 1.0
             except (TransportError, ProtocolError) as exc:
-                log.warning("coordinator unreachable (%s); asking again in %.0f s", exc, delay)
+                log.warning("the coordinator did not answer as asked (%s); asking again in "
+                            "%.0f s", exc, delay)  # fmt: skip
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), delay)
                 delay = min(BACKOFF_MAX_S, delay * 2)

@@ -346,6 +346,28 @@ async def test_a_late_refusal_leaves_the_job_with_its_new_taker(tmp_path: Path, 
     assert await checking == verdict
 
 
+async def test_a_job_only_refusers_are_left_for_fails_once_the_others_are_gone(
+    tmp_path: Path, model: Any
+) -> None:
+    s = Setup(tmp_path, model, job_timeout_s=0.05, attempts=3)
+    other = Identity.generate()
+    s.handlers = VerifierHandlers(
+        s.pool, [s.key.fingerprint, other.fingerprint], replay=None, clock=s.h.clock
+    )
+    assert await s.take(other, wait_s=0.0) is None  # the other verifier asks once, then dies
+    checking = asyncio.ensure_future(s.pool.check(*_positional(ARGS), **_keywords(ARGS)))
+    job = await s.take()
+    assert job is not None
+    await s.answer(_unavailable(job, "cannot fetch v1"))  # queued again: the other is present
+    assert s.pool.status()["verify_jobs_queued"] == 1
+    for _ in range(2):  # the refuser keeps asking; the other is gone
+        s.h.clock.advance(PRESENT_S + 1)
+        assert await s.take(wait_s=0.0) is None
+        await asyncio.sleep(0.2)
+    with pytest.raises(VerificationTimeout, match="no verifier has asked for work"):
+        await asyncio.wait_for(checking, 10)
+
+
 async def test_stop_fails_what_waits(tmp_path: Path, model: Any) -> None:
     s = Setup(tmp_path, model)
     checking = asyncio.ensure_future(s.pool.check(*_positional(ARGS), **_keywords(ARGS)))
@@ -458,3 +480,44 @@ async def test_a_verifier_process_is_told_plainly_when_it_is_not_wanted(
     verdict = await job_args(job).run(s.rescorer)
     assert await process.answer(verdict_message(job.job_id, verdict, compute_s=0.0, tokens=3))
     assert await checking == verdict
+
+
+async def test_a_verifier_process_goes_on_after_a_failed_re_score(
+    tmp_path: Path, model: Any
+) -> None:
+    """A re-score that raises (not "unavailable") is answered ``error`` and the process keeps
+    taking jobs; the check, with nobody else to ask, fails without a skip."""
+    from coordinator.service import register_handlers
+    from coordinator.verifier_process import VerifierProcess
+    from protocol import rpc
+    from swarm.memtransport import InMemoryNetwork
+
+    s = Setup(tmp_path, model, attempts=1)
+    net = InMemoryNetwork()
+    process = VerifierProcess(
+        s.h.cfg, tmp_path / "verifier", coordinator="/ip4/127.0.0.1/tcp/1/p2p/coord",
+        coordinator_key=s.h.publisher.fingerprint, pad_id=0, take_wait_s=0.2,
+    )  # fmt: skip
+    process.transport = net.endpoint("verifier")
+    process.verifier = s.rescorer
+
+    async def broken(version: int) -> None:
+        raise RuntimeError("CUDA out of memory")
+
+    process.hold = broken  # type: ignore[method-assign]
+    handlers = VerifierHandlers(s.pool, [process.fingerprint], replay=None, clock=time.time)
+    await register_handlers(
+        net.endpoint("coord"),
+        {rpc.VERIFY_TAKE: handlers.on_take, rpc.VERIFY_DONE: handlers.on_done},
+    )
+    stop = asyncio.Event()
+    running = asyncio.ensure_future(process.run(stop))
+    try:
+        for _ in range(2):
+            checking = s.pool.check(*_positional(ARGS), **_keywords(ARGS))
+            with pytest.raises(VerificationTimeout, match="error: RuntimeError: CUDA out of"):
+                await asyncio.wait_for(checking, 10)
+        assert process.answered["error"] == 2 and not running.done()
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 10)
