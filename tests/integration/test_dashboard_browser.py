@@ -327,6 +327,8 @@ def test_missing_and_unknown_fields_render_without_errors(chrome: Any) -> None:
         "plan_predicted_idle_frac": 0.125,
         "trainer_grad_norm_alarm": True,
         "some_future_field": {"x": [1, 2]},
+        "verifier_processes": 2,  # the verification card (issue 35)
+        "verify_jobs_queued": 0,
     })  # fmt: skip
     try:
         console_errors(chrome)  # start clean
@@ -356,6 +358,9 @@ def test_missing_and_unknown_fields_render_without_errors(chrome: Any) -> None:
         assert learner.text == "yes"
         other = chrome.find_element("css selector", '#other [data-key="some_future_field"]')
         assert other.text == "x: 1, 2"
+        card = chrome.find_element("css selector", '#verification [data-key="verifier_processes"]')
+        assert card.text == "2"
+        assert not chrome.find_elements("css selector", '#other [data-key="verify_jobs_queued"]')
         assert console_errors(chrome) == []
     finally:
         empty.stop()

@@ -185,6 +185,9 @@
     "queue_depth", "nodes_alive", "nodes_registered", "rejected_by_reason", "version_holders",
     "version_holders_age_s", "versions", "versions_held", "versions_loaded", "plan"]);
 
+  const VERIFICATION = /^(verify_|verifier_|verification_|admission_|leases_in_verification$|leases_held_for_verification$)/;
+  function isVerification(key) { return VERIFICATION.test(key); }
+
   function renderPanels(s) {
     const ids = shortIds(Object.keys(s.node_states || {}));
     const planEntries = [["plan", s.plan === undefined ? RS.DASH : any(s.plan)]];
@@ -210,8 +213,15 @@
       .map(([k, v]) => [k.replace(/^trainer_/, "").replace(/_/g, " "), any(v), { "data-key": k }]);
     kv(document.getElementById("learner"), learner.length ? learner : [["", "no report from the learner yet"]]);
 
+    // the verification budget (V, D, admission), the re-scores' cost and the verifier processes
+    const verification = Object.entries(s).filter(([k]) => isVerification(k)).sort()
+      .map(([k, v]) => [k.replace(/_/g, " "), any(v), { "data-key": k }]);
+    kv(document.getElementById("verification"),
+      verification.length ? verification : [["", "no figure of the verification budget yet"]]);
+
     const other = Object.entries(s)
-      .filter(([k]) => !SHOWN.has(k) && !k.startsWith("trainer_") && !k.startsWith("plan_") && !k.startsWith("node_"))
+      .filter(([k]) => !SHOWN.has(k) && !k.startsWith("trainer_") && !k.startsWith("plan_") && !k.startsWith("node_")
+        && !isVerification(k))
       .sort().map(([k, v]) => [k.replace(/_/g, " "), any(v, ids), { "data-key": k }]);
     kv(document.getElementById("other"), other);
 
