@@ -208,7 +208,10 @@ class CoordinatorService:
             published=store,
             models=verifier,
             staleness_bound=cfg.staleness_bound,
-            spot_checks=cfg.intake.spot_check_fraction > 0,
+            # its own re-scores only: with local_verifier off the verifier processes hold the
+            # models, and loading each version here would cost memory and CPU for nothing
+            spot_checks=cfg.intake.spot_check_fraction > 0
+            and (pool is None or pool.local is not None),
             lease_version=core.lease_version,
             on_held=t_bcast.held,
             warm_up=models.warm_up,

@@ -69,15 +69,33 @@ def _made_up_rollouts() -> list[Rollout]:
     return out
 
 
+@pytest.mark.parametrize("verifier_process", [False, True], ids=["in-process", "verifier-process"])
 async def test_lora_versions_round_trip_trainer_node_coordinator(
-    tmp_path: Path, procs: list[Proc]
+    tmp_path: Path, procs: list[Proc], verifier_process: bool
 ) -> None:
+    """With ``verifier_process`` the coordinator re-scores nothing itself: a ``swarm coordinator
+    verifier`` process downloads each adapter and re-scores on it merged into its own base."""
     torch.set_num_threads(1)
     trainer_id = Identity.generate()
+    verification: dict[str, object] = {}
+    if verifier_process:
+        (tmp_path / "verifier").mkdir()
+        key = Identity.load_or_create(tmp_path / "verifier" / "verifier.key")
+        verification = {"verifier_keys": [key.fingerprint], "local_verifier": False}
     # every submission spot-checked; the tolerance's calibration at its minimum (FAST_CALIBRATION)
-    config = coordinator_toml(tmp_path, trainer_id, intake=FAST_CALIBRATION)
+    config = coordinator_toml(
+        tmp_path, trainer_id, intake=FAST_CALIBRATION, verification=verification
+    )
     coord = await launch_coordinator(tmp_path, config)
     procs.append(coord.proc)
+    verifier = None
+    if verifier_process:
+        verifier = Proc(
+            ["coordinator", "verifier", "--coordinator", coord.maddr, "--coordinator-key",
+             coord.fingerprint, "--config", str(config), "--state-dir", str(tmp_path / "verifier")],
+            tmp_path / "verifier.log",
+        )  # fmt: skip
+        procs.append(verifier)
     harness = Trainer(coord, trainer_id, tmp_path)
     await harness.start()
     # the node starts now (imports, its libp2p daemon) while the learner is built and v1 published:
@@ -142,8 +160,14 @@ async def test_lora_versions_round_trip_trainer_node_coordinator(
         await until(lambda: accepted_at(2), "accepted rollouts at v2", 90, node)
         status = await harness.status()
         assert status["rejected_by_reason"] == {}  # every submission passed, spot checks included
-        assert {1, 2} <= set(status["versions_loaded"])  # type: ignore[arg-type]
         assert "spot check of" not in coord.proc.text()  # none skipped (nor failed)
+        if verifier is None:
+            assert {1, 2} <= set(status["versions_loaded"])  # type: ignore[arg-type]
+        else:  # the process re-scored both adapters; the coordinator loaded no model for it
+            assert status["versions_loaded"] == []
+            checked = verifier.text()
+            assert ": v1, " in checked and ": v2, " in checked, checked[-2000:]
+            assert ": pass (" in checked and ": fail (" not in checked, checked[-2000:]
         log = node.text()
         assert "loaded policy v1" in log and "loaded policy v2" in log
         assert "building the base model again" not in log
