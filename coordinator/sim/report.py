@@ -71,7 +71,7 @@ def pool_table(pool: Sequence[PoolNode], scenario: Scenario) -> str:
 def policy_table(results: Sequence[RunResult]) -> str:
     lines = [
         "| policy | nodes rented | paid nodes billed (mean) | accepted rollouts/h | swarm USD/h | "
-        "USD per 1k accepted | USD per 1k trained (swarm + learner) | learner idle | "
+        "USD per 1k accepted | USD per 1k trained (all billed) | learner idle | "
         "dropped too stale | lost to churn | bad trained | invariants |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -94,7 +94,7 @@ def savings(results: Sequence[RunResult]) -> str:
     if ca is None:
         return ""
     out = []
-    for other in ("premium_only", "all_nodes", "fastest_first"):
+    for other in ("premium_colocated", "premium_only", "all_nodes", "fastest_first"):
         r = by.get(other)
         if r is None or not r.accepted or not r.trained:
             continue
@@ -102,7 +102,8 @@ def savings(results: Sequence[RunResult]) -> str:
         trn = 1 - ca.cost_per_trained / r.cost_per_trained
         out.append(
             f"against {other}, cost-aware activation is {_cheaper(acc)} per accepted rollout "
-            f"(swarm only) and {_cheaper(trn)} per trained rollout (swarm + learner)"
+            f"(rollout workers only) and {_cheaper(trn)} per trained rollout (all billed: "
+            "workers, learner, verifiers)"
         )
     return "; ".join(out)
 
@@ -187,7 +188,7 @@ def plots(name: str, results: Sequence[RunResult], out_dir: Path) -> list[str]:
         axes[0].set_title("swarm cost per accepted rollout")
         axes[1].bar(names, [1000 * r.cost_per_trained for r in base], color="tab:orange")
         axes[1].set_ylabel("USD per 1k trained rollouts")
-        axes[1].set_title("swarm + learner cost per trained rollout")
+        axes[1].set_title("cost per trained rollout, all billed")
         for ax in axes:
             ax.tick_params(axis="x", rotation=20)
         fig.tight_layout()
@@ -251,14 +252,17 @@ def scenario_section(
         f"average (cap {m.completion_tokens_max}). Churn {scenario.churn.per_hour:g}/node/h, "
         f"cheaters {scenario.byzantine.fraction:.0%}, {_check_rates(scenario)}, "
         f"{scenario.verification.workers} intake verifier(s) at "
-        f"{scenario.verification.verifier_tflops:g} TFLOP/s. Figures: {figures.source}; "
+        f"{scenario.verification.verifier_tflops:g} TFLOP/s and "
+        f"{scenario.verification.price_per_hour:g} USD/h each. Figures: {figures.source}; "
         f"coordinator costs from coordinator/sim/calibration.json ({calibration.source}: "
         f"open {1e6 * calibration.open_s:.0f} µs per message, per-token checks "
         f"{1e6 * calibration.token_check_s:.2f} µs, re-plan "
         f"{1e3 * calibration.plan_node_s * 1000:.1f} ms and status "
         f"{1e3 * calibration.status_node_s * 1000:.1f} ms per 1,000 nodes).",
         "",
-        "Pool (the whole marketplace; `fastest_first` and `premium_only` rent part of it):",
+        "Pool (the whole marketplace; `fastest_first` and `premium_only` rent part of it, "
+        "`premium_colocated` the same nodes as `premium_only` as the learner's own trusted "
+        "cluster: nothing re-scored, no verifier billed):",
         "",
         pool_table(pool, scenario),
         "",

@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from coordinator.sim.scenario import TRUSTED
 from protocol.identity import fingerprint_of
 
 if TYPE_CHECKING:
@@ -75,6 +76,8 @@ class RunResult:
     coordinator_backlog_max_s: float = 0.0
     #: the run in equal stretches, warm-up included (:func:`timeline_rows`)
     timeline: list[dict[str, float]] = field(default_factory=list)
+    #: USD of the verifiers within the window (none for a trusted co-located cluster)
+    verifier_cost: float = 0.0
 
     @property
     def sim_hours_per_wall_minute(self) -> float:
@@ -89,9 +92,14 @@ class RunResult:
         return self.swarm_cost / self.accepted if self.accepted else float("inf")
 
     @property
+    def total_cost(self) -> float:
+        """Everything billed within the window: the rollout workers, the learner, the
+        verifiers."""
+        return self.swarm_cost + self.learner_cost + self.verifier_cost
+
+    @property
     def cost_per_trained(self) -> float:
-        total = self.swarm_cost + self.learner_cost
-        return total / self.trained if self.trained else float("inf")
+        return self.total_cost / self.trained if self.trained else float("inf")
 
     @property
     def coordinator_cpu_s(self) -> float:
@@ -125,6 +133,7 @@ class RunResult:
         for name in (
             "cost_per_accepted",
             "cost_per_trained",
+            "total_cost",
             "sim_hours_per_wall_minute",
             "sim_hours_per_cpu_minute",
             "cpu_per_accepted_ms",
@@ -236,6 +245,12 @@ def collect(w: World, label: str, wall_s: float, cpu_s: float) -> RunResult:
         coordinator_wait_mean_s=w.cpu_core.wait_s / max(1, w.cpu_core.calls),
         coordinator_backlog_max_s=w.cpu_core.max_backlog_s,
         timeline=timeline_rows(w),
+        verifier_cost=0.0
+        if w.policy in TRUSTED
+        else w.scenario.verification.workers
+        * w.scenario.verification.price_per_hour
+        * window_s
+        / 3600.0,
     )
 
 

@@ -8,7 +8,9 @@
   ``premium_only`` are provisioning baselines: nodes are rented in that order (fastest first; only
   datacenter GPUs, cheapest per rollout first) until their nominal rate reaches the planner's own
   target (``Plan.required`` with headroom, computed by :func:`coordinator.capacity.plan_activation`
-  on the nominal rates), then run with activation off.
+  on the nominal rates), then run with activation off. ``premium_colocated`` rents what
+  ``premium_only`` rents as the learner's own cluster (ECHO-2's centralized baseline): trusted
+  (no cheater among them, nothing re-scored, no probation, no verifier billed).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from coordinator.capacity import NodeCapacity, plan_activation
 from coordinator.sim.base import PoolNode
@@ -110,6 +113,8 @@ def provision(policy: Policy, pool: list[PoolNode], scenario: Scenario) -> list[
         return list(pool)
     headroom = float(scenario.coordinator.get("capacity", {}).get("headroom", 0.2))
     target, _ = planner_target(pool, scenario, headroom)
+    if policy == "premium_colocated":  # premium_only's nodes, the operator's own: no cheater
+        return [replace(p, cheat=None) for p in provision("premium_only", pool, scenario)]
     if policy == "fastest_first":
         order = sorted(pool, key=lambda p: -nominal_rate(p, scenario))
     else:

@@ -25,8 +25,13 @@ from pydantic import (
 )
 
 #: Provisioning policies compared by the simulation (docs/simulation.md explains each one).
-Policy = Literal["cost_aware", "all_nodes", "fastest_first", "premium_only"]
-POLICIES: tuple[Policy, ...] = ("cost_aware", "all_nodes", "fastest_first", "premium_only")
+Policy = Literal["cost_aware", "all_nodes", "fastest_first", "premium_only", "premium_colocated"]
+POLICIES: tuple[Policy, ...] = (
+    "cost_aware", "all_nodes", "fastest_first", "premium_only", "premium_colocated",
+)  # fmt: skip
+#: Policies whose workers are the learner's operator's own (a co-located cluster): trusted, so
+#: nothing is re-scored, no identity is on probation and no verifier is billed.
+TRUSTED: frozenset[str] = frozenset({"premium_colocated"})
 
 
 class ScenarioError(ValueError):
@@ -196,6 +201,12 @@ class VerificationSection(_Section):
         gt=0,
         description="Effective TFLOP/s of the GPU that re-scores spot-checked samples "
         "(e.g. an L4 at ~40% of its bf16 peak)",
+    )
+    price_per_hour: float = Field(
+        default=0.5,
+        ge=0,
+        description="USD per hour of each verifier (the catalogue's L4), billed for the whole "
+        "window like the learner (not for a trusted co-located cluster)",
     )
 
 

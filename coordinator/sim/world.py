@@ -50,7 +50,7 @@ from coordinator.sim.costs import Figures
 from coordinator.sim.learner import Learner
 from coordinator.sim.network import Dissemination, draw_link
 from coordinator.sim.nodes import SimNode
-from coordinator.sim.scenario import Policy, Scenario
+from coordinator.sim.scenario import TRUSTED, Policy, Scenario
 from coordinator.sim.verifier import ReferenceVerifier
 from coordinator.store import Store
 from coordinator.tasks import ReverseTask
@@ -169,6 +169,12 @@ class World:
                 data.setdefault(key, {}).update(value)
             else:
                 data[key] = value
+        if policy in TRUSTED:  # the operator's own cluster: nothing checked, nobody on probation
+            data.setdefault("intake", {}).update(
+                {"spot_check_fraction": 0.0, "new_node_check_rate": 0.0}
+            )
+            data.setdefault("reward_audit", {})["fraction"] = 0.0
+            data["verification"] = {**data.get("verification", {}), "admission": False}
         return parse_config(data, source="scenario [coordinator]")
 
     def clock(self) -> float:
@@ -294,6 +300,10 @@ class World:
             self.stats.book("submissions", arrived, 1.0)
         if isinstance(verdict, Ack):
             self.stats.book("accepted", self.env.now, float(n))
+            # acknowledged by the coordinator now (its rows are committed): a run that ends while
+            # the reply is on its way must not count the rows as never acknowledged
+            self.stats.acked.add(lease.lease_id)
+            self.stats.acked_by[lease.lease_id] = node.key
             self._wake_learner()
         lag = self.reply_lag()
         if lag > 0:

@@ -219,3 +219,49 @@ def test_token_check_cost_runs_the_real_checks() -> None:
     """The per-token intake cost is measured at start-up on a sample the real checks accept."""
     per_token = token_check_cost(tokens=256, repeats=1)
     assert 0.0 < per_token < 1e-3  # ~0.3 µs here; a millisecond per token would be a broken check
+
+
+def test_a_co_located_premium_cluster_is_trusted_and_bills_no_verifier() -> None:
+    """``premium_colocated`` (ECHO-2's centralized baseline) rents ``premium_only``'s nodes as
+    the learner's own cluster: no cheater among them, nothing re-scored, no verifier billed;
+    every other policy bills its verifiers for the window like the learner."""
+    sc = parse_scenario({**SMALL, "byzantine": {"fraction": 0.5}})
+    pool = build_pool(sc, CATALOGUE)
+    premium = provision("premium_only", pool, sc)
+    own = provision("premium_colocated", pool, sc)
+    assert [(p.gpu, p.tps) for p in own] == [(p.gpu, p.tps) for p in premium]
+    assert any(p.cheat for p in premium) and not any(p.cheat for p in own)
+    figures = load_figures()
+    trusted = run_one(sc, "premium_colocated", CATALOGUE, figures)
+    rented = run_one(sc, "premium_only", CATALOGUE, figures)
+    assert trusted.spot_checked == 0 and trusted.verifier_cost == 0.0 and trusted.trained > 0
+    assert all(ok for ok, _ in trusted.invariants.values()), trusted.invariants
+    v = sc.verification
+    assert rented.verifier_cost == pytest.approx(
+        v.workers * v.price_per_hour * rented.window_h, rel=1e-9
+    )
+    assert rented.spot_checked > 0
+    assert rented.total_cost == pytest.approx(
+        rented.swarm_cost + rented.learner_cost + rented.verifier_cost, rel=1e-12
+    )
+
+
+def test_rows_whose_ack_is_still_on_its_way_at_the_end_count_as_acknowledged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The coordinator acknowledges a submission when it commits its rows; a run that ends while
+    the reply is on its way (a busy coordinator core: the 1,000-node co-located cluster's run hit
+    it) must not count those rows as never acknowledged. Here every answer of the last two
+    minutes takes longer than the run."""
+    from coordinator.sim.world import World
+
+    real = World.reply_lag
+    end_s = SMALL["hours"] * 3600  # type: ignore[operator]
+    monkeypatch.setattr(
+        World, "reply_lag", lambda self: 1e9 if self.env.now > end_s - 120 else real(self)
+    )
+    sc = parse_scenario({**SMALL, "byzantine": {"fraction": 0.0}})
+    r = run_one(sc, "premium_colocated", CATALOGUE, load_figures())
+    assert r.accepted_total > 0
+    ok, detail = r.invariants["acked_durable"]
+    assert ok, detail
