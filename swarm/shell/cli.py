@@ -381,7 +381,10 @@ def simulate(
     ] = None,
     policy: Annotated[
         list[str] | None,
-        typer.Option(help="Only this policy: cost_aware, all_nodes, fastest_first, premium_only."),
+        typer.Option(
+            help="Only this policy: cost_aware, all_nodes, fastest_first, premium_only, "
+            "premium_colocated."
+        ),
     ] = None,
     sweep: Annotated[bool, typer.Option(help="Run the scenario's one-axis sweeps.")] = True,
     out: Annotated[
