@@ -143,7 +143,9 @@ def _close(text: str, value: float, unit: str = "") -> None:
 
 
 def _points(driver: Any, chart: str) -> int:
-    return int(driver.execute_script(f"return RSDash.charts.{chart}.points()") or 0)
+    """Points a chart of the dashboard draws (0 until its script has run and made the chart)."""
+    script = f"const c = window.RSDash && RSDash.charts.{chart}; return c ? c.points() : 0"
+    return int(driver.execute_script(script) or 0)
 
 
 def _drawn(driver: Any, chart: str) -> list[list[float]]:
@@ -256,7 +258,9 @@ def test_a_hostile_advert_is_shown_as_text_and_runs_nothing(swarm: Swarm, chrome
 def test_node_page_agrees_with_the_node_and_the_coordinator(swarm: Swarm, chrome: Any) -> None:
     name, url = sorted(swarm.pages.items())[0]
     chrome.get(url)
-    tps_points = "return RSNode.charts.tps.points()"
+    # 0 until the page's deferred script has run and made the chart (a CI run once asked too early:
+    # "RSNode is not defined")
+    tps_points = "const c = window.RSNode && RSNode.charts.tps; return c ? c.points() : 0"
     _until("the node's throughput curve", lambda: int(chrome.execute_script(tps_points) or 0) >= 2)
     shown, st = _same_snapshot(chrome, url + "status", READ_NODE_PAGE, "uptime_s")
     kpi, kv = shown["kpi"], shown["kv"]
