@@ -47,6 +47,7 @@ from typing import Any, cast
 
 from coordinator.errors import Rejection
 from coordinator.logprobs import LogprobVerdict, LogprobVerifier, VerifierUnavailable
+from protocol import limits as L
 from protocol.codec import decode, encode
 from protocol.envelope import open_envelope
 from protocol.errors import ReasonCode
@@ -136,7 +137,7 @@ def job_message(job_id: str, args: CheckArgs, deadline: float) -> VerifyJob:
             logprobs=pack_logprobs(claimed),
             seed=args.seeds[i] if args.seeds is not None else 0,
         )
-        if last is not None and prompt == last and len(groups[-1].samples) < 256:
+        if last is not None and prompt == last and len(groups[-1].samples) < L.MAX_GROUP_SIZE:
             groups[-1].samples.append(sample)
         else:
             groups.append(VerifyGroup(prompt_token_ids=pack_tokens(prompt), samples=[sample]))
@@ -176,11 +177,12 @@ def finite(x: float) -> float:
 def verdict_message(
     job_id: str, verdict: LogprobVerdict, *, compute_s: float, tokens: int
 ) -> VerifyVerdict:
-    figures = {k[:256]: finite(v) for k, v in list(verdict.figures.items())[:256]}
+    name, keys = L.MAX_NAME_LEN, L.MAX_STATUS_KEYS
+    figures = {k[:name]: finite(v) for k, v in list(verdict.figures.items())[:keys]}
     return VerifyVerdict(
-        job_id=job_id, outcome="pass" if verdict.ok else "fail", metric=verdict.metric[:256],
+        job_id=job_id, outcome="pass" if verdict.ok else "fail", metric=verdict.metric[:name],
         value=finite(verdict.value), threshold=finite(verdict.threshold),
-        detail=verdict.detail[:4096], code=verdict.code, figures=figures,
+        detail=verdict.detail[: L.MAX_TEXT_LEN], code=verdict.code, figures=figures,
         compute_s=max(0.0, finite(compute_s)), tokens=tokens,
     )  # fmt: skip
 

@@ -36,6 +36,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.holding import SpotCheckModels, model_spec
 from coordinator.logprobs import InProcessLogprobVerifier, VerifierUnavailable
 from coordinator.verifier_pool import job_args, verdict_message
+from protocol import limits as L
 from protocol import rpc
 from protocol.codec import decode, encode
 from protocol.envelope import seal
@@ -243,11 +244,11 @@ class VerifierProcess:
             unavailable = isinstance(exc, VerifierUnavailable)
             if not unavailable:
                 log.exception("re-score job %s failed", job.job_id)
+            detail = str(exc) if unavailable else f"{type(exc).__name__}: {exc}"
             return VerifyVerdict(
                 job_id=job.job_id, outcome="unavailable" if unavailable else "error", metric="",
-                value=0.0, threshold=0.0, detail=f"{type(exc).__name__}: {exc}"[:4096]
-                if not unavailable else str(exc)[:4096], code=ReasonCode.INTERNAL, figures={},
-                compute_s=0.0, tokens=0,
+                value=0.0, threshold=0.0, detail=detail[: L.MAX_TEXT_LEN],
+                code=ReasonCode.INTERNAL, figures={}, compute_s=0.0, tokens=0,
             )  # fmt: skip
         return verdict_message(
             job.job_id, verdict,
