@@ -179,8 +179,9 @@ class Backlog:
     ahead: int
     #: the most ahead that leaves a new lease's rollouts trainable
     bound: float
-    #: the learner said it is blocked for rollouts: ``bound`` is what it waits for and
-    #: ``ahead`` what is on its way to it (not yet fetched, or in flight)
+    #: the learner said it is blocked for rollouts: ``bound`` is what it waits for plus its
+    #: next batch, ``ahead`` what is on its way to it sooner than a new lease's (not yet
+    #: fetched, or in flight)
     starving: bool = False
 
     @property
@@ -190,8 +191,9 @@ class Backlog:
     def reason(self) -> str:
         if self.starving:
             return (
-                f"standby: the learner waits for {self.bound:g} rollouts and {self.ahead} it "
-                "will train are on their way"
+                f"standby: the learner is blocked, and {self.ahead} rollouts it will train are "
+                f"on their way sooner than a new lease's (it needs {self.bound:g} for its batch "
+                "and the next)"
             )
         return (
             f"standby: {self.ahead} rollouts the learner will train are ahead of a new lease's "

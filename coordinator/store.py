@@ -477,19 +477,21 @@ class Store:
         sql = "SELECT version FROM rollouts WHERE seq > ? AND version >= ? ORDER BY seq LIMIT ?"
         return [int(v) for (v,) in self._all(sql, (after_seq, min_version, limit))]
 
-    def in_flight(self, min_version: int) -> list[tuple[int, int, int, float, float | None]]:
+    def in_flight(self, min_version: int) -> list[tuple[int, int, int, float, float | None, bytes]]:
         """The active leases at version ``>= min_version``: ``(version, prompts still held, group
-        size, issued_at, holder's tokens_per_s)`` each, in the order they were issued."""
+        size, issued_at, holder's tokens_per_s, holder's key)`` each, in the order they were
+        issued."""
         sql = (
-            "SELECT l.version, COUNT(*), l.group_size, l.issued_at, n.tokens_per_s FROM prompts p "
+            "SELECT l.version, COUNT(*), l.group_size, l.issued_at, n.tokens_per_s, l.node_key "
+            "FROM prompts p "
             "JOIN leases l ON l.lease_id = p.lease_id "
             "LEFT JOIN nodes n ON n.node_key = l.node_key "
             "WHERE p.state = 'leased' AND l.state = 'active' AND l.version >= ? "
             "GROUP BY l.lease_id ORDER BY l.epoch"
         )
         return [
-            (int(v), int(k), int(g), float(t), None if tps is None else float(tps))
-            for v, k, g, t, tps in self._all(sql, (min_version,))
+            (int(v), int(k), int(g), float(t), None if tps is None else float(tps), bytes(key))
+            for v, k, g, t, tps, key in self._all(sql, (min_version,))
         ]
 
     def max_rollout_seq(self) -> int:

@@ -8,6 +8,9 @@ them with :func:`admitted` (0 ≤ Δ ≤ S: the rule of :func:`trainer.loss.admi
 coordinator may not import; a test holds the two equal), and spends the step time. Every κ
 versions it publishes (the coordinator records the version at once; the seed is ready
 ``publish_s`` later; the learner does not wait). Idle time is the time spent waiting for a batch.
+With every fetch it reports what the trainer reports (``trainer.network``): the steps done and
+the resumable cursor as of its last step's end, and, while blocked on an empty feed, the
+rollouts it waits for (a blocked trainer asks again every ``FETCH_WAIT_S``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ from collections import Counter
 
 from coordinator.sim.base import Gen, WorldApi
 from protocol.messages import AcceptedRollout
+
+#: seconds a blocked learner's fetch waits for rollouts before it asks again
+#: (``trainer.swarm_client.FETCH_WAIT_S``)
+FETCH_WAIT_S = 2.0
 
 
 def admitted(staleness: int, bound: int) -> bool:
@@ -32,7 +39,12 @@ class Learner:
         cfg = world.scenario.learner
         self.version = 0
         self.published = 0
-        self.cursor = 0
+        self.cursor = 0  # the highest seq fetched
+        #: the trainer's resumable cursor as of its last step's end: every seq at or below it
+        #: trained on or dropped (``trainer.progress.PendingRollouts.cursor``)
+        self.consumed = 0
+        #: rollouts it is blocked for (``rollouts_wanted``; 0: not blocked)
+        self.wanting = 0
         self.pending: dict[str, list[AcceptedRollout]] = {}
         self.kappa = cfg.kappa
         self.s = cfg.staleness_bound
@@ -66,12 +78,18 @@ class Learner:
 
     def _fetch(self, need: int) -> int:
         w = self.w
+        # The trainer's figures ride on its fetch (coordinator.learner_link.on_fetch) as the
+        # trainer builds them at a step's end (trainer.network): the steps done and the cursor
+        # of what they consumed, so the rollouts past it are judged at version ``steps`` or
+        # later (the lease backlog bound counts on that; reporting the fetched cursor instead
+        # counted the batch in hand as still ahead, and the bound let a step's worth too many
+        # be generated per version, to be dropped). The coordinator's consumed receipts,
+        # retention and a banned node's withdrawal follow the same cursor; a learner blocked
+        # on an empty feed says how many rollouts it waits for (``rollouts_wanted``).
+        w.core.learner_report(self.steps, self.consumed, w.scenario.learner.step_s)
+        w.core.learner_waiting(self.cursor, self.wanting, self.s)
         batch = w.call("fetch", w.core.fetch_rollouts, self.cursor, need)
         self.cursor = batch.last_seq
-        # the trainer reports its step and cursor with its fetches (coordinator.learner_link):
-        # the coordinator's consumed receipts, retention and a banned node's withdrawal of
-        # unconsumed rollouts (seq above the cursor) follow it
-        w.core.learner_report(self.steps, self.cursor, w.scenario.learner.step_s)
         for r in batch.rollouts:
             if r.seq in self.seen:
                 self.doubled += 1
@@ -105,8 +123,10 @@ class Learner:
                 lag = w.reply_lag()  # the fetch's answer waits for the coordinator's core
                 if lag > 0:
                     yield env.timeout(lag)
-                if not got:
-                    yield w.wait_for_rollouts()
+                self.wanting = 0 if got else need
+                if not got:  # the trainer's long poll: back within FETCH_WAIT_S with or without
+                    yield w.env.any_of([w.wait_for_rollouts(), w.env.timeout(FETCH_WAIT_S)])
+            self.wanting = 0
             self.waiting_since = None
             self.idle_s += self._clip(t0, env.now)
             w.stats.book_span("learner_idle_s", t0, env.now)
@@ -128,6 +148,8 @@ class Learner:
             yield env.timeout(step)
             self.busy_s += self._clip(t1, env.now)
             self.steps += 1
+            pending = [r.seq for group in self.pending.values() for r in group]
+            self.consumed = min(pending) - 1 if pending else self.cursor
             w.stats.book("steps", env.now, 1.0)
             self.steps_in_window += int(in_window)
             self.version += 1

@@ -81,6 +81,7 @@ class SimNode:
         "stalled_until",
         "tps",
         "w",
+        "waited_s",
     )  # fmt: skip
 
     def __init__(
@@ -125,6 +126,8 @@ class SimNode:
         self.leases = 0
         self.busy_s = 0.0
         self.gen_end: float | None = None  # wall clock of its last generation's end
+        #: deliberate waits (standby, back-off) since then: not round trips (node/work.py)
+        self.waited_s = 0.0
         self._next_failure(joined_at)
 
     # --- disruptions and billing -----------------------------------------------------------------
@@ -263,6 +266,7 @@ class SimNode:
                 delay = got.retry_after_s if got.retry_after_s is not None else w.heartbeat_s
             else:
                 raise AssertionError(f"unexpected answer {got!r}")
+            self.waited_s += delay
             if not (yield from self.wait(half + lag + delay)):
                 return
 
@@ -291,12 +295,18 @@ class SimNode:
             return False
         self.busy_s += env.now - started
         self.loaded = lease.policy_version
-        # what a real node reports (node/worker.py): its generation, the wait for the version,
-        # and the round trips since its previous generation (loads excluded)
+        # what a real node reports (node/work.py): its generation, the wait for the version,
+        # and the round trips since its previous generation (loads and deliberate waits, the
+        # standby answers' retry_after_s, excluded: counted, they made a node the backlog bound
+        # stood by look slow to the planner, which then kept every node active)
         finished = w.clock() - upload / self.link.up_bps - self.link.rtt_s / 2
         waited = max(0.0, ready - arrive) + load
-        overhead = 0.0 if self.gen_end is None else max(0.0, finished - gen - waited - self.gen_end)
-        self.gen_end = finished
+        overhead = (
+            0.0
+            if self.gen_end is None
+            else max(0.0, finished - gen - waited - self.waited_s - self.gen_end)
+        )
+        self.gen_end, self.waited_s = finished, 0.0
         timings = Timings(started_at=finished - gen, finished_at=finished, generate_s=gen,
                           load_s=waited, overhead_s=overhead)  # fmt: skip
         sub, bad = self.submission(lease, timings)
