@@ -62,6 +62,14 @@ class Stats:
     spot_checked: int = 0
     max_queue: int = 0
     dissemination: list[float] = field(default_factory=list)  # ready − publish, per version load
+    #: GPU kind -> figures within the window: seconds of its leases started there by phase
+    #: (``download_s``, ``load_s``, ``generate_s``, ``transfer_s``, ``verdict_s``) and rollouts
+    #: (``accepted``, ``trained``, ``dropped``: too stale); :func:`results.gpu_rows`
+    by_gpu: dict[str, dict[str, float]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(float))
+    )
+    #: node fingerprint -> its GPU kind (the learner's rollouts name their node by fingerprint)
+    gpu_of: dict[str, str] = field(default_factory=dict)
     #: width of one stretch of the timeline (seconds); figure -> per-stretch sums
     bucket_s: float = 60.0
     timeline: dict[str, list[float]] = field(default_factory=dict)

@@ -71,6 +71,14 @@ class Learner:
     def _too_stale(self, r: AcceptedRollout) -> bool:
         return self.version - r.policy_version > self.s
 
+    def _dropped(self, rollouts: list[AcceptedRollout]) -> None:
+        """``rollouts`` are dropped as too stale (counted by GPU kind within the window)."""
+        self.dropped_stale += len(rollouts)
+        w = self.w
+        if w.window[0] <= w.env.now <= w.window[1]:
+            for r in rollouts:
+                w.stats.by_gpu[w.stats.gpu_of.get(r.node_fingerprint, "?")]["dropped"] += 1
+
     def idle_until(self, end: float) -> float:
         """Idle seconds within the window up to ``end``, the wait in progress included."""
         ongoing = 0.0 if self.waiting_since is None else self._clip(self.waiting_since, end)
@@ -95,7 +103,7 @@ class Learner:
                 self.doubled += 1
             self.seen.add(r.seq)
             if self._too_stale(r):
-                self.dropped_stale += 1
+                self._dropped([r])
                 continue
             self.pending.setdefault(f"{r.lease_id}/{r.prompt_id}", []).append(r)
         return len(batch.rollouts)
@@ -103,7 +111,7 @@ class Learner:
     def _complete(self) -> list[str]:
         g = self.w.scenario.learner.group_size
         for gid in [k for k, v in self.pending.items() if self._too_stale(v[0])]:
-            self.dropped_stale += len(self.pending.pop(gid))
+            self._dropped(self.pending.pop(gid))
         return [k for k, v in self.pending.items() if len(v) >= g]
 
     def run(self) -> Gen:
@@ -135,7 +143,7 @@ class Learner:
             for r in batch:
                 d = self.version - r.policy_version
                 if not admitted(d, self.s):
-                    self.dropped_stale += 1
+                    self._dropped([r])
                     continue
                 self.trained_total += 1
                 if r.lease_id in w.stats.bad_leases:
@@ -143,6 +151,7 @@ class Learner:
                 if in_window:
                     self.trained += 1
                     self.staleness[d] += 1
+                    w.stats.by_gpu[w.stats.gpu_of.get(r.node_fingerprint, "?")]["trained"] += 1
             step = cfg.step_s * math.exp(w.rng.gauss(0.0, cfg.step_noise))
             t1 = env.now
             yield env.timeout(step)

@@ -291,6 +291,13 @@ class SimNode:
         total += upload / self.link.up_bps + self.link.rtt_s / 2
         self.leases += 1
         started = env.now
+        counted = w.window[0] <= started <= w.window[1]
+        if counted:  # where the billed time of the leases started in the window goes
+            spent = w.stats.by_gpu[self.gpu.name]
+            spent["download_s"] += max(0.0, ready - arrive)
+            spent["load_s"] += load
+            spent["generate_s"] += gen
+            spent["transfer_s"] += (arrive - env.now) + upload / self.link.up_bps + self.link.rtt_s
         if not (yield from self.wait(total, lease)):
             return False
         self.busy_s += env.now - started
@@ -310,7 +317,10 @@ class SimNode:
         timings = Timings(started_at=finished - gen, finished_at=finished, generate_s=gen,
                           load_s=waited, overhead_s=overhead)  # fmt: skip
         sub, bad = self.submission(lease, timings)
+        asked = env.now
         verdict = yield from w.intake(self, lease, sub, n, tokens, bad)
+        if counted:
+            w.stats.by_gpu[self.gpu.name]["verdict_s"] += env.now - asked
         w.record_verdict(self, lease, verdict, n, bad)
         if isinstance(verdict, Reject) and verdict.code is ReasonCode.BANNED:
             self.bill_stop(env.now)

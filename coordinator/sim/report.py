@@ -171,6 +171,38 @@ def timeline_table(r: RunResult) -> str:
     return "\n".join(lines)
 
 
+def gpu_table(r: RunResult) -> str:
+    """Where the run's worker bill goes, by GPU kind (:func:`coordinator.sim.results.gpu_figures`):
+    its paid node-hours, what they bought (accepted, trained, dropped too stale) and the share of
+    the paid time each phase of its leases took; what no phase covers is the time between leases
+    (asking for the next one, an answer on its way). Empty when the run kept no such figures."""
+    if not r.by_gpu:
+        return ""
+    lines = [
+        "| GPU | nodes (with replacements) | paid node-hours | USD | accepted | trained | dropped "
+        "too stale (of accepted) | USD per 1k trained (its bill) | generating | waiting for a "
+        "version's download | loading it | transfers and round trips | waiting for the "
+        "verdict | between leases |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for kind, g in r.by_gpu.items():
+        paid = g.get("billed_h", 0.0) * 3600.0
+        if paid <= 0:  # unpaid volunteers: their time costs the run nothing
+            continue
+        shares = [g.get(k, 0.0) / paid for k in ("generate_s", "download_s", "load_s",
+                                                 "transfer_s", "verdict_s")]  # fmt: skip
+        accepted, trained = g.get("accepted", 0.0), g.get("trained", 0.0)
+        per_k = f"{1e3 * g['cost'] / trained:.3f}" if trained else "–"
+        dropped = g.get("dropped", 0.0) / accepted if accepted else 0.0
+        lines.append(
+            f"| {kind} | {g['nodes']:.0f} | {g['billed_h']:,.1f} | {g['cost']:,.2f} | "
+            f"{accepted:,.0f} | {trained:,.0f} | {_pct(dropped)} | {per_k} | "
+            + " | ".join(_pct(x) for x in shares)
+            + f" | {_pct(max(0.0, 1.0 - sum(shares)))} |"
+        )
+    return "\n".join(lines)
+
+
 def plots(name: str, results: Sequence[RunResult], out_dir: Path) -> list[str]:
     """Cost per policy, and staleness histograms of the runs; returns the file names."""
     import matplotlib
@@ -289,6 +321,20 @@ def scenario_section(
             f"the run, a message waited {1e3 * ca.coordinator_wait_mean_s:.1f} ms for it on "
             f"average and {ca.coordinator_backlog_max_s:.2f} s at most.",
             "",
+        ]
+        bill = gpu_table(ca)
+        if bill:
+            parts += [
+                f"### Where the worker bill goes (`{ca.policy}` run, measured window, by GPU kind)",
+                "",
+                bill,
+                "",
+                "Phases are shares of the paid time, over the leases started in the window "
+                "(a lease running past its end can make them add up past 100 %). A node is paid "
+                "from its first lease until it is stood by, leaves or is banned.",
+                "",
+            ]
+        parts += [
             f"### Coordinator CPU (`{ca.policy}` run, {ca.nodes} nodes; measured, varies run "
             "to run)",
             "",

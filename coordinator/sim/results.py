@@ -78,6 +78,8 @@ class RunResult:
     timeline: list[dict[str, float]] = field(default_factory=list)
     #: USD of the verifiers within the window (none for a trusted co-located cluster)
     verifier_cost: float = 0.0
+    #: GPU kind -> its figures within the window (:func:`gpu_figures`)
+    by_gpu: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def sim_hours_per_wall_minute(self) -> float:
@@ -245,6 +247,7 @@ def collect(w: World, label: str, wall_s: float, cpu_s: float) -> RunResult:
         coordinator_wait_mean_s=w.cpu_core.wait_s / max(1, w.cpu_core.calls),
         coordinator_backlog_max_s=w.cpu_core.max_backlog_s,
         timeline=timeline_rows(w),
+        by_gpu=gpu_figures(w),
         verifier_cost=0.0
         if w.policy in TRUSTED
         else w.scenario.verification.workers
@@ -252,6 +255,29 @@ def collect(w: World, label: str, wall_s: float, cpu_s: float) -> RunResult:
         * window_s
         / 3600.0,
     )
+
+
+#: the phases of a lease whose seconds :class:`coordinator.sim.base.Stats` keeps by GPU kind
+PHASES = ("generate_s", "download_s", "load_s", "transfer_s", "verdict_s")
+
+
+def gpu_figures(w: World) -> dict[str, dict[str, float]]:
+    """Per GPU kind, within the window: ``nodes`` (instances, churn replacements included),
+    ``billed_h`` (paid node-hours), ``cost`` (USD), the seconds of its leases by phase
+    (:data:`PHASES`: generating, waiting for a version's download, loading it, the round trips
+    and the upload, waiting for the verdict) and its rollouts ``accepted``, ``trained`` and
+    ``dropped`` (too stale)."""
+    out: dict[str, dict[str, float]] = {}
+    for n in w.nodes:
+        row = out.setdefault(n.gpu.name, {"nodes": 0.0, "billed_h": 0.0, "cost": 0.0})
+        row["nodes"] += 1
+        row["cost"] += n.cost
+        if n.price:
+            row["billed_h"] += n.cost / n.price
+    for kind, figures in w.stats.by_gpu.items():
+        row = out.setdefault(kind, {"nodes": 0.0, "billed_h": 0.0, "cost": 0.0})
+        row.update({k: float(v) for k, v in figures.items()})
+    return dict(sorted(out.items()))
 
 
 def timeline_rows(w: World) -> list[dict[str, float]]:

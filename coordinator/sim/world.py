@@ -56,7 +56,7 @@ from coordinator.store import Store
 from coordinator.tasks import ReverseTask
 from policy.model import CharTokenizer
 from protocol.errors import ReasonCode
-from protocol.identity import Identity
+from protocol.identity import Identity, fingerprint_of
 from protocol.manifest import build_manifest, sign_manifest
 from protocol.messages import Ack, Lease, Reject, RolloutSubmission
 
@@ -237,6 +237,7 @@ class World:
             self, len(self.nodes), spec.gpu, spec.price, spec.tps, spec.link, spec.cheat, at
         )
         self.nodes.append(node)
+        self.stats.gpu_of[fingerprint_of(node.key)] = spec.gpu.name
         self.env.process(node.run())
         return node
 
@@ -300,6 +301,8 @@ class World:
             self.stats.book("submissions", arrived, 1.0)
         if isinstance(verdict, Ack):
             self.stats.book("accepted", self.env.now, float(n))
+            if self.window[0] <= self.env.now <= self.window[1]:
+                self.stats.by_gpu[node.gpu.name]["accepted"] += n
             # acknowledged by the coordinator now (its rows are committed): a run that ends while
             # the reply is on its way must not count the rows as never acknowledged
             self.stats.acked.add(lease.lease_id)

@@ -14,7 +14,8 @@ from coordinator.sim.cli import parse_sets, run_cli
 from coordinator.sim.costs import RECORDED, load_figures, token_check_cost
 from coordinator.sim.learner import admitted
 from coordinator.sim.network import Dissemination, NodeDownloads
-from coordinator.sim.results import RunResult
+from coordinator.sim.report import gpu_table
+from coordinator.sim.results import PHASES, RunResult
 from coordinator.sim.runner import build_pool, provision, run_one
 from coordinator.sim.scenario import ScenarioError, load_scenario, parse_scenario
 from coordinator.sim.world import World
@@ -55,6 +56,26 @@ def test_small_swarm_keeps_the_invariants(small_runs: dict[str, RunResult]) -> N
         assert r.banned > 0, policy
         assert sum(r.departures.values()) + r.stalls > 0, policy  # churn happened
         assert r.coordinator_cpu["submit"][0] > 0 and r.coordinator_cpu["heartbeat"][0] > 0
+
+
+def test_the_worker_bill_is_broken_down_by_gpu_kind(small_runs: dict[str, RunResult]) -> None:
+    """The report says where the workers' money goes: per GPU kind its paid hours, what they
+    bought and the share of each phase of its leases; the kinds add up to the run's figures."""
+    r = small_runs["cost_aware"]
+    kinds = r.by_gpu
+    assert set(kinds) <= {g.name for g in CATALOGUE.values()} and len(kinds) > 2
+    assert sum(g["cost"] for g in kinds.values()) == pytest.approx(r.swarm_cost, rel=1e-9)
+    assert sum(g.get("accepted", 0) for g in kinds.values()) == r.accepted
+    assert sum(g.get("trained", 0) for g in kinds.values()) == r.trained
+    for kind, g in kinds.items():
+        if g["billed_h"] > 0 and g.get("accepted", 0) > 0:
+            phases = sum(g.get(k, 0.0) for k in PHASES)
+            assert 0 < g["generate_s"] < phases, kind
+            # a lease started in the window may run past its end, a little
+            assert phases <= 1.2 * 3600 * g["billed_h"], kind
+    table = gpu_table(r)
+    assert table.count("\n") >= 3 and "| waiting for a version's download |" in table
+    assert gpu_table(RunResult.from_dict({**r.as_dict(), "by_gpu": {}})) == ""
 
 
 def test_activation_costs_less_per_trained_rollout_than_all_nodes(
