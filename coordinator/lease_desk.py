@@ -66,8 +66,9 @@ class _Queue:
     bound: float
     #: the accepted rollouts past its cursor within S, as (version, count) runs in order
     waiting: list[tuple[int, int]]
-    #: the active leases within S (:meth:`coordinator.store.Store.in_flight`)
-    in_flight: list[tuple[int, int, int, float, float | None, bytes]]
+    #: the active leases within S (:meth:`coordinator.store.Store.in_flight`) as (when it is
+    #: expected to land: issue time plus :meth:`LeaseDesk.generation_s`, version, samples held)
+    in_flight: list[tuple[float, int, int]]
     #: the accepted rollouts within S past what the learner has fetched, as runs in order
     unfetched: list[tuple[int, int]]
     #: the S counted with (:meth:`LeaseDesk.staleness`)
@@ -236,11 +237,7 @@ class LeaseDesk:
         if q.learner_version is None:
             return None
         lands = now + self.generation_s(node_key, prompts, tokens_per_s)
-        sooner = [
-            (version, held * group)
-            for version, held, group, issued, tps, key in q.in_flight
-            if issued + self.generation_s(key, held, tps) <= lands
-        ]
+        sooner = [(version, n) for at, version, n in q.in_flight if at <= lands]
         wanting = self.learner.wanting_now(now)
         if wanting > 0:
             # The learner took what it was given and is blocked for ``wanting`` more (rollouts it
@@ -302,7 +299,10 @@ class LeaseDesk:
                 if fetched > cursor
                 else waiting
             )
-            flying = store.in_flight(version - s)
+            flying = [
+                (issued + self.generation_s(key, held, tps), v, held * group)
+                for v, held, group, issued, tps, key in store.in_flight(version - s)
+            ]
             return _Queue(now, version, batch, bound, waiting, flying, unfetched, s)
 
     def _backlog_retry_s(self) -> float:

@@ -64,7 +64,8 @@ class Stats:
     dissemination: list[float] = field(default_factory=list)  # ready − publish, per version load
     #: GPU kind -> figures within the window: seconds of its leases started there by phase
     #: (``download_s``, ``load_s``, ``generate_s``, ``transfer_s``, ``verdict_s``) and rollouts
-    #: (``accepted``, ``trained``, ``dropped``: too stale); :func:`results.gpu_rows`
+    #: (``accepted``, ``trained``, ``dropped``: too stale);
+    #: :func:`coordinator.sim.results.gpu_figures` reads them
     by_gpu: dict[str, dict[str, float]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(float))
     )

@@ -77,7 +77,12 @@ class Learner:
         w = self.w
         if w.window[0] <= w.env.now <= w.window[1]:
             for r in rollouts:
-                w.stats.by_gpu[w.stats.gpu_of.get(r.node_fingerprint, "?")]["dropped"] += 1
+                self._book(r, "dropped")
+
+    def _book(self, r: AcceptedRollout, figure: str) -> None:
+        """Count ``r`` in ``figure`` of its node's GPU kind (``Stats.by_gpu``)."""
+        stats = self.w.stats
+        stats.by_gpu[stats.gpu_of.get(r.node_fingerprint, "?")][figure] += 1
 
     def idle_until(self, end: float) -> float:
         """Idle seconds within the window up to ``end``, the wait in progress included."""
@@ -134,7 +139,6 @@ class Learner:
                 self.wanting = 0 if got else need
                 if not got:  # the trainer's long poll: back within FETCH_WAIT_S with or without
                     yield w.env.any_of([w.wait_for_rollouts(), w.env.timeout(FETCH_WAIT_S)])
-            self.wanting = 0
             self.waiting_since = None
             self.idle_s += self._clip(t0, env.now)
             w.stats.book_span("learner_idle_s", t0, env.now)
@@ -151,7 +155,7 @@ class Learner:
                 if in_window:
                     self.trained += 1
                     self.staleness[d] += 1
-                    w.stats.by_gpu[w.stats.gpu_of.get(r.node_fingerprint, "?")]["trained"] += 1
+                    self._book(r, "trained")
             step = cfg.step_s * math.exp(w.rng.gauss(0.0, cfg.step_noise))
             t1 = env.now
             yield env.timeout(step)

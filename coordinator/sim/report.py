@@ -14,7 +14,7 @@ from pathlib import Path
 from coordinator.sim.base import PoolNode
 from coordinator.sim.calibration import Calibration
 from coordinator.sim.costs import Figures
-from coordinator.sim.results import RunResult
+from coordinator.sim.results import PHASES, RunResult
 from coordinator.sim.scenario import Scenario
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "simulation.md"
@@ -189,8 +189,7 @@ def gpu_table(r: RunResult) -> str:
         paid = g.get("billed_h", 0.0) * 3600.0
         if paid <= 0:  # unpaid volunteers: their time costs the run nothing
             continue
-        shares = [g.get(k, 0.0) / paid for k in ("generate_s", "download_s", "load_s",
-                                                 "transfer_s", "verdict_s")]  # fmt: skip
+        shares = [g.get(k, 0.0) / paid for k in PHASES]
         accepted, trained = g.get("accepted", 0.0), g.get("trained", 0.0)
         per_k = f"{1e3 * g['cost'] / trained:.3f}" if trained else "–"
         dropped = g.get("dropped", 0.0) / accepted if accepted else 0.0
