@@ -16,8 +16,14 @@ of :meth:`WorkLoop.run`:
   leases);
 * sign and submit (retried until the lease deadline), count the verdict in ``stats``.
 
-After the ``stopping`` event: no new lease; results in hand are submitted, a lease still
-loading or generating is released (the coordinator reassigns its prompts at once).
+The submission runs in the background while the node asks for, loads and generates its next
+lease (at most one in flight: the next one waits for it), so the GPU does not idle through the
+upload and the coordinator's checks. The coordinator counts the lease as active until its
+verdict (``leases.max_active_per_node``, 4 by default, bounds what a node may hold).
+
+After the ``stopping`` event: no new lease; results in hand are submitted (the submission in
+flight included), a lease still loading or generating is released (the coordinator reassigns its
+prompts at once).
 """
 
 from __future__ import annotations
@@ -99,6 +105,8 @@ class WorkLoop:
         #: (monotonic) and the deliberate waits since then
         self._gen_ended: float | None = None
         self._waited_s = 0.0
+        #: the previous lease's submission, in flight while the next lease is worked on
+        self._submitting: asyncio.Task[None] | None = None
 
     def request_stop(self) -> None:
         """Take no new lease (the ``stopping`` event is the caller's to set)."""
@@ -106,22 +114,38 @@ class WorkLoop:
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> None:
-        while not self._stopping.is_set():
-            if self._failures.gave_up:  # stays up (heartbeats, adverts, chunks) until stopped
-                self.phase = "stopped taking leases"
-                await self._stopping.wait()
-                break
-            got = await self._ask()
-            if got is None:
-                continue
-            self.lease = got
-            try:
-                await self._run_lease(got)
-            except Exception as exc:  # a bug or a fatal local problem: give the work back first
-                await self._release(got, f"node failure: {type(exc).__name__}")
-                raise
-            finally:
-                self.lease = None
+        try:
+            while not self._stopping.is_set():
+                if self._failures.gave_up:  # stays up (heartbeats, adverts, chunks) until stopped
+                    await self._settle()
+                    self.phase = "stopped taking leases"
+                    await self._stopping.wait()
+                    break
+                got = await self._ask()
+                if got is None:
+                    continue
+                self.lease = got
+                try:
+                    await self._run_lease(got)
+                except Exception as exc:  # a bug or a fatal local problem: give the work back
+                    await self._release(got, f"node failure: {type(exc).__name__}")
+                    raise
+                finally:
+                    self.lease = None
+            await self._settle()  # results in hand are submitted before the loop ends
+        finally:  # cancelled (abandoned after the drain time) or failed: nothing left running
+            if self._submitting is not None and not self._submitting.done():
+                self._submitting.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self._submitting
+
+    async def _settle(self) -> None:
+        """Wait for the submission in flight, if any (re-raises its failure: a bug)."""
+        task, self._submitting = self._submitting, None
+        if task is not None:
+            if not task.done():
+                self.phase = "submitting rollouts"
+            await task
 
     async def _ask(self) -> Lease | None:
         """One lease request; None after a refusal, an error or a standby (already waited)."""
@@ -231,7 +255,10 @@ class WorkLoop:
         sub = self._submission(
             lease, requests, outs, started, gen_s, load_s=load_s, overhead_s=overhead_s
         )
-        await self._submit(lease, sub)
+        await self._settle()  # one submission in flight at most
+        self._submitting = asyncio.create_task(
+            self._submit(lease, sub), name=f"submit-{lease.lease_id}"
+        )
 
     # ------------------------------------------------------------------ waits
     async def _sleep(self, seconds: float) -> None:
@@ -311,8 +338,8 @@ class WorkLoop:
         return sub
 
     async def _submit(self, lease: Lease, sub: RolloutSubmission) -> None:
-        """Submit, retrying network errors until the lease deadline (re-sends are idempotent)."""
-        self.phase = "submitting rollouts"
+        """Submit, retrying network errors until the lease deadline (re-sends are idempotent);
+        runs in the background (:meth:`_settle` waits for it)."""
         backoff = Backoff(self._config.backoff_initial_s, self._config.backoff_max_s, self._rng)
         while True:
             try:

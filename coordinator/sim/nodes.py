@@ -1,9 +1,12 @@
 """A simulated contributor node: the message sequence of ``node.worker.NodeWorker`` in virtual time.
 
 Each node is one SimPy process (register → ask for a lease → Standby: wait ``retry_after_s`` /
-Lease: fetch the version, generate, upload, wait for the verdict → repeat) plus one heartbeat
-process (at the interval the coordinator handed out last: it grows with the swarm). Every message
-goes to the real coordinator core at the moment it would arrive (half an RTT after it is sent).
+Lease: fetch the version, generate, upload → repeat), one process for the submission in flight
+(as ``node.work.WorkLoop`` does, a node waits for its verdict in the background while it works on
+the next lease, and waits for it only before submitting again: one submission in flight at most)
+and one heartbeat process (at the interval the coordinator handed out last: it grows with the
+swarm). Every message goes to the real coordinator core at the moment it would arrive (half an
+RTT after it is sent).
 
 Disruptions come from one clock per node: the next one is drawn at rate ``churn.per_hour`` plus the
 GPU kind's hardware failure rate. A *leave* releases the lease in progress (as a draining node
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 import math
 
+import simpy
+
 from coordinator.errors import Rejection
 from coordinator.intake import expected_seed
 from coordinator.sim.base import Gen, WorldApi, reference_logprob
@@ -37,7 +42,6 @@ from protocol.messages import (
     Lease,
     LeaseRequest,
     RegisterAck,
-    Reject,
     RolloutSubmission,
     Sample,
     Standby,
@@ -79,6 +83,7 @@ class SimNode:
         "request",
         "retry_s",
         "stalled_until",
+        "submitting",
         "tps",
         "w",
         "waited_s",
@@ -128,6 +133,8 @@ class SimNode:
         self.gen_end: float | None = None  # wall clock of its last generation's end
         #: deliberate waits (standby, back-off) since then: not round trips (node/work.py)
         self.waited_s = 0.0
+        #: the verdict of its last submission, on its way while the next lease is worked on
+        self.submitting: simpy.Process | None = None
         self._next_failure(joined_at)
 
     # --- disruptions and billing -----------------------------------------------------------------
@@ -317,14 +324,23 @@ class SimNode:
         timings = Timings(started_at=finished - gen, finished_at=finished, generate_s=gen,
                           load_s=waited, overhead_s=overhead)  # fmt: skip
         sub, bad = self.submission(lease, timings)
-        asked = env.now
+        if self.submitting is not None and not self.submitting.triggered:
+            asked = env.now  # one submission in flight: this one waits for the previous verdict
+            yield self.submitting
+            if counted:
+                w.stats.by_gpu[self.gpu.name]["verdict_s"] += env.now - asked
+        self.submitting = env.process(self._submit(lease, sub, n, tokens, bad))
+        return True
+
+    def _submit(
+        self, lease: Lease, sub: RolloutSubmission, n: int, tokens: float, bad: bool
+    ) -> Gen:
+        """The submission in flight: the coordinator's intake, then its verdict back at the node
+        (a ban shows at the node's next lease request, which stops its bill)."""
+        w = self.w
         verdict = yield from w.intake(self, lease, sub, n, tokens, bad)
-        if counted:
-            w.stats.by_gpu[self.gpu.name]["verdict_s"] += env.now - asked
         w.record_verdict(self, lease, verdict, n, bad)
-        if isinstance(verdict, Reject) and verdict.code is ReasonCode.BANNED:
-            self.bill_stop(env.now)
-        return (yield from self.wait(self.link.rtt_s / 2))
+        yield w.env.timeout(self.link.rtt_s / 2)
 
     def submission(self, lease: Lease, timings: Timings) -> tuple[RolloutSubmission, bool]:
         """What the node sends: honest reverse-task answers with reference log-probs, or a

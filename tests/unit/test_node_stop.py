@@ -79,7 +79,9 @@ async def test_a_lease_not_handed_back_within_the_drain_time_is_abandoned(
         work = next((t for t in asyncio.all_tasks() if t.get_name() == "node-work"), None)
         assert work is None  # cancelled and ended
         await asyncio.wait_for(w.stop(), 5)  # does not wait for the abandoned submission
-        assert w.stats.leases_done == 0 and w.stats.leases_released == 0
+        assert w.stats.leases_done == 0  # the submission was abandoned, not counted
+        # a lease taken while that verdict was held was handed back at the stop
+        assert w.stats.leases_released == len(swarm.coord.leases) - 1
     finally:
         swarm.coord.submit_gate.set()
         if swarm.coord.broadcast is not None:

@@ -115,3 +115,29 @@ async def test_a_stop_while_generating_releases_the_lease_in_hand(
     assert coord.lease_states()[lease.lease_id] == "released"
     assert loop.stats.leases_released == 1 and coord.submissions == []
     assert loop.work.lease is None
+
+
+async def test_the_next_lease_is_generated_while_the_verdict_is_on_its_way(
+    world: tuple[MemCoordinator, Loop],
+) -> None:
+    """The submission runs in the background: with the first verdict held, the loop takes,
+    loads and generates the second lease, then waits for that verdict before submitting again
+    (one submission in flight at most)."""
+    coord, loop = world
+    coord.submit_gate = asyncio.Event()
+    await coord.publish(1)
+    await coord.submit_entered.wait()
+    await until(
+        lambda: (
+            loop.stats.leases_done == 0
+            and len(coord.leases) == 2
+            and loop.work.lease is not None
+            and loop.work.lease.lease_id == coord.leases[1].lease_id
+            and loop.work.phase == "submitting rollouts"
+        ),
+        "the second lease generated, its submission waiting for the first verdict",
+    )
+    assert len(coord.submissions) == 1 and loop.stats.tokens_generated > 0
+    coord.submit_gate.set()
+    await until(lambda: loop.stats.leases_accepted >= 2, "both leases accepted")
+    assert [s.lease_id for s in coord.submissions[:2]] == [x.lease_id for x in coord.leases[:2]]

@@ -282,8 +282,9 @@ class SlowLoadBackend(FakeBackend):
 
 async def test_timings_report_the_version_load_and_the_round_trips(swarm: Swarm) -> None:
     """What the capacity planner reads (Timings.load_s / overhead_s): the wait for a lease's
-    version, and the time between two generations spent on the coordinator (here a verdict held
-    0.25 s), standby waits excluded."""
+    version, and the time between two generations spent on the coordinator, standby waits
+    excluded. The first verdict is held 0.25 s: the second lease is generated meanwhile (the
+    submission runs in the background), so only the third lease, which waits for it, reports it."""
     swarm.coord.submit_gate = asyncio.Event()
     w = swarm.worker(SlowLoadBackend())
     await w.start()
@@ -291,12 +292,14 @@ async def test_timings_report_the_version_load_and_the_round_trips(swarm: Swarm)
     await swarm.coord.publish(1)
     await swarm.coord.submit_entered.wait()
     await asyncio.sleep(0.25)
+    assert len(swarm.coord.submissions) == 1  # the second waits for the first's verdict
     swarm.coord.submit_gate.set()
-    await until(lambda: len(swarm.coord.submissions) >= 2, "a second submission")
-    first, second = (s.timings for s in swarm.coord.submissions[:2])
+    await until(lambda: len(swarm.coord.submissions) >= 3, "a third submission")
+    first, second, third = (s.timings for s in swarm.coord.submissions[:3])
     assert first.load_s >= 0.3 and first.overhead_s == 0.0  # the first lease: nothing before
     assert second.load_s < 0.1  # the version is loaded already
-    assert 0.25 <= second.overhead_s < 1.0
+    assert second.overhead_s < 0.1  # generated while the first verdict was held
+    assert 0.2 <= third.overhead_s < 1.0  # its generation waited for that verdict
     await swarm.coord.publish(2)
     await until(
         lambda: any(s.policy_version == 2 for s in swarm.coord.submissions), "a submission at v2"
@@ -377,8 +380,12 @@ async def test_stop_submits_results_already_in_hand(swarm: Swarm) -> None:
     await asyncio.sleep(0.05)
     swarm.coord.submit_gate.set()
     await asyncio.wait_for(stopping, 5)
-    assert w.stats.leases_accepted == 1 and w.stats.leases_released == 0
-    assert len(swarm.coord.submissions) == 1
+    assert w.stats.leases_accepted == 1 and len(swarm.coord.submissions) == 1
+    # the lease taken while the verdict was held (the submission runs in the background) was
+    # loading or generating at the stop: handed back, not left to its deadline
+    later = [lease.lease_id for lease in swarm.coord.leases[1:]]
+    assert w.stats.leases_released == len(later)
+    assert all(swarm.coord.lease_states()[lid] == "released" for lid in later)
 
 
 async def test_oov_misbehaviour_is_rejected(swarm: Swarm) -> None:

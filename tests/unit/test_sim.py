@@ -19,6 +19,7 @@ from coordinator.sim.results import PHASES, RunResult
 from coordinator.sim.runner import build_pool, provision, run_one
 from coordinator.sim.scenario import ScenarioError, load_scenario, parse_scenario
 from coordinator.sim.world import World
+from protocol.messages import Lease, RolloutSubmission
 from trainer.loss import admission_mask
 
 CATALOGUE = load_catalogue()
@@ -194,6 +195,52 @@ def test_a_nodes_round_trips_leave_out_its_standby_waits() -> None:
     measured = sorted(f.overhead_s for f in figures if f is not None)
     assert len(measured) > 20 and stood_by == 10.0  # half a step, at most the heartbeat
     assert measured[len(measured) // 2] < 2.0, measured  # counted, the median was 19 s
+
+
+def test_a_node_works_on_its_next_lease_while_its_verdict_is_on_its_way() -> None:
+    """As node/work.py does, a simulated node submits in the background: with verifiers that
+    queue (one for 40 nodes, every lease re-scored), it is issued its next lease before the
+    coordinator decides on the previous one, and it never has more than that one submission
+    undecided when it is issued a lease. The node once waited for each verdict before asking."""
+    sc = parse_scenario({
+        **SMALL, "nodes": 40, "hours": 6 / 60, "warmup_minutes": 1.0, "churn": {"per_hour": 0.0},
+        "byzantine": {"fraction": 0.0}, "verification": {"workers": 1, "verifier_tflops": 200.0},
+    })  # fmt: skip
+    world = World(sc, "all_nodes", provision("all_nodes", build_pool(sc, CATALOGUE), sc),
+                  RECORDED, hours=sc.hours)  # fmt: skip
+    events: list[tuple[float, str, bytes, str]] = []  # (time, what, node key, lease id)
+    lease_call, submit_call = world.core.request_lease, world.core.submit
+
+    def request_lease(key: bytes, req: object) -> object:
+        got = lease_call(key, req)  # type: ignore[arg-type]
+        if isinstance(got, Lease):
+            events.append((world.env.now, "issued", key, got.lease_id))
+        return got
+
+    def submit(key: bytes, sub: RolloutSubmission, at: float) -> object:
+        events.append((world.env.now, "decided", key, sub.lease_id))
+        return submit_call(key, sub, at)
+
+    world.core.request_lease = request_lease  # type: ignore[method-assign]
+    world.core.submit = submit  # type: ignore[method-assign]
+    try:
+        world.run()
+    finally:
+        world.close()
+    decided = {lid for _, what, _, lid in events if what == "decided"}
+    undecided: dict[bytes, set[str]] = {}
+    overlapped = 0
+    for _, what, key, lid in sorted(events, key=lambda e: e[0]):
+        pending = undecided.setdefault(key, set())
+        if what == "decided":
+            pending.discard(lid)
+            continue
+        assert len(pending) <= 1, "more than one submission in flight"
+        overlapped += len(pending)
+        if lid in decided:
+            pending.add(lid)
+    issued = sum(1 for e in events if e[1] == "issued")
+    assert issued > 100 and overlapped > issued // 4, (overlapped, issued)
 
 
 def test_learner_admission_is_the_trainers_rule() -> None:
