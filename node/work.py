@@ -18,8 +18,11 @@ of :meth:`WorkLoop.run`:
 
 The submission runs in the background while the node asks for, loads and generates its next
 lease (at most one in flight: the next one waits for it), so the GPU does not idle through the
-upload and the coordinator's checks. The coordinator counts the lease as active until its
-verdict (``leases.max_active_per_node``, 4 by default, bounds what a node may hold).
+upload and the coordinator's checks. A lease within :data:`LATE_MARGIN_S` of its deadline (or
+past it) is submitted first: a lease request would otherwise expire it at the coordinator and
+hand its prompts back to this node before its late result, which is then refused whole. The
+coordinator counts a lease as active until its verdict (``leases.max_active_per_node``, 4 by
+default, bounds what a node may hold).
 
 After the ``stopping`` event: no new lease; results in hand are submitted (the submission in
 flight included), a lease still loading or generating is released (the coordinator reassigns its
@@ -58,6 +61,11 @@ __all__ = ["WorkLoop"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+#: A lease whose deadline is less than this away when its generation ends is submitted before
+#: the next lease is asked for, not in the background (see :meth:`WorkLoop._run_lease`): seconds
+#: for the upload and clock skew (the deadline is the coordinator's wall clock).
+LATE_MARGIN_S = 10.0
 
 
 class WorkLoop:
@@ -259,6 +267,11 @@ class WorkLoop:
         self._submitting = asyncio.create_task(
             self._submit(lease, sub), name=f"submit-{lease.lease_id}"
         )
+        if lease.deadline - self._clock() < LATE_MARGIN_S:
+            # late (or nearly): the next lease request would expire this lease at the
+            # coordinator and re-issue its prompts to this node before the result lands, and
+            # the result would then be refused whole (stale_epoch). Let it land first.
+            await self._settle()
 
     # ------------------------------------------------------------------ waits
     async def _sleep(self, seconds: float) -> None:

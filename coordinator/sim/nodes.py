@@ -51,6 +51,9 @@ from protocol.messages import (
     unpack_tokens,
 )
 
+#: A lease this close to its deadline (or past it) is submitted before the next request, as
+#: ``node.work.LATE_MARGIN_S`` (the same value; a test compares them).
+LATE_MARGIN_S = 10.0
 #: Token id no vocabulary of the embedded task has (the garbage cheater's payload).
 OUT_OF_VOCAB = 4_000_000
 
@@ -298,13 +301,11 @@ class SimNode:
         total += upload / self.link.up_bps + self.link.rtt_s / 2
         self.leases += 1
         started = env.now
-        counted = w.window[0] <= started <= w.window[1]
-        if counted:  # where the billed time of the leases started in the window goes
-            spent = w.stats.by_gpu[self.gpu.name]
-            spent["download_s"] += max(0.0, ready - arrive)
-            spent["load_s"] += load
-            spent["generate_s"] += gen
-            spent["transfer_s"] += (arrive - env.now) + upload / self.link.up_bps + self.link.rtt_s
+        self._spend(started, (
+            ("transfer_s", arrive - started), ("download_s", max(0.0, ready - arrive)),
+            ("load_s", load), ("generate_s", gen),
+            ("transfer_s", upload / self.link.up_bps + self.link.rtt_s / 2),
+        ))  # fmt: skip
         if not (yield from self.wait(total, lease)):
             return False
         self.busy_s += env.now - started
@@ -327,10 +328,28 @@ class SimNode:
         if self.submitting is not None and not self.submitting.triggered:
             asked = env.now  # one submission in flight: this one waits for the previous verdict
             yield self.submitting
-            if counted:
-                w.stats.by_gpu[self.gpu.name]["verdict_s"] += env.now - asked
+            self._spend(asked, (("verdict_s", env.now - asked),))
         self.submitting = env.process(self._submit(lease, sub, n, tokens, bad))
+        if lease.deadline - w.clock() < LATE_MARGIN_S:  # late: it lands before the next request
+            asked = env.now
+            yield self.submitting
+            self._spend(asked, (("verdict_s", env.now - asked),))
         return True
+
+    def _spend(self, start: float, phases: tuple[tuple[str, float], ...]) -> None:
+        """Book where this node's paid time goes (the bill table): consecutive phases from
+        ``start``, each the part of it inside the measured window. A volunteer's time is free:
+        nothing booked (booked, it made a kind's phases add up past its paid hours)."""
+        if not self.price:
+            return
+        lo, hi = self.w.window
+        spent = self.w.stats.by_gpu[self.gpu.name]
+        t = start
+        for phase, seconds in phases:
+            inside = min(t + seconds, hi) - max(t, lo)
+            if inside > 0:
+                spent[phase] += inside
+            t += seconds
 
     def _submit(
         self, lease: Lease, sub: RolloutSubmission, n: int, tokens: float, bad: bool

@@ -328,9 +328,10 @@ def scenario_section(
                 "",
                 bill,
                 "",
-                "Phases are shares of the paid time, over the leases started in the window "
-                "(a lease running past its end can make them add up past 100 %). A node is paid "
-                "from its first lease until it is stood by, leaves or is banned.",
+                "Phases are shares of the paid time: the part of the paid nodes' leases inside "
+                "the measured window (unpaid volunteers' rollouts count in a kind's accepted and "
+                "trained, not in its phases). A node is paid from its first lease until it is "
+                "stood by, leaves or is banned.",
                 "",
             ]
         parts += [

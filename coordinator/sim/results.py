@@ -263,10 +263,10 @@ PHASES = ("generate_s", "download_s", "load_s", "transfer_s", "verdict_s")
 
 def gpu_figures(w: World) -> dict[str, dict[str, float]]:
     """Per GPU kind, within the window: ``nodes`` (instances, churn replacements included),
-    ``billed_h`` (paid node-hours), ``cost`` (USD), the seconds of its leases by phase
-    (:data:`PHASES`: generating, waiting for a version's download, loading it, the round trips
-    and the upload, waiting for the verdict) and its rollouts ``accepted``, ``trained`` and
-    ``dropped`` (too stale)."""
+    ``billed_h`` (paid node-hours), ``cost`` (USD), the paid seconds of its leases inside the
+    window by phase (:data:`PHASES`: generating, waiting for a version's download, loading it,
+    the round trips and the upload, waiting for the verdict; volunteers' are not booked) and
+    its rollouts ``accepted``, ``trained`` and ``dropped`` (too stale)."""
     out: dict[str, dict[str, float]] = {}
     for n in w.nodes:
         row = out.setdefault(n.gpu.name, {"nodes": 0.0, "billed_h": 0.0, "cost": 0.0})

@@ -29,6 +29,7 @@ class Loop(NodeParts):
         self.generation = GenerationThread(self.backend)
         self.loaded = 0
         self.task: asyncio.Task[None] | None = None
+        self.now = 1000.0  # the loop's wall clock (lease deadlines are the coordinator's)
 
     def _version_loaded(self) -> None:
         self.loaded += 1
@@ -51,7 +52,7 @@ class Loop(NodeParts):
             on_version_loaded=self._version_loaded,
             tokenizer=None,
             rng=rng,
-            clock=lambda: 1000.0,
+            clock=lambda: self.now,
         )
         self.task = asyncio.create_task(self.work.run(), name="node-work")
         return self.work
@@ -141,3 +142,22 @@ async def test_the_next_lease_is_generated_while_the_verdict_is_on_its_way(
     coord.submit_gate.set()
     await until(lambda: loop.stats.leases_accepted >= 2, "both leases accepted")
     assert [s.lease_id for s in coord.submissions[:2]] == [x.lease_id for x in coord.leases[:2]]
+
+
+async def test_a_late_lease_is_submitted_before_the_next_is_asked_for(
+    world: tuple[MemCoordinator, Loop],
+) -> None:
+    """A lease past its deadline (here the node's clock is far ahead) is not submitted in the
+    background: the next lease request would expire it at the coordinator and re-issue its
+    prompts to this very node before the late result lands (which would then be refused whole,
+    tests/integration/test_process_faults.py). With its verdict held, no second lease is asked."""
+    coord, loop = world
+    loop.now = 1e12
+    coord.submit_gate = asyncio.Event()
+    await coord.publish(1)
+    await coord.submit_entered.wait()
+    await asyncio.sleep(0.3)
+    assert len(coord.leases) == 1 and loop.work.phase == "submitting rollouts"
+    coord.submit_gate.set()
+    await until(lambda: len(coord.leases) >= 2, "the next lease, after the verdict")
+    assert loop.stats.leases_done >= 1
