@@ -281,7 +281,7 @@ class Coordinator:
         its envelope was opened (default now); its lease does not expire while it is checked."""
         at = self.clock() if arrived_at is None else arrived_at
         with self.budget.verifying.waiting(sub.lease_id, node_key, at):
-            return await self.desk.submit(node_key, sub)
+            return await self.desk.submit(node_key, sub, at)
 
     def replayed_submission(self, env: SignedEnvelope) -> Ack | Reject | None:
         """The stored verdict of a re-sent envelope (:meth:`SubmissionDesk.replayed_submission`)."""

@@ -153,7 +153,7 @@ class NodeHandlers:
         with core.budget.verifying.waiting(msg.lease_id, node_key, arrived):
             # spot checks need the weights here
             await self._versions.wait_held(msg.policy_version, self._spot_check_wait_s)
-            verdict, held = await core.desk.receive(node_key, msg)
+            verdict, held = await core.desk.receive(node_key, msg, arrived)
         if held is not None:  # acknowledged as any other; its re-score runs after the answer
             self.settle_later(held, msg.policy_version)
         elif not isinstance(verdict, Reject):

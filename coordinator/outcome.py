@@ -208,12 +208,15 @@ def accepted(
     now: float,
     rules: AcceptRules,
     hold: HeldLease | None = None,
+    arrived_at: float | None = None,
 ) -> Accepted:
     """The record of an accepted submission whose lease checks passed again (``proceed``, on
     the ``prompt_states``, ``node`` and ``trust`` re-read in the write transaction): the
     samples of prompts still open, the lease's progress, the sender's trust, the reward audit's
     work and the flags it raises (``others``: the trust of the audited originals' nodes).
-    ``hold``: the lease's re-score runs after the ack; its rows are held until then."""
+    ``hold``: the lease's re-score runs after the ack; its rows are held until then.
+    ``arrived_at``: when the submission arrived (default ``now``): the node's throughput is
+    measured from the lease's issue to then, its wait for the verifiers left out."""
     lease = proceed.lease
     kept = [a for a in samples if a.prompt_index in proceed.open_prompts]
     tokens = sum(len(a.completion_tokens) for a in kept)
@@ -225,7 +228,8 @@ def accepted(
     throughput = None
     if completes:
         progressed = replace(lease, tokens=lease.tokens + tokens, samples=lease.samples + len(kept))
-        throughput = measured_throughput(progressed, node, now, rules.throughput_ewma)
+        arrived = now if arrived_at is None else arrived_at
+        throughput = measured_throughput(progressed, node, arrived, rules.throughput_ewma)
     progress = LeaseProgress(decision.prompts, tokens, len(kept), completes, throughput)
     checked = bool(report.spot_checked and report.passed)
     release = rules.intake.suspect_release_checks

@@ -136,18 +136,22 @@ class SubmissionDesk:
         #: what each node last said when it gave a lease back; an accepted submission clears it
         self.problems = problems
 
-    async def submit(self, node_key: bytes, sub: RolloutSubmission) -> Ack | Reject:
+    async def submit(
+        self, node_key: bytes, sub: RolloutSubmission, arrived_at: float | None = None
+    ) -> Ack | Reject:
         """Verify and store a submission, its re-score included: the final verdict, durable
         before returning (:meth:`receive`, then :meth:`settle`). Same bytes → same verdict."""
-        answer, held = await self.receive(node_key, sub)
+        answer, held = await self.receive(node_key, sub, arrived_at)
         return answer if held is None else await self.settle(held)
 
     async def receive(
-        self, node_key: bytes, sub: RolloutSubmission
+        self, node_key: bytes, sub: RolloutSubmission, arrived_at: float | None = None
     ) -> tuple[Ack | Reject, HeldCheck | None]:
         """The answer a node is sent: every check but the re-score, which a lease drawn for it
         owes (the :class:`HeldCheck`, to :meth:`settle`; its rows are held meanwhile); durable
-        before returning. Same bytes → same answer."""
+        before returning. Same bytes → same answer. ``arrived_at``: when the submission arrived
+        (default: when its checks end); the node's throughput is measured up to then, not up to
+        the verdict, which a node that submits in the background does not wait for."""
         digest = hashlib.sha256(encode(sub)).digest()
         self.leases.expire_due()  # the lease book's upkeep: a lease past its deadline is expired
         ctx = self.records.load(node_key, sub.lease_id, digest)
@@ -179,7 +183,9 @@ class SubmissionDesk:
                 lease.lease_id, node_key, digest, sub.policy_version, check.backend,
                 check.dtype, check.suspect, check.check_rate, self.clock(),
             )  # fmt: skip
-        answer, held = self._accept(node_key, sub, digest, samples, check.report, ctx, hold)
+        answer, held = self._accept(
+            node_key, sub, digest, samples, check.report, ctx, hold, arrived_at
+        )
         return answer, HeldCheck(lease.lease_id, digest) if held else None
 
     async def settle(self, held: HeldCheck) -> Ack | Reject:
@@ -261,10 +267,12 @@ class SubmissionDesk:
         report: CheckReport,
         loaded: SubmissionContext,
         hold: HeldLease | None = None,
+        arrived_at: float | None = None,
     ) -> tuple[Ack | Reject, bool]:
         """Re-read what may have changed (under the write lock), decide, record: one
         transaction. Also returns whether the rows were held (``hold``: for the re-score)."""
         now = self.clock()
+        arrived = now if arrived_at is None else min(arrived_at, now)
         with self.store.transaction():
             self.leases.expire_due()  # a release or an expiry may have landed meanwhile
             ctx = self.records.reload(loaded, digest)
@@ -278,16 +286,18 @@ class SubmissionDesk:
                 node_key=node_key, digest=digest, sub=sub, proceed=again, samples=samples,
                 report=report, prompt_states=ctx.prompt_states, node=ctx.node,
                 trust=trust_of(ctx), others=others, audit_book=book, now=now, rules=self.rules,
-                hold=hold,
+                hold=hold, arrived_at=arrived,
             )  # fmt: skip
             self.records.record(outcome)
-        self._measure(sub, outcome.lease, now)  # soft state, once the verdict is durable
+        self._measure(sub, outcome.lease, arrived)  # soft state, once the verdict is durable
         fault_point("submit.after_commit")
         self.problems.pop(node_key, None)  # it works again
         self.metrics.accepted.inc(len(outcome.rows))
         return _message(outcome.lease.lease_id, outcome.verdict), hold is not None
 
-    def _measure(self, sub: RolloutSubmission, lease: LeaseRecord, now: float) -> None:
+    def _measure(self, sub: RolloutSubmission, lease: LeaseRecord, arrived: float) -> None:
+        """Fold the lease into the node's figures, observed from its issue to the submission's
+        arrival (the verification queue after it is the coordinator's, not the node's)."""
         t = sub.timings
         self.throughput.record(
             lease.node_key,
@@ -296,7 +306,7 @@ class SubmissionDesk:
             generate_s=t.generate_s,
             load_s=t.load_s,
             overhead_s=t.overhead_s,
-            observed_s=now - lease.issued_at,
+            observed_s=arrived - lease.issued_at,
         )
 
     def _refuse(

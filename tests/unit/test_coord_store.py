@@ -101,6 +101,28 @@ async def test_activation_standby_and_measured_throughput(tmp_path: Path) -> Non
     assert status["leases"] == {"completed": 1} and len(status["plan_standby"]) == 1
 
 
+async def test_a_nodes_throughput_is_measured_to_its_submissions_arrival(tmp_path: Path) -> None:
+    """A node that submits in the background (node/work.py) does not wait for its verdict, so
+    the wait for a verifier is not its time: its rate is measured from the lease's issue to the
+    submission's arrival. Measured to the verdict, a verifier queue of 100 s made every node look
+    tens of times slower: the verification budget then under-counted the demand and admitted
+    newcomers the verifiers could not absorb (the 100-node run: 2.9 USD per 1k trained, not 1.16)."""
+    h = Harness(tmp_path)
+    h.publish(1)
+    node = h.node()
+    h.store.update_node(node.public_key, tokens_per_s=None, rollouts_per_s=None)
+    lease = h.lease(node, max_prompts=2)
+    h.clock.advance(2.0)
+    arrived = h.clock()
+    h.clock.advance(100.0)  # its checks waited for a verifier
+    assert isinstance(await h.core.submit(node.public_key, submission(lease), arrived), Ack)
+    row = h.store.get_node(node.public_key)
+    samples = len(lease.prompts) * lease.group_size
+    assert row is not None and row.rollouts_per_s == pytest.approx(samples / 2.0)
+    fig = h.core.throughput.get(node.public_key)
+    assert fig is not None and fig.overhead_s < 2.0  # not the 100 s in the verifiers' queue
+
+
 def test_one_read_loads_what_the_submission_checks_need(tmp_path: Path) -> None:
     """SubmissionRecords.load reads what the pipeline's pure checks use (coordinator.pipeline),
     the same values as the separate reads it replaces."""
