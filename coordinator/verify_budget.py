@@ -11,10 +11,12 @@ docs/capacity.md, "Verification as a resource of the plan", is the user-facing d
   Before any measurement V is ``verification.assumed_tokens_per_s`` (unset: unknown).
 * **D**, the demand: Σ_i rate_i · ρ_i · τ over the live nodes not on standby, rate_i the node's
   check rate (:meth:`coordinator.trust.Trust.rate_of`), ρ_i its measured rollouts per second
-  (a node not measured yet: the median of the measured ones; before any, a lease's samples over
-  ``leases.target_lease_s``) and τ the re-scored tokens per rollout (measured; before any
-  re-score, ``sampling.max_new_tokens``). Computed at every re-plan
-  (:meth:`VerificationBudget.observe`), plus the newcomers admitted since.
+  (``NodeRecord.rollouts_per_s``: samples over the time from a lease's issue to its
+  submission's arrival, the verifier queue left out; a node not measured yet: the median of
+  the measured ones; before any, a lease's samples over ``leases.target_lease_s``) and τ the
+  re-scored tokens per rollout (measured; before any re-score, ``sampling.max_new_tokens``).
+  Computed at every re-plan (:meth:`VerificationBudget.observe`), plus the newcomers admitted
+  since.
 * the rule D ≤ (1 − h)·V sits in the plan beside the learner's
   (:func:`coordinator.capacity.with_verification`);
 * **admission**: a new identity starts at the check rate ``intake.new_node_check_rate``, so it
