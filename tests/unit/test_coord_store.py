@@ -106,7 +106,8 @@ async def test_a_nodes_throughput_is_measured_to_its_submissions_arrival(tmp_pat
     the wait for a verifier is not its time: its rate is measured from the lease's issue to the
     submission's arrival. Measured to the verdict, a verifier queue of 100 s made every node look
     tens of times slower: the verification budget then under-counted the demand and admitted
-    newcomers the verifiers could not absorb (the 100-node run: 2.9 USD per 1k trained, not 1.16)."""
+    newcomers the verifiers could not absorb (the 100-node run: 2.9 USD per 1k trained, not
+    1.16)."""
     h = Harness(tmp_path)
     h.publish(1)
     node = h.node()
