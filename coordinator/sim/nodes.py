@@ -325,16 +325,19 @@ class SimNode:
         timings = Timings(started_at=finished - gen, finished_at=finished, generate_s=gen,
                           load_s=waited, overhead_s=overhead)  # fmt: skip
         sub, bad = self.submission(lease, timings)
-        if self.submitting is not None and not self.submitting.triggered:
-            asked = env.now  # one submission in flight: this one waits for the previous verdict
-            yield self.submitting
-            self._spend(asked, (("verdict_s", env.now - asked),))
+        yield from self._settle()  # one submission in flight: this one waits for the previous
         self.submitting = env.process(self._submit(lease, sub, n, tokens, bad))
         if lease.deadline - w.clock() < LATE_MARGIN_S:  # late: it lands before the next request
-            asked = env.now
-            yield self.submitting
-            self._spend(asked, (("verdict_s", env.now - asked),))
+            yield from self._settle()
         return True
+
+    def _settle(self) -> Gen:
+        """Wait for the submission in flight, if any (booked as waiting for the verdict)."""
+        if self.submitting is None or self.submitting.triggered:
+            return
+        asked = self.w.env.now
+        yield self.submitting
+        self._spend(asked, (("verdict_s", self.w.env.now - asked),))
 
     def _spend(self, start: float, phases: tuple[tuple[str, float], ...]) -> None:
         """Book where this node's paid time goes (the bill table): consecutive phases from
