@@ -366,7 +366,7 @@ class BroadcastNode:
         config: DownloadConfig | None = None,
         max_streams_per_peer: int = 4,
         holder_ttl: float = 60.0,
-        announce_interval: float = 0.2,
+        announce_interval: float = 1.0,
         relay: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:

@@ -72,7 +72,8 @@ class DownloadConfig:
     connect_timeout: float = 5.0  # opening a stream, dialling the peer if need be
     manifest_timeout: float = 10.0  # deadline of one manifest request
     manifest_deadline: float = 60.0  # retry manifest requests (dial back-off, joins) this long
-    holders_refresh: float = 1.0  # how often holder records are re-read from the DHT
+    holders_refresh: float = 1.0  # re-read the DHT's holder records this often while it finds
+    holders_refresh_max: float = 8.0  # holders not met yet; else the pause doubles up to this
     first_lookup: float = 0.3  # wait at most this long for a first DHT holder lookup
     busy_backoff: float = 0.2  # pause before asking a peer that answered "busy" again
     stall_backoff: float = 5.0  # pause before asking a peer whose request stalled again
@@ -168,6 +169,7 @@ class Transfer:
         self.timeline: list[tuple[float, int, str]] = []
         self._closing = False
         self._looked_up = asyncio.Event()
+        self.lookups = 0  # DHT holder lookups answered
 
     # -- main loop -----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -203,17 +205,23 @@ class Transfer:
                 self._announce()
                 await self.announcer.flush()
 
-    async def _refresh(self) -> None:
+    async def _refresh(self) -> bool:
+        """Read the version's holder records from the DHT into the book; whether they named a
+        holder the book did not know."""
         try:
             found = await self.directory.lookup(self.m.version)
         except SwarmError as exc:
             logger.debug("holder lookup for v%d failed: %s", self.m.version, exc)
-            return
+            return False
         finally:
             self._looked_up.set()
+        self.lookups += 1
+        known = self.book.view(self.m.version)
+        me = self.transport.peer_id
         self.book.learn_dht(
             self.m.version, {p: keys.indices_from_bitmap(b, self.n) for p, b in found.items()}
         )
+        return any(p not in known and p != me for p in found)
 
     def _update_holders(self) -> None:
         me = self.transport.peer_id
@@ -228,9 +236,16 @@ class Transfer:
         return peer not in self.seeds and self.scores.shunned(peer)
 
     async def _refresh_loop(self) -> None:
+        """Re-read the DHT every ``holders_refresh`` while it names holders not met yet; after
+        a lookup that names none the pause doubles, up to ``holders_refresh_max``. Once the
+        holders are met, the exchange's own tables carry what they hold, and a lookup costs CPU
+        on every DHT node it visits: with 16 receivers re-reading every second, the DHT
+        processes used as much CPU as the chunk transfers themselves (docs/swarm.md)."""
+        pause = self.cfg.holders_refresh
+        ceiling = max(self.cfg.holders_refresh, self.cfg.holders_refresh_max)
         while not self._closing:
-            await self._refresh()
-            await asyncio.sleep(self.cfg.holders_refresh)
+            pause = self.cfg.holders_refresh if await self._refresh() else min(2 * pause, ceiling)
+            await asyncio.sleep(pause)
 
     # -- choosing ------------------------------------------------------------------------------
     def _available(self, peer: str, now: float) -> bool:

@@ -205,6 +205,7 @@ async def _download(node: object, args: argparse.Namespace) -> None:
         stats |= {
             "sources": dict(transfer.sources),
             "stalls": transfer.stalls,
+            "dht_lookups": transfer.lookups,
             "timeline": [(round(t - t0, 3), i, p) for t, i, p in transfer.timeline],
         }
     if node.sync.last is not None:  # "full", "delta", "chain" or "held" (swarm.deltasync)

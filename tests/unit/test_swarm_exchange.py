@@ -288,3 +288,50 @@ def test_exchange_request_matches_the_vector_in_protocol_md() -> None:
     )
     assert encode(msg).hex() == vector
     assert decode(bytes.fromhex(vector), ExchangeRequest) == msg
+
+
+class CountingDirectory(MemoryHolderDirectory):
+    """Counts holder lookups; ``ghosts``: every lookup also names a holder never seen before
+    (holding nothing, so never asked for a chunk)."""
+
+    def __init__(self, *, ghosts: bool = False) -> None:
+        super().__init__()
+        self.lookups, self.ghosts = 0, ghosts
+
+    async def lookup(self, version: int) -> dict[str, bytes]:
+        self.lookups += 1
+        found = await super().lookup(version)
+        if self.ghosts:
+            found[f"ghost{self.lookups}"] = bytes(2)
+        return found
+
+
+async def test_holder_lookups_back_off_once_they_find_no_one_new(tmp_path: Path) -> None:
+    """A lookup costs every DHT node it visits CPU: re-read only while the DHT still names
+    holders not met yet, else the pause doubles up to ``holders_refresh_max``."""
+    coord = Identity.generate()
+    env, _, chunks = version(coord, 1, n_chunks=16)
+    cfg = DownloadConfig(holders_refresh=0.01, holders_refresh_max=0.16, busy_backoff=0.01,
+                         seed_parallel=1, max_parallel=1, first_lookup=0.0)  # fmt: skip
+    counts = {}
+    for ghosts in (False, True):
+        net, dirs = InMemoryNetwork(latency=0.05), CountingDirectory(ghosts=ghosts)
+        seed = make(net, dirs, tmp_path / str(ghosts), "seed", coord.public_key)
+        receiver = make(net, dirs, tmp_path / str(ghosts), "r", coord.public_key, cfg)
+        for n in (seed, receiver):
+            await n.start()
+        await seed.seed_version(env, chunks)
+        t0 = time.monotonic()
+        await receiver.download(1, ["seed"])
+        took = time.monotonic() - t0
+        transfer = receiver.downloader.last_transfer
+        assert transfer is not None and transfer.lookups == dirs.lookups
+        counts[ghosts] = (dirs.lookups, took)
+        for n in (seed, receiver):
+            await n.stop()
+    (quiet, took), (fresh, took_fresh) = counts[False], counts[True]
+    assert took > 0.6, f"the download took {took:.2f} s: too short to tell the cadences apart"
+    # backing off: 0.01, 0.02, 0.04, 0.08 and then every 0.16 s (the first few, +1 to spare)
+    assert quiet <= took / 0.16 + 6, (quiet, took)
+    # a lookup that names someone new keeps the pause at holders_refresh (0.01 s)
+    assert fresh >= 2 * quiet and fresh >= took_fresh / 0.16 + 10, (fresh, took_fresh, quiet)
