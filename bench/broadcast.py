@@ -111,6 +111,8 @@ class Result:
     reachability: dict[str, int] = field(default_factory=dict)  # receivers per measured class
     dht_timeouts: int = 0  # receivers' holder publications that timed out (sum)
     dht_failures: int = 0  # ... that failed for any reason (sum)
+    dht_lookups: int = 0  # receivers' DHT holder lookups (sum)
+    dht_published: int = 0  # receivers' holder publications that succeeded (sum)
     phases: dict[str, float] = field(default_factory=dict)  # where the time went (s after GO)
     cpu_per_gib: dict[str, float] = field(default_factory=dict)  # CPU-s per GiB and hop
 
@@ -249,8 +251,11 @@ class Bench:
         try:
             await asyncio.gather(*(p.start() for p in procs))
             pids = [p.proc.pid for p in [self.seed, *procs] if p.proc is not None]
-            idle0, i0 = [tree_cpu(pid) for pid in pids], time.monotonic()
             await asyncio.sleep(1.0)  # let DHT routing (and reachability probes) settle
+            # the rate the peers burn at rest, after that: measured during the settling itself
+            # it was start-up work, and extrapolated over a slow run it hid p2pd's whole figure
+            idle0, i0 = [tree_cpu(pid) for pid in pids], time.monotonic()
+            await asyncio.sleep(1.0)
             cpu0, idle_s = [tree_cpu(pid) for pid in pids], time.monotonic() - i0
             t0 = time.time()
             for p in procs:
@@ -286,6 +291,8 @@ class Bench:
             for st in stats:
                 result.dht_timeouts += int(st.get("dht_timeouts", 0))
                 result.dht_failures += int(st.get("dht_failures", 0))
+                result.dht_lookups += int(st.get("dht_lookups", 0))
+                result.dht_published += int(st.get("dht_published", 0))
             timelines = []
             for p, st in zip(procs, stats, strict=True):
                 off = (p.done_at or t0) - t0 - float(st.get("seconds", 0.0))  # its start - GO
@@ -392,7 +399,9 @@ def _line(r: Result) -> str:
     return (
         f"{head} last receiver after {r.t_last:6.2f} s = {r.ratio:5.2f} x M/B "
         f"(seed uploaded {r.seed_copies:.2f} copies{extra}); DHT publications failed "
-        f"{r.dht_failures} (timed out {r.dht_timeouts}); CPU-s per GiB and hop "
+        f"{r.dht_failures} (timed out {r.dht_timeouts}) of {r.dht_published + r.dht_failures}, "
+        f"holder lookups {r.dht_lookups}; "
+        f"CPU-s per GiB and hop "
         f"{cpu.get('total', 0):.1f} (p2pd {cpu.get('p2pd', 0):.1f}, Python "
         f"{cpu.get('python', 0):.1f}, DHT process {cpu.get('dht', 0):.1f}); load average "
         f"{os.getloadavg()[0]:.1f}{timeline}"

@@ -56,7 +56,7 @@ def one(cap: float, delay_ms: float, mode: str, args: argparse.Namespace) -> dic
             out = subprocess.run(
                 b.argv([sys.executable, PEER, "client", "--host", b.ip, "--server", ready[1],
                         "--mode", mode, "--samples", str(args.samples),
-                        "--streams", str(args.streams)]),
+                        "--streams", str(args.streams), "--reverse", str(args.reverse)]),
                 capture_output=True, text=True, timeout=600,
             )  # fmt: skip
             if out.returncode != 0:
@@ -81,6 +81,9 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=25, help="idle samples (2x as many busy)")
     p.add_argument("--streams", type=int, default=4, help="bulk loops of 1 MiB answers")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--reverse", type=int, default=0, help="bulk loops back over the client's uplink"
+    )
     p.add_argument("--no-report", action="store_true", help="print only, leave docs/ alone")
     args = p.parse_args()
     from swarm.netns import unavailable_reason

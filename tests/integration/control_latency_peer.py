@@ -26,7 +26,7 @@ from swarm.dht import PeerConfig, SwarmPeer
 from swarm.errors import RemoteError
 from swarm.transport import P2PTransport
 
-PING, BULK, BULK_W = "/t/ping", "/t/bulk/1", "/t/bulk/2"
+PING, BULK, BULK_W, PULL = "/t/ping", "/t/bulk/1", "/t/bulk/2", "/t/pull"
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -41,7 +41,23 @@ async def serve(args: argparse.Namespace) -> None:
     async def bulk(_peer: str, _request: bytes) -> bytes:
         return payload
 
+    pulls: list[asyncio.Task[None]] = []
+
+    async def pull_loop(peer_id: str) -> None:
+        while True:
+            try:
+                await rpc.call(peer_id, BULK_W, b"", timeout=120.0, stall_timeout=60.0,
+                               max_response_bytes=args.size, windowed=True)  # fmt: skip
+            except RemoteError:
+                await asyncio.sleep(0.2)
+
+    async def pull(peer_id: str, request: bytes) -> bytes:
+        # the caller's uplink carries bulk back to us meanwhile (as a relaying receiver's does)
+        pulls.extend(asyncio.create_task(pull_loop(peer_id)) for _ in range(int(request)))
+        return b"ok"
+
     await rpc.register(PING, ping)
+    await rpc.register(PULL, pull)
     await rpc.register(BULK, bulk, max_streams_per_peer=64)
     await rpc.register(BULK_W, bulk, max_streams_per_peer=64, windowed=True)
     maddr = next(m for m in await peer.visible_maddrs() if f"/{args.host}/" in m)
@@ -79,6 +95,12 @@ async def measure(args: argparse.Namespace) -> None:
             await asyncio.sleep(args.gap)
         return pings, stores
 
+    payload = os.urandom(args.size)
+
+    async def bulk(_peer: str, _request: bytes) -> bytes:
+        return payload
+
+    await rpc.register(BULK_W, bulk, max_streams_per_peer=64, windowed=True)
     for _ in range(3):  # warm up: connection, DHT routing
         await ping()
     idle_ping, idle_store = await sample(args.samples, 0)
@@ -99,6 +121,8 @@ async def measure(args: argparse.Namespace) -> None:
                 continue
             moved[0] += len(body)
 
+    if args.reverse:
+        await rpc.call(server, PULL, str(args.reverse).encode(), timeout=30.0)
     loops = [asyncio.create_task(fetch_loop()) for _ in range(args.streams)]
     await asyncio.sleep(args.settle)  # let the queues fill (or not)
     t0, m0 = time.monotonic(), moved[0]
@@ -125,6 +149,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=15)
     p.add_argument("--gap", type=float, default=0.1)
     p.add_argument("--settle", type=float, default=3.0)
+    p.add_argument("--reverse", type=int, default=0, help="bulk loops the server runs from us")
     args = p.parse_args()
     asyncio.run(serve(args) if args.role == "server" else measure(args))
 
