@@ -33,9 +33,10 @@ the machine's cores. A suite run with it measures every link twice, without and 
 
 Every run also prints where the time went (per-chunk timelines of the receivers: the first chunk,
 every chunk somewhere in the swarm, the first chunk from a peer, 95 % of all copies, the last
-one), the DHT holder publications that failed or timed out, and the CPU the peers used per GiB
-moved one hop (p2pd and Python apart, from /proc of every peer's process tree, less the rate
-they burn idle, measured in the second before GO).
+one), the DHT holder publications (and how many failed or timed out) and lookups, and the CPU
+the peers used from GO to the last receiver's DONE per GiB moved one hop (p2pd, the peer's Python
+process and its DHT process apart, from /proc of every peer's process tree; background upkeep
+included, which is what dominates on slow links).
 
 Each suite rewrites only its own section of docs/benchmarks.md (``bench/_report.py``).
 """
@@ -252,11 +253,7 @@ class Bench:
             await asyncio.gather(*(p.start() for p in procs))
             pids = [p.proc.pid for p in [self.seed, *procs] if p.proc is not None]
             await asyncio.sleep(1.0)  # let DHT routing (and reachability probes) settle
-            # the rate the peers burn at rest, after that: measured during the settling itself
-            # it was start-up work, and extrapolated over a slow run it hid p2pd's whole figure
-            idle0, i0 = [tree_cpu(pid) for pid in pids], time.monotonic()
-            await asyncio.sleep(1.0)
-            cpu0, idle_s = [tree_cpu(pid) for pid in pids], time.monotonic() - i0
+            cpu0 = [tree_cpu(pid) for pid in pids]
             t0 = time.time()
             for p in procs:
                 p.go()
@@ -282,9 +279,10 @@ class Bench:
             hops = n * self.size / (1 << 30)  # GiB moved one hop (each receiver gets M once)
             for kind in ("p2pd", "python", "dht"):
                 used = sum(b[kind] - a[kind] for a, b in zip(cpu0, cpu1, strict=True))
-                # less what the peers burn when idle (DHT upkeep), measured just before GO
-                idle = sum(b[kind] - a[kind] for a, b in zip(idle0, cpu0, strict=True))
-                result.cpu_per_gib[kind] = max(0.0, used - idle * t_last / idle_s) / hops
+                # everything the peers burned from GO to the last receiver's DONE: a rate "at
+                # rest" taken before GO and subtracted was start-up work (DHT joins, routing),
+                # and extrapolated over a slow run it hid p2pd's whole figure (0.0)
+                result.cpu_per_gib[kind] = used / hops
             result.cpu_per_gib["total"] = sum(result.cpu_per_gib.values())
             result.t_last, result.ratio = t_last, t_last / (self.size / self.cap)
             stats: list[dict[str, Any]] = [dict(p.stats) for p in procs]
@@ -512,7 +510,8 @@ def report_issue37(args: argparse.Namespace, results: list[Result]) -> None:
         "as the connection takes them (before issue 37); otherwise through the server's bulk "
         "window (`swarm/bulkwindow.py`). \"C CPU/peer\": every peer (seed included) in its own "
         "cgroup with a CPU quota of C cores. DHT timeouts: the receivers' holder publications "
-        "that timed out (3 s), summed over a run. CPU: all peers' CPU seconds (p2pd + Python + "
+        "that timed out (3 s), summed over a run. CPU: all peers' CPU seconds from GO to the last "
+        "receiver's DONE (p2pd + Python + "
         f"DHT process) per GiB moved one hop. {_conditions(args)}.",
         "",
         "| link | " + " | ".join(f"N = {n}" for n in ns)
