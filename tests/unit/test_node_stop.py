@@ -12,7 +12,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from test_node_worker import Swarm, until
+from test_node_worker import LaterBlocks, Swarm, until
 
 from protocol.messages import Heartbeat, HeartbeatAck
 
@@ -67,11 +67,15 @@ async def test_a_lease_not_handed_back_within_the_drain_time_is_abandoned(
     swarm = Swarm(tmp_path)
     await swarm.coord.start()
     swarm.coord.submit_gate = asyncio.Event()  # never set: the verdict never comes
+    backend = LaterBlocks()
     try:
         await swarm.coord.publish(1)
-        w = swarm.worker()
+        w = swarm.worker(backend)
         await w.start()
         await swarm.coord.submit_entered.wait()
+        # the next lease is generating (held there), not yet in hand: a lease in hand would wait
+        # for the held submission and be abandoned with it, one generating is handed back
+        await until(backend.entered.is_set, "the next lease's generation")
         stop = asyncio.Event()
         stop.set()
         w.request_stop()
@@ -80,9 +84,10 @@ async def test_a_lease_not_handed_back_within_the_drain_time_is_abandoned(
         assert work is None  # cancelled and ended
         await asyncio.wait_for(w.stop(), 5)  # does not wait for the abandoned submission
         assert w.stats.leases_done == 0  # the submission was abandoned, not counted
-        # a lease taken while that verdict was held was handed back at the stop
-        assert w.stats.leases_released == len(swarm.coord.leases) - 1
+        # the lease taken while that verdict was held was handed back at the stop
+        assert len(swarm.coord.leases) == 2 and w.stats.leases_released == 1
     finally:
+        backend.release.set()
         swarm.coord.submit_gate.set()
         if swarm.coord.broadcast is not None:
             await swarm.coord.broadcast.stop()

@@ -345,6 +345,23 @@ class BlockingBackend(FakeBackend):
         return super().generate(requests, sampling)
 
 
+class LaterBlocks(BlockingBackend):
+    """The first generate() runs at once; the later ones wait like :class:`BlockingBackend`'s
+    (the next lease is surely still generating when a test stops the node)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def generate(
+        self, requests: list[GenerationRequest], sampling: SamplingConfig
+    ) -> list[list[SampleOut]]:
+        self.calls += 1
+        if self.calls == 1:
+            return FakeBackend.generate(self, requests, sampling)
+        return super().generate(requests, sampling)
+
+
 async def test_stop_releases_the_lease_being_generated(swarm: Swarm) -> None:
     await swarm.coord.publish(1)
     backend = BlockingBackend()
@@ -373,19 +390,24 @@ async def test_stop_releases_the_lease_being_generated(swarm: Swarm) -> None:
 async def test_stop_submits_results_already_in_hand(swarm: Swarm) -> None:
     await swarm.coord.publish(1)
     swarm.coord.submit_gate = asyncio.Event()
-    w = swarm.worker()
+    backend = LaterBlocks()
+    w = swarm.worker(backend)
     await w.start()
     await swarm.coord.submit_entered.wait()
+    # the submission runs in the background: the next lease is taken and generating meanwhile
+    await until(backend.entered.is_set, "the next lease's generation")
     stopping = asyncio.create_task(w.stop())
     await asyncio.sleep(0.05)
     swarm.coord.submit_gate.set()
-    await asyncio.wait_for(stopping, 5)
+    try:
+        await asyncio.wait_for(stopping, 5)
+    finally:
+        backend.release.set()
     assert w.stats.leases_accepted == 1 and len(swarm.coord.submissions) == 1
-    # the lease taken while the verdict was held (the submission runs in the background) was
-    # loading or generating at the stop: handed back, not left to its deadline
+    # the lease generating at the stop was handed back, not left to its deadline
     later = [lease.lease_id for lease in swarm.coord.leases[1:]]
-    assert w.stats.leases_released == len(later)
-    assert all(swarm.coord.lease_states()[lid] == "released" for lid in later)
+    assert len(later) == 1 and w.stats.leases_released == 1
+    assert swarm.coord.lease_states()[later[0]] == "released"
 
 
 async def test_oov_misbehaviour_is_rejected(swarm: Swarm) -> None:
