@@ -562,6 +562,15 @@ async def test_trainer_restarts_resume_and_versions_stay_monotonic(
     await until(lambda: published_versions(t1.text()), "a publication after the crash", 90, t1)
     assert min(published_versions(t1.text())) > latest, t1.text()[-3000:]
     assert f"already holds v{latest}" in t1.text()
+    # the node follows: it loads one of run 1's versions while run 1 still trains on its rollouts
+    # (a node loads the newest version at its next lease; stopping it too early left it at v0
+    # and one other version, a CI failure of stop 55)
+    await until(
+        lambda: any(v > latest for v in loaded_versions(node.text())),
+        "the node to load a version of the restarted trainer",
+        90,
+        node,
+    )
 
     # --- run 1 ends with SIGTERM: exit 0; a publication in progress was finished, so its record
     # (published.json, the final checkpoint) matches the coordinator's newest version
@@ -583,6 +592,12 @@ async def test_trainer_restarts_resume_and_versions_stay_monotonic(
     await until(lambda: published_versions(t2.text()), "a publication after SIGTERM", 90, t2)
     assert min(published_versions(t2.text())) > last
     assert "already holds" not in t2.text()
+    await until(
+        lambda: any(v > last for v in loaded_versions(node.text())),
+        "the node to load a version of the trainer's run after SIGTERM",
+        90,
+        node,
+    )
     note("trainer run 2 resumed after SIGTERM and published; SIGTERM")
     t2.signal(signal.SIGTERM)
     assert t2.wait(45) == 0, t2.text()[-2000:]
