@@ -81,6 +81,12 @@ class ChunkServer:
         self.chunks_served = 0
         self._sent: Counter[tuple[int, int]] = Counter()  # (version, index) -> times sent
         self._last_sent: dict[tuple[int, int], float] = {}  # (version, index) -> monotonic time
+        # per version: _levels[v][c] = the chunks sent exactly c + 1 times, and _sent_once[v]
+        # every chunk sent at all, so that the least-sent wanted chunk is found with a few set
+        # intersections in C, not a Python step per wanted chunk (a seed is asked for any of
+        # thousands at once)
+        self._levels: dict[int, list[set[int]]] = {}
+        self._sent_once: dict[int, set[int]] = {}
 
     async def start(self) -> None:
         await self.transport.register(MANIFEST_RPC, self._on_manifest)
@@ -122,8 +128,8 @@ class ChunkServer:
         entry = self.store.manifest(req.version)
         n = 0 if entry is None else len(entry[1].chunks)
         if n:  # the asker's own report: first-hand, and it tells whether others may dial it
-            have = keys.indices_from_bitmap(req.have, n)
-            self.book.learn(req.version, peer_id, have, dialable=req.dialable)
+            have = keys.bits_from_bitmap(req.have, n)
+            self.book.learn_bits(req.version, peer_id, have, dialable=req.dialable)
         index = self._choose(req.version, req.wanted)
         data = self._load(req.version, index)
         table = self.book.table(
@@ -141,16 +147,28 @@ class ChunkServer:
         wanted = asked & self.store.have(version)
         if not wanted:
             raise HandlerError("not_held", f"none of the wanted chunks of v{version} is here")
-        index = min(wanted, key=lambda i: (self._sent[(version, i)], random.random()))
+        index = self._least_sent(version, wanted)
         last = self._last_sent.get((version, index))
         if len(asked) > 1 and last is not None and time.monotonic() - last < self.resend_after:
             # Every wanted chunk left moments ago; its recipient will relay it. Saves the uplink.
             raise HandlerError("busy", "all wanted chunks were just sent; fetch them from peers")
         return index
 
+    def _least_sent(self, version: int, wanted: frozenset[int]) -> int:
+        """The chunk of ``wanted`` sent least often (random among ties)."""
+        pool = wanted - self._sent_once.get(version, set())
+        for level in self._levels.get(version, []):
+            if pool:
+                break
+            pool = wanted & level
+        return random.choice(tuple(pool))
+
     def forget_except(self, versions: Iterable[int]) -> None:
         """Drop the send counters of versions no longer held (they would pile up forever)."""
         keep = set(versions)
+        for v in [v for v in self._levels if v not in keep]:
+            del self._levels[v]
+            self._sent_once.pop(v, None)
         for key in [k for k in self._last_sent if k[0] not in keep]:
             self._sent.pop(key, None)
             del self._last_sent[key]
@@ -162,7 +180,17 @@ class ChunkServer:
         data = self.load_chunk(version, index)
         if data is None:
             raise HandlerError("not_held", f"chunk {index} of v{version} is not held here")
-        self._sent[(version, index)] += 1  # counted at pick time: concurrent asks spread out
+        # counted at pick time: concurrent asks spread out
+        times = self._sent[(version, index)]
+        self._sent[(version, index)] = times + 1
+        levels = self._levels.setdefault(version, [])
+        if times:
+            levels[times - 1].discard(index)
+        else:
+            self._sent_once.setdefault(version, set()).add(index)
+        if len(levels) <= times:
+            levels.append(set())
+        levels[times].add(index)
         self._last_sent[(version, index)] = time.monotonic()
         self.chunks_served += 1
         return data

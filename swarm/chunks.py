@@ -51,6 +51,7 @@ class ChunkStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self._manifests: dict[int, tuple[SignedEnvelope, Manifest]] = {}
         self._have: dict[int, set[int]] = {}
+        self._frozen: dict[int, frozenset[int]] = {}  # have(): one copy per change
         self._remove_unfinished()
         for version in self._versions_on_disk():
             self.open(version)
@@ -105,6 +106,7 @@ class ChunkStore:
                 p.unlink(missing_ok=True)
         self._manifests[version] = (env, manifest)
         self._have[version] = have
+        self._frozen.pop(version, None)
         return True
 
     def put_manifest(self, env: SignedEnvelope, manifest: Manifest) -> None:
@@ -116,6 +118,7 @@ class ChunkStore:
         self._atomic_write(d / "manifest.env", encode(env))
         self._manifests[manifest.version] = (env, manifest)
         self._have[manifest.version] = set()
+        self._frozen.pop(manifest.version, None)
 
     def manifest(self, version: int) -> tuple[SignedEnvelope, Manifest] | None:
         """The stored (envelope, manifest) of ``version``, or None."""
@@ -127,8 +130,12 @@ class ChunkStore:
 
     # -- chunks --------------------------------------------------------------------------------
     def have(self, version: int) -> frozenset[int]:
-        """Indices of the verified chunks of ``version`` held on disk."""
-        return frozenset(self._have.get(version, ()))
+        """Indices of the verified chunks of ``version`` held on disk (the same object until
+        they change: callers may cache what they derive from it by identity)."""
+        held = self._frozen.get(version)
+        if held is None:
+            held = self._frozen[version] = frozenset(self._have.get(version, ()))
+        return held
 
     def is_complete(self, version: int, part: Part = "full") -> bool:
         """Every chunk of ``part`` (default: the full checkpoint) of ``version`` is held."""
@@ -157,6 +164,7 @@ class ChunkStore:
             return
         self._atomic_write(self._chunk_path(version, index), data)
         self._have[version].add(index)
+        self._frozen.pop(version, None)
 
     def get_chunk(self, version: int, index: int) -> bytes | None:
         """Bytes of a held chunk, or None."""
@@ -166,6 +174,7 @@ class ChunkStore:
             return self._chunk_path(version, index).read_bytes()
         except OSError:
             self._have[version].discard(index)
+            self._frozen.pop(version, None)
             return None
 
     def seed(self, env: SignedEnvelope, manifest: Manifest, chunks: Iterable[bytes]) -> None:
@@ -194,6 +203,7 @@ class ChunkStore:
         self._atomic_write(self._dir(version) / "manifest.env", encode(env))
         self._manifests[version] = (env, manifest)
         self._have[version] = set(range(len(data)))
+        self._frozen.pop(version, None)
 
     def load_files(
         self, version: int, part: Part = "full", *, verify: bool = True
@@ -224,6 +234,7 @@ class ChunkStore:
                 n = -1
             if n != c.size:
                 self._have[version].discard(i)
+                self._frozen.pop(version, None)
                 raise KeyError(f"version {version}: chunk {i} vanished from disk")
         return out
 
@@ -250,6 +261,7 @@ class ChunkStore:
             shutil.rmtree(self._dir(v), ignore_errors=True)
             self._manifests.pop(v, None)
             self._have.pop(v, None)
+            self._frozen.pop(v, None)
         return dropped
 
     @staticmethod

@@ -170,6 +170,10 @@ class Transfer:
         self._closing = False
         self._looked_up = asyncio.Event()
         self.lookups = 0  # DHT holder lookups answered
+        #: ties in rarity are broken by this random order of the chunks (one per transfer, so
+        #: that receivers take different chunks from the seed and then trade them)
+        self._tiebreak = random.sample(range(self.n), self.n)
+        self._have_bitmap: tuple[frozenset[int], bytes] = (frozenset(), b"")
 
     # -- main loop -----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -218,9 +222,9 @@ class Transfer:
         self.lookups += 1
         known = self.book.view(self.m.version)
         me = self.transport.peer_id
-        self.book.learn_dht(
-            self.m.version, {p: keys.indices_from_bitmap(b, self.n) for p, b in found.items()}
-        )
+        for peer, bitmap in found.items():  # holder records: their authors are dialable
+            self.book.learn_bits(self.m.version, peer, keys.bits_from_bitmap(bitmap, self.n),
+                                 dialable=True)  # fmt: skip
         return any(p not in known and p != me for p in found)
 
     def _update_holders(self) -> None:
@@ -260,27 +264,42 @@ class Transfer:
         )
 
     def _schedule(self) -> None:
+        """Fill the free request slots: missing chunks rarest first (random among equals, a
+        per-transfer order), each from the best non-seed holder with a free slot; the chunks no
+        such holder has go to the seeds. Set operations in C do the per-chunk work: with
+        thousands of chunks this runs after every completed chunk."""
         now = time.monotonic()
         self._update_holders()
+        if len(self.inflight) >= self.cfg.max_parallel:
+            return
         busy = {f.index for f in self.inflight.values()}
         skip = self.dropped | self.seeds | self.shunned
         others = {p: s for p, s in self.holders.items() if p not in skip}
-        rarity: Counter[int] = Counter()
-        for s in others.values():
-            rarity.update(s)
-        todo = [i for i in self.missing if i not in busy]
-        random.shuffle(todo)
-        todo.sort(key=lambda i: rarity[i])
-        leftover: set[int] = set()
-        for index in todo:  # rarest first, from the best non-seed holder with a free slot
-            if len(self.inflight) >= self.cfg.max_parallel:
-                return
-            ready = [p for p, s in others.items() if index in s and self._available(p, now)]
-            if ready:
-                peer = self._pick(ready)
+        todo = self.missing - busy
+        # peers with a free slot, and what of the todo each holds
+        ready = {p: s & todo for p, s in others.items() if self._available(p, now)}
+        ready = {p: s for p, s in ready.items() if s}
+        leftover = set(todo)
+        if ready:
+            held = set().union(*ready.values())
+            rarity: Counter[int] = Counter()
+            for s in others.values():
+                rarity.update(s & held)
+            order = sorted(held, key=self._tiebreak.__getitem__)
+            order.sort(key=rarity.__getitem__)  # stable: ties keep the random order
+            for index in order:  # rarest first
+                if len(self.inflight) >= self.cfg.max_parallel:
+                    return
+                holders = [p for p, s in ready.items() if index in s]
+                if not holders:
+                    continue
+                peer = self._pick(holders)
                 self._launch(self._request(peer, frozenset({index})), index, peer)
-            else:
-                leftover.add(index)
+                leftover.discard(index)
+                if not self._available(peer, now):
+                    del ready[peer]
+                    if not ready:  # no holder has a free slot: the rest are the seeds'
+                        break
         # The seed is the last resort: it only gets the slots peers could not fill, and is asked
         # for *any* chunk of the leftover; it sends the one it has sent least often, so chunks
         # nobody holds go out first and concurrent receivers get different chunks.
@@ -358,11 +377,13 @@ class Transfer:
         async def go(flight: Flight) -> int:
             if self.exchange_rpc is None or peer in self.legacy:
                 return await self._legacy(peer, wanted, flight)
-            have = self.store.have(self.m.version)
+            have = self.store.have(self.m.version)  # the same object until it changes
+            if self._have_bitmap[0] is not have:
+                self._have_bitmap = (have, keys.bitmap_from_indices(have, self.n))
             request = ExchangeRequest(
                 version=self.m.version,
                 wanted=keys.bitmap_from_indices(wanted, self.n),
-                have=keys.bitmap_from_indices(have, self.n),
+                have=self._have_bitmap[1],
                 dialable=self.dialable(),
             )
             limit = self.reply_limits.control_frame

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from swarm import keys
@@ -170,13 +170,21 @@ class HolderAnnouncer:
             await cancel_and_wait([task])
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Holding:
-    """One peer's verified chunks of one version, as last heard."""
+    """One peer's verified chunks of one version, as last heard (``bits``: bit i = chunk i)."""
 
-    have: frozenset[int]
+    bits: int
     dialable: bool  # others may dial it; False: reachable only over a connection it opened
     at: float  # when heard (HolderBook clock)
+    _have: frozenset[int] | None = field(default=None, repr=False)
+
+    @property
+    def have(self) -> frozenset[int]:
+        """The chunk indices (built once per change of ``bits``)."""
+        if self._have is None:
+            self._have = keys.indices_from_bits(self.bits)
+        return self._have
 
 
 class HolderBook:
@@ -195,12 +203,20 @@ class HolderBook:
         self.max_age = max_age
         self.clock = clock
         self._book: dict[int, dict[str, Holding]] = {}
+        self._mine: tuple[frozenset[int], int, bytes] = (frozenset(), -1, b"")  # own, packed
 
     def learn(self, version: int, peer: str, have: Iterable[int], *, dialable: bool) -> None:
         """``peer`` holds ``have`` of ``version`` (merged with what was known)."""
+        self.learn_bits(version, peer, keys.bits_from_indices(have), dialable=dialable)
+
+    def learn_bits(self, version: int, peer: str, bits: int, *, dialable: bool) -> None:
+        """:meth:`learn` with the chunks as an int (bit i = chunk i)."""
         entries = self._book.setdefault(version, {})
         old = entries.get(peer)
-        merged = frozenset(have) | (old.have if old is not None else frozenset())
+        if old is not None and old.bits | bits == old.bits:  # nothing new: keep its index set
+            old.dialable, old.at = dialable, self.clock()
+            return
+        merged = bits | (old.bits if old is not None else 0)
         entries[peer] = Holding(merged, dialable, self.clock())
 
     def learn_dht(self, version: int, found: dict[str, frozenset[int]]) -> None:
@@ -211,9 +227,8 @@ class HolderBook:
     def learn_table(self, version: int, n_chunks: int, entries: Iterable[HolderEntry]) -> None:
         """A holder table received with a chunk."""
         for e in entries:
-            self.learn(
-                version, e.peer_id, keys.indices_from_bitmap(e.have, n_chunks), dialable=e.dialable
-            )
+            self.learn_bits(version, e.peer_id, keys.bits_from_bitmap(e.have, n_chunks),
+                            dialable=e.dialable)  # fmt: skip
 
     def view(self, version: int) -> dict[str, frozenset[int]]:
         """``{peer: chunks}`` of every fresh entry (dialable or connected to us)."""
@@ -238,16 +253,19 @@ class HolderBook:
         :data:`~swarm.wire.MAX_TABLE_BYTES` bitmap bytes."""
         width = (n_chunks + 7) // 8
         limit = max(1, min(MAX_TABLE_ENTRIES, MAX_TABLE_BYTES // max(width, 1)))
-        out = [HolderEntry(peer_id=me, have=keys.bitmap_from_indices(my_have, n_chunks),
-                           dialable=my_dialable)]  # fmt: skip
+        # the store hands out the same set object until its holdings change: packed once
+        if self._mine[0] is not my_have or self._mine[1] != n_chunks:
+            self._mine = (my_have, n_chunks, keys.bitmap_from_indices(my_have, n_chunks))
+        out = [HolderEntry(peer_id=me, have=self._mine[2], dialable=my_dialable)]
         self.view(version)  # drop stale entries
         entries = self._book.get(version, {})
         ranked = sorted(
-            (p for p, h in entries.items() if h.dialable and p not in (me, exclude) and h.have),
+            (p for p, h in entries.items() if h.dialable and p not in (me, exclude) and h.bits),
             key=lambda p: -entries[p].at,
         )
+        mask = (1 << n_chunks) - 1
         for peer in ranked[: limit - 1]:
-            bitmap = keys.bitmap_from_indices(entries[peer].have, n_chunks)
+            bitmap = keys.bitmap_from_bits(entries[peer].bits & mask, n_chunks)
             out.append(HolderEntry(peer_id=peer, have=bitmap, dialable=True))
         return out
 

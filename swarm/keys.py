@@ -24,6 +24,10 @@ fingerprint of the envelope's signer, so nobody can overwrite another node's rec
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import numpy as np
+
 PREFIX = "rollout-swarm/v1"
 
 ADVERTS = f"{PREFIX}/adverts"
@@ -46,17 +50,61 @@ def holders_key(version: int) -> str:
     return f"{PREFIX}/holders/{version}"
 
 
-def bitmap_from_indices(indices: set[int] | frozenset[int], n_chunks: int) -> bytes:
+# Chunk sets travel as bitmaps (bit i of byte i // 8 = chunk i) and are kept in memory as Python
+# ints with the same bits (``bits``): a union, a comparison or a conversion to and from a bitmap
+# then costs a few machine words per 64 chunks in C, not a Python step per chunk. A checkpoint of
+# a few GB has thousands of chunks, and every chunk request carries bitmaps both ways.
+
+
+def bitmap_from_indices(indices: Iterable[int], n_chunks: int) -> bytes:
     """Pack chunk indices into a bitmap of ``ceil(n_chunks / 8)`` bytes (bit i of byte i//8)."""
-    out = bytearray((n_chunks + 7) // 8)
-    for i in indices:
-        if not 0 <= i < n_chunks:
-            raise ValueError(f"chunk index {i} out of range [0, {n_chunks})")
-        out[i // 8] |= 1 << (i % 8)
-    return bytes(out)
+    width = (n_chunks + 7) // 8
+    flags = np.zeros(width * 8, np.uint8)
+    arr = np.fromiter(indices, np.int64)
+    if arr.size:
+        bad = arr[(arr < 0) | (arr >= n_chunks)]
+        if bad.size:
+            raise ValueError(f"chunk index {int(bad[0])} out of range [0, {n_chunks})")
+        flags[arr] = 1
+    return np.packbits(flags, bitorder="little").tobytes()
+
+
+def bits_from_bitmap(bitmap: bytes, n_chunks: int) -> int:
+    """A bitmap as an int, bit i = chunk i; bits past ``n_chunks`` are ignored."""
+    return int.from_bytes(bitmap[: (n_chunks + 7) // 8], "little") & ((1 << n_chunks) - 1)
+
+
+def bitmap_from_bits(bits: int, n_chunks: int) -> bytes:
+    """Inverse of :func:`bits_from_bitmap`: ``ceil(n_chunks / 8)`` bytes."""
+    if bits < 0 or bits >> n_chunks:
+        raise ValueError(f"chunk set has bits outside [0, {n_chunks})")
+    return bits.to_bytes((n_chunks + 7) // 8, "little")
+
+
+def bits_from_indices(indices: Iterable[int]) -> int:
+    """Chunk indices as an int, bit i = chunk i (indices must be >= 0)."""
+    arr = np.fromiter(indices, np.int64)
+    if not arr.size:
+        return 0
+    if arr.min() < 0:
+        raise ValueError(f"chunk index {int(arr.min())} is negative")
+    flags = np.zeros((int(arr.max()) // 8 + 1) * 8, np.uint8)
+    flags[arr] = 1
+    return int.from_bytes(np.packbits(flags, bitorder="little").tobytes(), "little")
+
+
+def indices_from_bits(bits: int) -> frozenset[int]:
+    """The chunk indices of an int's set bits."""
+    if bits <= 0:
+        if bits < 0:
+            raise ValueError("a chunk set cannot be negative")
+        return frozenset()
+    if not bits & (bits - 1):  # one chunk: the common request
+        return frozenset((bits.bit_length() - 1,))
+    raw = np.frombuffer(bits.to_bytes((bits.bit_length() + 7) // 8, "little"), np.uint8)
+    return frozenset(np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist())
 
 
 def indices_from_bitmap(bitmap: bytes, n_chunks: int) -> frozenset[int]:
     """Inverse of :func:`bitmap_from_indices`; bits past ``n_chunks`` are ignored."""
-    limit = min(n_chunks, len(bitmap) * 8)
-    return frozenset(i for i in range(limit) if bitmap[i // 8] >> (i % 8) & 1)
+    return indices_from_bits(bits_from_bitmap(bitmap, n_chunks))
