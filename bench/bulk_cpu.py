@@ -19,6 +19,13 @@ average printed (this machine is shared: other jobs slow p2pd and Python down al
 
     python bench/bulk_cpu.py                       # 256 MiB, 1 MiB chunks, paced and unpaced
     python bench/bulk_cpu.py --size-mib 64 --repeats 1 --no-report
+    python bench/bulk_cpu.py --scaling             # 512 to 8,192 chunks of 128 KiB, paced
+
+``--scaling`` asks whether the cost per GiB grows with the number of chunks (a checkpoint of a
+few GB has thousands): the same hop at 512, 2,048 and 8,192 chunks of 128 KiB, and the holder
+bookkeeping one chunk request costs at each count with 8 holders known (``HolderBook.table`` at
+the server, ``learn_table`` at the receiver, the request's two bitmaps packed and one unpacked),
+timed in this process.
 """
 
 from __future__ import annotations
@@ -177,6 +184,69 @@ def report(args: argparse.Namespace, results: dict[str, list[dict[str, float]]])
     return "\n".join(lines)
 
 
+SCALING_CHUNKS = [512, 2048, 8192]
+
+
+def bookkeeping_ms(n: int, holders: int = 8) -> float:
+    """Milliseconds of holder bookkeeping per chunk request at ``n`` chunks (module doc)."""
+    import random
+    import timeit
+
+    from swarm import keys
+    from swarm.holders import HolderBook
+
+    rng = random.Random(0)
+    half = frozenset(rng.sample(range(n), n // 2))
+    book = HolderBook()
+    for p in range(holders):
+        book.learn(1, f"peer-{p}", frozenset(rng.sample(range(n), n // 2)), dialable=True)
+    table = book.table(1, n, me="me", my_have=half, my_dialable=True)
+    bitmap = keys.bitmap_from_indices(half, n)
+
+    def request() -> None:
+        mine = frozenset(half)  # a new holding each time, as after every verified chunk
+        book.table(1, n, me="me", my_have=mine, my_dialable=True)
+        book.learn_table(1, n, table)
+        keys.bitmap_from_indices(mine, n)
+        keys.bitmap_from_indices({n // 3}, n)
+        keys.indices_from_bitmap(bitmap, n)
+
+    return min(timeit.repeat(request, number=20, repeat=3)) / 20 * 1e3
+
+
+def scaling(args: argparse.Namespace) -> str:
+    rows = []
+    for n in SCALING_CHUNKS:
+        sub = argparse.Namespace(**vars(args))
+        sub.chunk_kib, sub.size_mib = 128.0, n * 128 / 1024
+        sub.modes = ["paced"]
+        runs = asyncio.run(run(sub))["paced"]
+        med = {k: statistics.median(r[k] for r in runs) for k in [*KEYS, "wall_s"]}
+        rows.append((n, med, bookkeeping_ms(n)))
+        print(f"{n} chunks: {med} bookkeeping {rows[-1][2]:.2f} ms per request", flush=True)
+    lines = [
+        "## CPU of the chunk data path against the number of chunks (`bench/bulk_cpu.py "
+        "--scaling`)",
+        "",
+        "The hop of the section above (paced answers) at 128 KiB chunks and 512, 2,048 and "
+        "8,192 chunks (64 MiB to 1 GiB), CPU-seconds per GiB; bookkeeping: milliseconds of "
+        "holder bookkeeping per chunk request with 8 holders known (the server's holder table, "
+        "the receiver's merge of it, the request's bitmaps), timed in-process. Median of "
+        f"{args.repeats} run(s); machine: {os.cpu_count()} CPU cores, load average "
+        f"{os.getloadavg()[0]:.1f} at the end.",
+        "",
+        "| chunks | total | p2pd | python | python other | disk | wall s | bookkeeping ms "
+        "per request |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n, med, ms in rows:
+        lines.append(f"| {n:,} | {med['total']:.2f} | {med['p2pd']:.2f} | {med['python']:.2f} | "
+                     f"{med['python other']:.2f} | {med['disk']:.2f} | {med['wall_s']:.1f} | "
+                     f"{ms:.3f} |")  # fmt: skip
+    lines += ["", f"Command: `{args.command}`"]
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--size-mib", type=float, default=256.0)
@@ -185,8 +255,18 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["paced", "unpaced"],
                    choices=["paced", "unpaced"])  # fmt: skip
     p.add_argument("--no-report", action="store_true", help="print only, leave docs/ alone")
+    p.add_argument(
+        "--scaling", action="store_true", help="512 to 8,192 chunks of 128 KiB; bookkeeping"
+    )
     args = p.parse_args()
     args.command = "python bench/bulk_cpu.py " + " ".join(sys.argv[1:])
+    if args.scaling:
+        text = scaling(args)
+        print(text)
+        if not args.no_report:
+            write_section("bulk-cpu-chunks", text)
+            print("wrote the bulk-cpu-chunks section of docs/benchmarks.md")
+        return
     results = asyncio.run(run(args))
     text = report(args, results)
     print(text)
