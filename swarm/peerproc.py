@@ -224,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     return asyncio.run(_amain(_parse(argv)))
 
 
+STATUS_LINE_LIMIT = 16 << 20
+"""Longest status line read from the child: its DONE line carries the per-chunk timeline, about
+70 bytes a chunk (asyncio's default of 64 KiB ended at ~900 chunks)."""
+
+
 class PeerProcess:
     """Parent-side handle of a ``python -m swarm.peerproc`` child in its own process group.
 
@@ -251,7 +256,7 @@ class PeerProcess:
         self.proc = await asyncio.create_subprocess_exec(
             *self.prefix, sys.executable, "-m", "swarm.peerproc", *self.args,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log,
-            start_new_session=True,
+            start_new_session=True, limit=STATUS_LINE_LIMIT,
         )  # fmt: skip
         log.close()
         line = await asyncio.wait_for(self._line(), timeout)

@@ -171,3 +171,31 @@ async def test_killing_a_relay_mid_transfer_does_not_stop_the_others(
         victim.kill()
         await asyncio.gather(*(p.close() for p in procs))
         await seed.stop()
+
+
+async def test_a_receiver_process_reports_a_version_of_thousands_of_chunks(
+    tmp_path: Path, bootstrap: SwarmPeer
+) -> None:
+    """The DONE line of a receiver process carries one timeline entry per chunk (~70 bytes):
+    at 1,200 chunks it is longer than asyncio's default line limit of 64 KiB, which ended the
+    benchmark's runs of versions with ~900 chunks or more in a LimitOverrunError."""
+    coord = Identity.generate()
+    files = {"model.safetensors": os.urandom(1200 * 4096)}
+    env, _manifest, chunks = signed_version(files, coord, 4096)
+    assert len(chunks) == 1200
+    boot = await bootstrap.visible_maddrs()
+    seed = await in_process_node(bootstrap, tmp_path / "seed", coord.public_key, 64 * MB)
+    await seed.seed_version(env, chunks)
+    (proc,) = await start_receivers(1, tmp_path, boot, coord, bootstrap.peer_id, 64 * MB)
+    try:
+        proc.go()
+        await asyncio.wait_for(proc.wait_done(), 120)
+        assert proc.error is None, proc.error
+        timeline = proc.stats["timeline"]
+        assert isinstance(timeline, list) and len(timeline) == 1200
+        assert (tmp_path / "r0-out" / "model.safetensors").read_bytes() == files[
+            "model.safetensors"
+        ]
+    finally:
+        await proc.close()
+        await seed.stop()
