@@ -50,8 +50,8 @@ class ChunkStore:
         self.keep_versions = keep_versions
         self.root.mkdir(parents=True, exist_ok=True)
         self._manifests: dict[int, tuple[SignedEnvelope, Manifest]] = {}
-        self._have: dict[int, set[int]] = {}
-        self._frozen: dict[int, frozenset[int]] = {}  # have(): one copy per change
+        # frozen: have() hands out the same object until the holdings change (a new set then)
+        self._have: dict[int, frozenset[int]] = {}
         self._remove_unfinished()
         for version in self._versions_on_disk():
             self.open(version)
@@ -105,8 +105,7 @@ class ChunkStore:
                 logger.warning("discarding %s: %s", p, exc)
                 p.unlink(missing_ok=True)
         self._manifests[version] = (env, manifest)
-        self._have[version] = have
-        self._frozen.pop(version, None)
+        self._have[version] = frozenset(have)
         return True
 
     def put_manifest(self, env: SignedEnvelope, manifest: Manifest) -> None:
@@ -117,8 +116,7 @@ class ChunkStore:
         (d / "chunks").mkdir(parents=True, exist_ok=True)
         self._atomic_write(d / "manifest.env", encode(env))
         self._manifests[manifest.version] = (env, manifest)
-        self._have[manifest.version] = set()
-        self._frozen.pop(manifest.version, None)
+        self._have[manifest.version] = frozenset()
 
     def manifest(self, version: int) -> tuple[SignedEnvelope, Manifest] | None:
         """The stored (envelope, manifest) of ``version``, or None."""
@@ -132,10 +130,7 @@ class ChunkStore:
     def have(self, version: int) -> frozenset[int]:
         """Indices of the verified chunks of ``version`` held on disk (the same object until
         they change: callers may cache what they derive from it by identity)."""
-        held = self._frozen.get(version)
-        if held is None:
-            held = self._frozen[version] = frozenset(self._have.get(version, ()))
-        return held
+        return self._have.get(version, frozenset())
 
     def is_complete(self, version: int, part: Part = "full") -> bool:
         """Every chunk of ``part`` (default: the full checkpoint) of ``version`` is held."""
@@ -163,8 +158,7 @@ class ChunkStore:
         if index in self._have[version]:
             return
         self._atomic_write(self._chunk_path(version, index), data)
-        self._have[version].add(index)
-        self._frozen.pop(version, None)
+        self._have[version] |= {index}
 
     def get_chunk(self, version: int, index: int) -> bytes | None:
         """Bytes of a held chunk, or None."""
@@ -173,8 +167,7 @@ class ChunkStore:
         try:
             return self._chunk_path(version, index).read_bytes()
         except OSError:
-            self._have[version].discard(index)
-            self._frozen.pop(version, None)
+            self._have[version] -= {index}
             return None
 
     def seed(self, env: SignedEnvelope, manifest: Manifest, chunks: Iterable[bytes]) -> None:
@@ -202,8 +195,7 @@ class ChunkStore:
             self._atomic_write(self._chunk_path(version, index), chunk)
         self._atomic_write(self._dir(version) / "manifest.env", encode(env))
         self._manifests[version] = (env, manifest)
-        self._have[version] = set(range(len(data)))
-        self._frozen.pop(version, None)
+        self._have[version] = frozenset(range(len(data)))
 
     def load_files(
         self, version: int, part: Part = "full", *, verify: bool = True
@@ -233,8 +225,7 @@ class ChunkStore:
             except OSError:
                 n = -1
             if n != c.size:
-                self._have[version].discard(i)
-                self._frozen.pop(version, None)
+                self._have[version] -= {i}
                 raise KeyError(f"version {version}: chunk {i} vanished from disk")
         return out
 
@@ -261,7 +252,6 @@ class ChunkStore:
             shutil.rmtree(self._dir(v), ignore_errors=True)
             self._manifests.pop(v, None)
             self._have.pop(v, None)
-            self._frozen.pop(v, None)
         return dropped
 
     @staticmethod

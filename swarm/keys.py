@@ -56,17 +56,20 @@ def holders_key(version: int) -> str:
 # a few GB has thousands of chunks, and every chunk request carries bitmaps both ways.
 
 
+def _pack(arr: np.ndarray, n_bits: int) -> bytes:
+    """Indices (all in [0, n_bits)) as a bitmap of ``ceil(n_bits / 8)`` bytes."""
+    flags = np.zeros((n_bits + 7) // 8 * 8, np.uint8)
+    flags[arr] = 1
+    return np.packbits(flags, bitorder="little").tobytes()
+
+
 def bitmap_from_indices(indices: Iterable[int], n_chunks: int) -> bytes:
     """Pack chunk indices into a bitmap of ``ceil(n_chunks / 8)`` bytes (bit i of byte i//8)."""
-    width = (n_chunks + 7) // 8
-    flags = np.zeros(width * 8, np.uint8)
     arr = np.fromiter(indices, np.int64)
-    if arr.size:
-        bad = arr[(arr < 0) | (arr >= n_chunks)]
-        if bad.size:
-            raise ValueError(f"chunk index {int(bad[0])} out of range [0, {n_chunks})")
-        flags[arr] = 1
-    return np.packbits(flags, bitorder="little").tobytes()
+    bad = arr[(arr < 0) | (arr >= n_chunks)]
+    if bad.size:
+        raise ValueError(f"chunk index {int(bad[0])} out of range [0, {n_chunks})")
+    return _pack(arr, n_chunks)
 
 
 def bits_from_bitmap(bitmap: bytes, n_chunks: int) -> int:
@@ -88,9 +91,7 @@ def bits_from_indices(indices: Iterable[int]) -> int:
         return 0
     if arr.min() < 0:
         raise ValueError(f"chunk index {int(arr.min())} is negative")
-    flags = np.zeros((int(arr.max()) // 8 + 1) * 8, np.uint8)
-    flags[arr] = 1
-    return int.from_bytes(np.packbits(flags, bitorder="little").tobytes(), "little")
+    return int.from_bytes(_pack(arr, int(arr.max()) + 1), "little")
 
 
 def indices_from_bits(bits: int) -> frozenset[int]:
