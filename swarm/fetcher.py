@@ -302,15 +302,21 @@ class Transfer:
                         break
         # The seed is the last resort: it only gets the slots peers could not fill, and is asked
         # for *any* chunk of the leftover; it sends the one it has sent least often, so chunks
-        # nobody holds go out first and concurrent receivers get different chunks.
+        # nobody holds go out first and concurrent receivers get different chunks. Each "any"
+        # request open will take one chunk of the leftover: no more are opened than chunks are
+        # left, else the seed sends the last ones twice. One open for ``hedge_after`` seconds
+        # counts no more (the end-game's duplicate of a slow request, as for the others).
         me = self.transport.peer_id
+        anys = sum(1 for f in self.inflight.values()
+                   if f.index < 0 and now - f.started < self.cfg.hedge_after)  # fmt: skip
         for seed in sorted(self.seeds - {me}, key=lambda p: -self.scores.score(p)):
             while (
-                leftover
+                len(leftover) > anys
                 and len(self.inflight) < self.cfg.max_parallel
                 and self._available(seed, now)
             ):
                 self._launch(self._request(seed, frozenset(leftover)), -1, seed)
+                anys += 1
         if not todo:
             self._hedge(now, others)
 

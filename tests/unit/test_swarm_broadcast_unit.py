@@ -197,3 +197,25 @@ async def test_endgame_hedges_a_stuck_peer(tmp_path: Path) -> None:
 async def _never_answer(peer_id: str, request: bytes) -> bytes:
     await asyncio.sleep(3600)
     return b""
+
+
+async def test_a_lone_receiver_asks_the_seed_for_no_chunk_twice(tmp_path: Path) -> None:
+    """The seed is asked for *any* chunk of the leftover, ``seed_parallel`` requests at a time.
+    At the tail, fewer chunks are left than requests could be opened: asking for "any of {a}"
+    twice made the seed send chunk a twice, one chunk of the seed's uplink wasted per receiver
+    and version. No more "any" requests are open than chunks are left to ask for."""
+    coord = Identity.generate()
+    files, env, _manifest, chunks = make_version(coord)
+    net, dirs = InMemoryNetwork(latency=0.01), MemoryHolderDirectory()
+    seed = node(net, dirs, tmp_path, "seed", coord.public_key)
+    cfg = DownloadConfig(holders_refresh=0.01, seed_parallel=4, manifest_deadline=1.0)
+    receiver = BroadcastNode(
+        net.endpoint("r"), ChunkStore(tmp_path / "r"), dirs, coord.public_key, config=cfg
+    )
+    for n in (seed, receiver):
+        await n.start()
+    await seed.seed_version(env, chunks)
+    assert await receiver.download(1, ["seed"]) == files
+    assert seed.server.chunks_served == len(chunks)
+    for n in (seed, receiver):
+        await n.stop()
