@@ -20,8 +20,8 @@ class Clock:
 
 
 async def test_window_grows_without_queueing_and_shrinks_with_it() -> None:
-    clock = Clock()
-    w = BulkWindow(target=0.025, initial=128 * 1024, gain=0.5, clock=clock)
+    clock = Clock()  # every sample counts alone (delay_filter=1): the controller's arithmetic
+    w = BulkWindow(target=0.025, initial=128 * 1024, gain=0.5, delay_filter=1, clock=clock)
     start = w.window
     # RTT at the base (no queueing): each acked byte adds gain * 1 bytes -> x1.5 per window
     for _ in range(4):
@@ -42,6 +42,44 @@ async def test_window_grows_without_queueing_and_shrinks_with_it() -> None:
     assert w.window == pytest.approx(before + 0.5 * 0.5 * BULK_SLICE, abs=1)
     assert w.inflight == 0 and w.acked == 9 * BULK_SLICE
     assert w.base_rtt == pytest.approx(0.040)
+
+
+async def test_a_delay_spike_does_not_shrink_the_window_a_lasting_queue_does() -> None:
+    """A lost packet delays the bytes behind it by a round trip on one connection (a few
+    samples); a queue at the uplink delays every sample. The window reads the lowest of the
+    last ``delay_filter`` (by default 8) samples, so it goes on growing through spikes and
+    shrinks once a queue lasts that many samples."""
+    clock = Clock()
+    w = BulkWindow(target=0.025, initial=128 * 1024, gain=0.5, clock=clock)
+    w.reserve(BULK_SLICE)
+    w.ack(BULK_SLICE, 0.100)  # the base: 100 ms round trips
+    for _ in range(10):  # a loss's extra round trip in every third sample
+        for rtt in (0.100, 0.100, 0.200):
+            w.reserve(BULK_SLICE)
+            w.ack(BULK_SLICE, rtt)
+    # every acked byte grew the window by gain (no queueing read): spikes cost nothing
+    assert w.window == 128 * 1024 + int(0.5 * 31 * BULK_SLICE)
+    grown = w.window
+    # a queue of 100 ms begins: the last base sample is the 7th newest of 8 at first, so six
+    # samples still read no queueing
+    for _ in range(6):
+        w.reserve(BULK_SLICE)
+        w.ack(BULK_SLICE, 0.200)
+    assert w.window == grown + int(0.5 * 6 * BULK_SLICE)
+    top = w.window
+    for _ in range(4):  # from then on it is read: each acked byte takes gain bytes
+        w.reserve(BULK_SLICE)
+        w.ack(BULK_SLICE, 0.200)
+    assert w.window == pytest.approx(top - 4 * 0.5 * BULK_SLICE, abs=4)
+    # unfiltered (delay_filter=1), the same spikes shrink it: each costs gain x its bytes
+    raw = BulkWindow(target=0.025, initial=128 * 1024, gain=0.5, delay_filter=1, clock=clock)
+    raw.reserve(BULK_SLICE)
+    raw.ack(BULK_SLICE, 0.100)
+    for _ in range(10):
+        for rtt in (0.100, 0.100, 0.200):
+            raw.reserve(BULK_SLICE)
+            raw.ack(BULK_SLICE, rtt)
+    assert raw.window == 128 * 1024 + int(0.5 * (21 - 10) * BULK_SLICE)
 
 
 async def test_window_stays_within_its_bounds() -> None:
@@ -177,6 +215,8 @@ def test_bad_window_settings_are_refused() -> None:
         BulkWindow(stream_window=0)
     with pytest.raises(ValueError, match="target"):
         BulkWindow(target=0.0)
+    with pytest.raises(ValueError, match="delay_filter"):
+        BulkWindow(delay_filter=0)
 
 
 async def test_urgent_bytes_pass_the_queue_of_bulk_writers() -> None:
