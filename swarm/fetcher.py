@@ -222,9 +222,7 @@ class Transfer:
         self.lookups += 1
         known = self.book.view(self.m.version)
         me = self.transport.peer_id
-        for peer, bitmap in found.items():  # holder records: their authors are dialable
-            self.book.learn_bits(self.m.version, peer, keys.bits_from_bitmap(bitmap, self.n),
-                                 dialable=True)  # fmt: skip
+        self.book.learn_dht(self.m.version, self.n, found)
         return any(p not in known and p != me for p in found)
 
     def _update_holders(self) -> None:

@@ -219,10 +219,11 @@ class HolderBook:
         merged = bits | (old.bits if old is not None else 0)
         entries[peer] = Holding(merged, dialable, self.clock())
 
-    def learn_dht(self, version: int, found: dict[str, frozenset[int]]) -> None:
-        """Holder records read from the DHT (their authors announced themselves: dialable)."""
-        for peer, have in found.items():
-            self.learn(version, peer, have, dialable=True)
+    def learn_dht(self, version: int, n_chunks: int, found: dict[str, bytes]) -> None:
+        """Holder records read from the DHT, ``{peer: bitmap}`` (their authors announced
+        themselves: dialable)."""
+        for peer, bitmap in found.items():
+            self.learn_bits(version, peer, keys.bits_from_bitmap(bitmap, n_chunks), dialable=True)
 
     def learn_table(self, version: int, n_chunks: int, entries: Iterable[HolderEntry]) -> None:
         """A holder table received with a chunk."""
