@@ -31,9 +31,10 @@ Two kinds of link (``--net``):
 for the machine's cores as they would not across the internet; the budgets must sum to at most
 the machine's cores. A suite run with it measures every link twice, without and with the budgets.
 
-Every run also prints where the time went (per-chunk timelines of the receivers: the first chunk,
-every chunk somewhere in the swarm, the first chunk from a peer, 95 % of all copies, the last
-one), the DHT holder publications (and how many failed or timed out) and lookups, and the CPU
+Every run also prints where the time went (the receivers' start-up marks, medians: manifest
+verified, first DHT holder lookup answered, first chunk request sent, first bytes read; their
+per-chunk timelines: the first chunk, every chunk somewhere in the swarm, the first chunk from a
+peer, 95 % of all copies, the last one), the DHT holder publications (and how many failed or timed out) and lookups, and the CPU
 the peers used from GO to the last receiver's DONE per GiB moved one hop (p2pd, the peer's Python
 process and its DHT process apart, from /proc of every peer's process tree; background upkeep
 included, which is what dominates on slow links).
@@ -119,10 +120,16 @@ class Result:
 
 
 def phases(
-    timelines: list[list[tuple[float, int, str]]], seed: str, n_chunks: int
+    timelines: list[list[tuple[float, int, str]]],
+    seed: str,
+    n_chunks: int,
+    marks: list[dict[str, float]] | None = None,
 ) -> dict[str, float]:
     """Where the time went, from the receivers' per-chunk timelines ((seconds after GO, chunk,
-    source peer) each): ``first`` (median first chunk: start-up), ``spread`` (every chunk held
+    source peer) each) and their start-up marks (seconds after GO: ``start`` the manifest is
+    verified, ``lookup`` the first DHT holder lookup answered, ``request`` the first chunk
+    request sent, ``byte`` its first bytes read; the medians come out as ``m_<name>``):
+    ``first`` (median first chunk: start-up), ``spread`` (every chunk held
     by some receiver: the seed's slots), ``p2p`` (median first chunk from a peer: holder
     discovery), ``copies95`` (95 % of all copies held) and ``last`` (the tail after it is
     ``last - copies95``)."""
@@ -151,6 +158,10 @@ def phases(
         "copies95": arrivals[min(len(arrivals) - 1, int(0.95 * len(arrivals)))],
         "last": arrivals[-1],
     }
+    for name in ("start", "lookup", "request", "byte"):
+        got = [m[name] for m in marks or [] if name in m]
+        if got:
+            out[f"m_{name}"] = statistics.median(got)
     return out
 
 
@@ -291,11 +302,12 @@ class Bench:
                 result.dht_failures += int(st.get("dht_failures", 0))
                 result.dht_lookups += int(st.get("dht_lookups", 0))
                 result.dht_published += int(st.get("dht_published", 0))
-            timelines = []
+            timelines, marks = [], []
             for p, st in zip(procs, stats, strict=True):
                 off = (p.done_at or t0) - t0 - float(st.get("seconds", 0.0))  # its start - GO
                 timelines.append([(t + off, i, peer) for t, i, peer in st.get("timeline", [])])
-            result.phases = phases(timelines, self.seed.peer_id, n_chunks)
+                marks.append({k: t + off for k, t in st.get("marks", {}).items()})
+            result.phases = phases(timelines, self.seed.peer_id, n_chunks, marks)
             sources: list[dict[str, int]] = [st.get("sources", {}) for st in stats]
             from_seed = sum(int(s.get(self.seed.peer_id, 0)) for s in sources)
             result.seed_copies = from_seed / n_chunks
@@ -387,7 +399,9 @@ def _line(r: Result) -> str:
         extra = f", {r.natted_share:.0%} of chunks served by NATed peers, reach {r.reachability}"
     ph = r.phases
     timeline = (
-        f"\n    where the time went (s after GO): first chunk {ph.get('first', 0):.2f}, "
+        f"\n    where the time went (s after GO): manifest {ph.get('m_start', 0):.2f}, "
+        f"first lookup {ph.get('m_lookup', 0):.2f}, first request {ph.get('m_request', 0):.2f}, "
+        f"first byte {ph.get('m_byte', 0):.2f}, first chunk {ph.get('first', 0):.2f}, "
         f"every chunk in the swarm {ph.get('spread', 0):.2f}, "
         f"first chunk from a peer {ph.get('p2p', 0):.2f}, "
         f"95% of copies {ph.get('copies95', 0):.2f}, last {ph.get('last', 0):.2f}"

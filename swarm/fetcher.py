@@ -167,6 +167,10 @@ class Transfer:
         self.stalls = 0  # requests given up for progressing too slowly
         #: (Unix time, chunk index, source peer) per verified chunk (for benchmarks)
         self.timeline: list[tuple[float, int, str]] = []
+        #: Unix times of the start-up steps (for benchmarks): ``start`` (run began: the manifest
+        #: is verified), ``lookup`` (first DHT holder lookup answered), ``request`` (first chunk
+        #: request sent), ``byte`` (first bytes of an answer read)
+        self.marks: dict[str, float] = {}
         self._closing = False
         self._looked_up = asyncio.Event()
         self.lookups = 0  # DHT holder lookups answered
@@ -178,6 +182,7 @@ class Transfer:
     # -- main loop -----------------------------------------------------------------------------
     async def run(self) -> None:
         start = time.monotonic()
+        self.marks["start"] = time.time()
         self._announce()
         self._progress()
         refresher = asyncio.create_task(self._refresh_loop(), name="holders-refresh")
@@ -216,9 +221,11 @@ class Transfer:
             found = await self.directory.lookup(self.m.version)
         except SwarmError as exc:
             logger.debug("holder lookup for v%d failed: %s", self.m.version, exc)
+            self.marks.setdefault("lookup", time.time())
             return False
         finally:
             self._looked_up.set()
+        self.marks.setdefault("lookup", time.time())
         self.lookups += 1
         known = self.book.view(self.m.version)
         me = self.transport.peer_id
@@ -349,6 +356,7 @@ class Transfer:
     def _launch(self, coro: Callable[[Flight], Coroutine[Any, Any, int]], index: int,
                 peer: str) -> None:  # fmt: skip
         self.load[peer] += 1
+        self.marks.setdefault("request", time.time())
         now = time.monotonic()
         flight = Flight(index, peer, now, mark_t=now)
         task = asyncio.create_task(coro(flight), name=f"chunk-{index}-{peer[-8:]}")
@@ -440,6 +448,8 @@ class Transfer:
     ) -> bytes:
         def progress(got: int, total: int) -> None:
             flight.received = got
+            if got:
+                self.marks.setdefault("byte", time.time())
 
         return await self.transport.call(
             peer,

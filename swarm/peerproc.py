@@ -207,6 +207,7 @@ async def _download(node: object, args: argparse.Namespace) -> None:
             "stalls": transfer.stalls,
             "dht_lookups": transfer.lookups,
             "timeline": [(round(t - t0, 3), i, p) for t, i, p in transfer.timeline],
+            "marks": {k: round(t - t0, 3) for k, t in transfer.marks.items()},
         }
     if node.sync.last is not None:  # "full", "delta", "chain" or "held" (swarm.deltasync)
         stats["path"] = node.sync.last.path

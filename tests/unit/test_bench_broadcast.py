@@ -33,6 +33,21 @@ def test_phases_of_two_receivers() -> None:
     assert bench.phases([[], []], seed, n_chunks=4) == {}
 
 
+def test_phases_take_the_median_of_each_start_up_mark() -> None:
+    seed = "S"
+    tl = [[(0.9, 0, seed)], [(1.1, 1, seed)], [(1.3, 0, seed)]]
+    marks = [
+        {"start": 0.1, "lookup": 0.6, "request": 0.4, "byte": 0.7},
+        {"start": 0.2, "lookup": 0.5, "request": 0.5, "byte": 0.9},
+        {"start": 0.3, "request": 0.6},  # its first lookup never answered, no byte yet
+    ]
+    ph = bench.phases(tl, seed, n_chunks=2, marks=marks)
+    assert ph["m_start"] == pytest.approx(0.2) and ph["m_request"] == pytest.approx(0.5)
+    assert ph["m_lookup"] == pytest.approx(0.55)  # of the two that have one
+    assert ph["m_byte"] == pytest.approx(0.8)
+    assert "m_start" not in bench.phases(tl, seed, n_chunks=2)  # no marks, no medians
+
+
 def test_issue37_report_lists_each_link_with_timeouts_cpu_and_phases(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

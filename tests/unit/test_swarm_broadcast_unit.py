@@ -219,3 +219,42 @@ async def test_a_lone_receiver_asks_the_seed_for_no_chunk_twice(tmp_path: Path) 
     assert seed.server.chunks_served == len(chunks)
     for n in (seed, receiver):
         await n.stop()
+
+
+class SlowDirectory(MemoryHolderDirectory):
+    """A DHT whose holder lookups take ``delay`` seconds (a real one: 0.4-1.0 s at GO)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    async def lookup(self, version: int) -> dict[str, bytes]:
+        await asyncio.sleep(self.delay)
+        return await super().lookup(version)
+
+
+@pytest.mark.parametrize("delay", [0.05, 5.0])
+async def test_a_transfer_marks_its_start_up_steps(tmp_path: Path, delay: float) -> None:
+    """The benchmark's "where the time went" reads these marks: the request waits for the first
+    lookup (at most ``first_lookup``), the first byte comes after it, and a lookup the transfer
+    cancelled on its way out is no mark."""
+    coord = Identity.generate()
+    files, env, _manifest, chunks = make_version(coord)
+    net, dirs = InMemoryNetwork(latency=0.01), SlowDirectory(delay)
+    seed = node(net, dirs, tmp_path, "seed", coord.public_key)
+    cfg = DownloadConfig(holders_refresh=0.01, first_lookup=0.3, manifest_deadline=1.0)
+    receiver = BroadcastNode(
+        net.endpoint("r"), ChunkStore(tmp_path / "r"), dirs, coord.public_key, config=cfg
+    )
+    for n in (seed, receiver):
+        await n.start()
+    await seed.seed_version(env, chunks)
+    assert await receiver.download(1, ["seed"]) == files
+    marks = receiver.downloader.last_transfer.marks  # type: ignore[union-attr]
+    assert marks["start"] <= marks["request"] <= marks["byte"]
+    if delay < 0.3:
+        assert marks["start"] + delay <= marks["lookup"] <= marks["request"]
+    else:  # waited first_lookup, then asked; the lookup was still running at the end
+        assert marks["request"] >= marks["start"] + 0.3 and "lookup" not in marks
+    for n in (seed, receiver):
+        await n.stop()
