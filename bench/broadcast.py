@@ -34,10 +34,10 @@ the machine's cores. A suite run with it measures every link twice, without and 
 Every run also prints where the time went (the receivers' start-up marks, medians: manifest
 verified, first DHT holder lookup answered, first chunk request sent, first bytes read; their
 per-chunk timelines: the first chunk, every chunk somewhere in the swarm, the first chunk from a
-peer, 95 % of all copies, the last one), the DHT holder publications (and how many failed or timed out) and lookups, and the CPU
-the peers used from GO to the last receiver's DONE per GiB moved one hop (p2pd, the peer's Python
-process and its DHT process apart, from /proc of every peer's process tree; background upkeep
-included, which is what dominates on slow links).
+peer, 95 % of all copies, the last one), the DHT holder publications (and how many failed or
+timed out) and lookups, and the CPU the peers used from GO to the last receiver's DONE per GiB
+moved one hop (p2pd, the peer's Python process and its DHT process apart, from /proc of every
+peer's process tree; background upkeep included, which is what dominates on slow links).
 
 Each suite rewrites only its own section of docs/benchmarks.md (``bench/_report.py``).
 """
@@ -115,6 +115,7 @@ class Result:
     dht_failures: int = 0  # ... that failed for any reason (sum)
     dht_lookups: int = 0  # receivers' DHT holder lookups (sum)
     dht_published: int = 0  # receivers' holder publications that succeeded (sum)
+    direct_calls: int = 0  # chunk answers over direct TCP connections (--peer-args --direct)
     phases: dict[str, float] = field(default_factory=dict)  # where the time went (s after GO)
     cpu_per_gib: dict[str, float] = field(default_factory=dict)  # CPU-s per GiB and hop
 
@@ -302,6 +303,7 @@ class Bench:
                 result.dht_failures += int(st.get("dht_failures", 0))
                 result.dht_lookups += int(st.get("dht_lookups", 0))
                 result.dht_published += int(st.get("dht_published", 0))
+                result.direct_calls += int(st.get("direct_calls", 0))
             timelines, marks = [], []
             for p, st in zip(procs, stats, strict=True):
                 off = (p.done_at or t0) - t0 - float(st.get("seconds", 0.0))  # its start - GO
@@ -397,6 +399,8 @@ def _line(r: Result) -> str:
     extra = ""
     if r.link.nat:
         extra = f", {r.natted_share:.0%} of chunks served by NATed peers, reach {r.reachability}"
+    if r.direct_calls:
+        extra += f", {r.direct_calls} chunk answers over direct connections"
     ph = r.phases
     timeline = (
         f"\n    where the time went (s after GO): manifest {ph.get('m_start', 0):.2f}, "
