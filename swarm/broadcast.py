@@ -42,11 +42,12 @@ from protocol.messages import (
 from swarm import keys
 from swarm.chunks import ChunkStore
 from swarm.deltasync import Files, VersionSync
+from swarm.direct import DirectSettings, DirectTransport
 from swarm.errors import DialFailed, ManifestUnavailable, NoDiskSpace, TransportError
 from swarm.fetcher import DownloadConfig, ProgressFn, Transfer
 from swarm.holders import HolderAnnouncer, HolderBook, HolderDirectory
 from swarm.scoring import PeerScores
-from swarm.transport import HandlerError, Transport
+from swarm.transport import HandlerError, P2PTransport, Transport
 from swarm.wire import ChunkAnyRequest, ExchangeReply, ExchangeRequest
 
 logger = logging.getLogger(__name__)
@@ -381,6 +382,9 @@ class BroadcastNode:
     set it from a reachability measurement (:mod:`swarm.reachability`). While False the peer
     announces nothing in the DHT and tells the peers it asks that it is download-only; it still
     serves the peers that reach it over connections it opened itself.
+    ``direct`` (a :class:`~swarm.direct.DirectSettings`): chunk answers travel over direct TCP
+    connections where both ends can (:mod:`swarm.direct`, served only while :attr:`dialable`),
+    over ``transport`` otherwise; ``transport`` must then be a ``P2PTransport``.
     """
 
     def __init__(
@@ -396,12 +400,22 @@ class BroadcastNode:
         holder_ttl: float = 60.0,
         announce_interval: float = 1.0,
         relay: bool = True,
+        direct: DirectSettings | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.relay = relay
         self._dialable = True
         self.book = HolderBook()
+        self.direct: DirectTransport | None = None
+        if direct is not None:
+            if not isinstance(transport, P2PTransport):
+                raise TypeError("direct chunk answers need a P2PTransport underneath")
+            self.direct = DirectTransport(
+                transport, host=direct.host, port=direct.port, serve=relay,
+                serve_when=lambda: self.dialable,
+            )  # fmt: skip
+            transport = self.direct
         self.server = ChunkServer(
             store, transport, max_streams_per_peer=max_streams_per_peer, book=self.book,
             dialable=lambda: self.dialable,
@@ -443,6 +457,8 @@ class BroadcastNode:
 
     async def start(self) -> None:
         """Serve what the store holds and announce it (nothing when ``relay`` is False)."""
+        if self.direct is not None:
+            await self.direct.start()
         if not self.relay:
             return
         await self.server.start()
@@ -456,6 +472,8 @@ class BroadcastNode:
         if self.relay:
             await self.announcer.stop()
             await self.server.stop()
+        if self.direct is not None:
+            await self.direct.stop()
 
     async def seed_version(self, env: SignedEnvelope, chunks: Sequence[bytes]) -> Manifest:
         """Hold and announce a complete version (the seed side); ``env`` must verify."""

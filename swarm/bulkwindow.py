@@ -89,6 +89,8 @@ ACK = struct.Struct(">Q")
 """An acknowledgement: the number of body bytes received so far (cumulative), 8 bytes."""
 BULK_SLICE = 32 * 1024
 """A unit of bulk bytes (the default window bounds are multiples of it)."""
+SETTLE_BYTES = 64 * 1024
+"""A read of fewer bytes than this is followed by ``read_acked``'s ``settle`` pause."""
 MIN_SLICE, MAX_SLICE = 16 * 1024, 256 * 1024
 """Bytes per write of a windowed answer: a quarter of the window within these bounds (small on a
 slow link, where one slice is itself queueing delay; large on a fast one, fewer writes)."""
@@ -432,9 +434,12 @@ async def read_acked(
     stall_timeout: float,
     deadline: float,
     on_progress: Callable[[int, int], None] | None = None,
+    settle: float = 0.0,
 ) -> bytes:
     """Read exactly ``n`` body bytes of a windowed answer, acknowledging after every read
-    (the writer waits for the acknowledgement of its last byte)."""
+    (the writer waits for the acknowledgement of its last byte). ``settle`` (seconds): after a
+    read of fewer than :data:`SETTLE_BYTES` with more to come, wait this long before the next, so
+    that bytes arriving a segment at a time are read (and acknowledged) together."""
     loop = asyncio.get_running_loop()
     buf = bytearray(n)
     got = 0
@@ -453,4 +458,6 @@ async def read_acked(
         writer.write(ACK.pack(got))
         if on_progress is not None:
             on_progress(got, n)
+        if settle > 0 and len(piece) < SETTLE_BYTES and got < n:
+            await asyncio.sleep(settle)
     return bytes(buf)

@@ -50,6 +50,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peer-parallel", type=int, default=None, help="requests to one peer at once")
     p.add_argument("--no-exchange", action="store_true", help="old per-chunk RPCs only (A/B)")
     p.add_argument("--no-window", action="store_true", help="unpaced chunk answers only (A/B)")
+    p.add_argument("--direct", action="store_true", help="chunks over direct TCP (swarm.direct)")
     p.add_argument("--dialback-server", action="store_true", help="serve reachability dial-backs")
     p.add_argument(
         "--probe-reachability", default=None, metavar="PEER_ID",
@@ -84,6 +85,8 @@ async def _amain(args: argparse.Namespace) -> int:
         knobs["seed_parallel"] = args.seed_parallel
     if args.peer_parallel:
         knobs["per_peer_parallel"] = args.peer_parallel
+    from swarm.direct import DirectSettings
+
     node = BroadcastNode(
         transport,
         ChunkStore(args.store),
@@ -91,6 +94,7 @@ async def _amain(args: argparse.Namespace) -> int:
         bytes.fromhex(args.coordinator_key),
         config=DownloadConfig(**knobs),
         relay=not args.no_relay,
+        direct=DirectSettings(host=args.host) if args.direct else None,
     )
     if args.corrupt:
         original = node.server.load_chunk
@@ -201,6 +205,11 @@ async def _download(node: object, args: argparse.Namespace) -> None:
         "dht_timeouts": node.announcer.timeouts,
         "cpu_s": time.process_time(),  # this process only (not its DHT process nor p2pd)
     }
+    if node.direct is not None:  # --direct: chunk answers that came over direct connections
+        stats |= {
+            "direct_calls": node.direct.direct_calls,
+            "direct_fallbacks": node.direct.fallbacks,
+        }
     if transfer is not None:
         stats |= {
             "sources": dict(transfer.sources),

@@ -256,6 +256,9 @@ class P2PTransport:
         self.io_timeout = io_timeout
         self._active: defaultdict[tuple[str, str], int] = defaultdict(int)
         self._lingering = 0
+        #: the remote multiaddr of the last stream opened to each peer (``swarm.direct`` dials
+        #: its IP: the address this peer's libp2p connection actually reached)
+        self.remote_addrs: dict[str, str] = {}
 
     @property
     def peer_id(self) -> str:
@@ -302,7 +305,7 @@ class P2PTransport:
         deadline = loop.time() + self.io_timeout
         try:
             args = (caller, name, handler, max_request_bytes, limit, reader, writer, deadline)
-            if await self._answer(*args, windowed=windowed) and self._lingering < _MAX_LINGERING:
+            if await self.answer(*args, windowed=windowed) and self._lingering < _MAX_LINGERING:
                 # Let the caller close first: closing our end while the answer is still in flight
                 # can reset the stream (p2pd tears both directions down) and lose the answer.
                 # The caller's slot is free already; the global cap bounds idle open streams.
@@ -314,7 +317,7 @@ class P2PTransport:
         finally:
             writer.close()
 
-    async def _answer(
+    async def answer(
         self,
         caller: str,
         name: str,
@@ -326,9 +329,11 @@ class P2PTransport:
         deadline: float,
         *,
         windowed: bool = False,
+        request: bytes | None = None,
     ) -> bool:
-        """Read one request and write its answer, holding one of the caller's ``limit`` slots
-        of this method meanwhile; False when the stream failed or timed out first."""
+        """Read one request (unless given: ``request``, read by the caller) and write its
+        answer, holding one of the caller's ``limit`` slots of this method meanwhile; False when
+        the stream failed or timed out first. Also serves :mod:`swarm.direct`'s connections."""
         slot = (name, caller)
         self._active[slot] += 1
         try:
@@ -341,7 +346,7 @@ class P2PTransport:
                 status, body = _ERR, encode_error(*CROWDED)
             else:
                 status, body, unread = await self._handle(
-                    caller, handler, max_request_bytes, reader, deadline
+                    caller, handler, max_request_bytes, reader, deadline, request
                 )
             writer.write(_HEADER.pack(len(body) + 1) + bytes([status]))
             if windowed and status == _OK:  # the caller acknowledges the body as it arrives
@@ -373,13 +378,16 @@ class P2PTransport:
         max_request_bytes: int,
         reader: asyncio.StreamReader,
         deadline: float,
+        request: bytes | None = None,
     ) -> tuple[int, bytes, int]:
-        """(status, body, bytes of the request left unread) for one request."""
-        kw: dict[str, Any] = {"stall_timeout": self.io_timeout, "deadline": deadline}
-        (size,) = _HEADER.unpack(await _read_exactly(reader, _HEADER.size, **kw))
-        if size > max_request_bytes:  # refused on the prefix: the body is never buffered
-            return _ERR, encode_error(*request_too_large(size, max_request_bytes)), size
-        request = await _read_exactly(reader, size, **kw)
+        """(status, body, bytes of the request left unread) for one request (read here unless
+        given)."""
+        if request is None:
+            kw: dict[str, Any] = {"stall_timeout": self.io_timeout, "deadline": deadline}
+            (size,) = _HEADER.unpack(await _read_exactly(reader, _HEADER.size, **kw))
+            if size > max_request_bytes:  # refused on the prefix: the body is never buffered
+                return _ERR, encode_error(*request_too_large(size, max_request_bytes)), size
+            request = await _read_exactly(reader, size, **kw)
         try:
             return _OK, await handler(caller, request), 0
         except Exception as exc:  # answered to the caller, logged here
@@ -416,9 +424,10 @@ class P2PTransport:
         stage, writer = "connect", None
         try:
             pid = PeerID.from_base58(peer_id)
-            _info, reader, writer = await asyncio.wait_for(
+            info, reader, writer = await asyncio.wait_for(
                 self._p2p.call_binary_stream_handler(pid, name), dial
             )
+            self.remote_addrs[peer_id] = str(info.addr)
             stage = "write"
             writer.write(_HEADER.pack(len(request)) + request)
             await asyncio.wait_for(writer.drain(), max(deadline - loop.time(), 0.001))
