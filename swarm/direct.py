@@ -429,6 +429,10 @@ class DirectTransport:
             await self._serve_connection(reader, writer)
         except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
             logger.debug("direct connection ended: %r", exc)
+        except asyncio.CancelledError:
+            # stop() ends the connections so; asyncio's stream protocol reads this task's
+            # exception in a callback, and a cancelled one would be logged there as an error
+            logger.debug("direct connection ended by stop()")
         finally:
             self._conns.discard(task)
             writer.close()

@@ -4,6 +4,7 @@ ticket that binds them to a libp2p peer, and the fall-backs to libp2p."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -220,3 +221,21 @@ async def test_a_peer_that_is_not_dialable_refuses_tickets(
     finally:
         for n in (recv, seed):
             await n.stop()
+
+
+async def test_stopping_with_connections_open_logs_no_error(
+    tmp_path: Path, peers: tuple[SwarmPeer, SwarmPeer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """stop() ends the holder's open connections (here: one idle between calls); none of them
+    may surface as an error in asyncio's stream callback (Python 3.11 logs a cancelled
+    connection handler's CancelledError there, with a traceback)."""
+    a, _b = peers
+    seed, recv, files, _chunks = await broadcast(tmp_path, peers)
+    assert seed.direct is not None
+    assert await recv.download(1, [a.peer_id]) == files
+    assert seed.direct._conns  # the receiver keeps its connections for the next version
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        await seed.stop()
+        await asyncio.sleep(0.2)  # the stream protocol's callbacks run
+    await recv.stop()
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
