@@ -17,7 +17,7 @@ cap: the figures are CPU, not time. Both ends of the hop are measured together:
 Figures are CPU-seconds per GiB moved one hop, medians of ``--repeats`` runs, with the load
 average printed (this machine is shared: other jobs slow p2pd and Python down alike).
 
-    python bench/bulk_cpu.py                       # 256 MiB, 1 MiB chunks, paced and unpaced
+    python bench/bulk_cpu.py                       # 256 MiB, 1 MiB chunks: paced, unpaced, direct
     python bench/bulk_cpu.py --size-mib 64 --repeats 1 --no-report
     python bench/bulk_cpu.py --scaling             # 512 to 8,192 chunks of 128 KiB, paced
 
@@ -89,11 +89,12 @@ def components(chunks: list[bytes], manifest: Any, tmp: Path) -> dict[str, float
     return out
 
 
-async def one_run(args: argparse.Namespace, windowed: bool, tmp: Path) -> dict[str, float]:
+async def one_run(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str, float]:
     from protocol.identity import Identity
     from protocol.manifest import build_manifest, sign_manifest
     from swarm.broadcast import BroadcastNode
     from swarm.chunks import ChunkStore
+    from swarm.direct import DirectSettings
     from swarm.holders import MemoryHolderDirectory
     from swarm.testing import start_loopback_peer
     from swarm.transport import P2PTransport
@@ -110,11 +111,12 @@ async def one_run(args: argparse.Namespace, windowed: bool, tmp: Path) -> dict[s
     a = await start_loopback_peer()
     b = await start_loopback_peer(await a.visible_maddrs())
     directory = MemoryHolderDirectory()
+    direct = DirectSettings(host="127.0.0.1") if mode == "direct" else None
     seed = BroadcastNode(P2PTransport(a.p2p), ChunkStore(tmp / "seed"), directory,
-                         coord.public_key)  # fmt: skip
+                         coord.public_key, direct=direct)  # fmt: skip
     recv = BroadcastNode(P2PTransport(b.p2p), ChunkStore(tmp / "recv"), directory,
-                         coord.public_key)  # fmt: skip
-    if not windowed:
+                         coord.public_key, direct=direct)  # fmt: skip
+    if mode == "unpaced":
         recv.downloader.windowed_exchange = None
     try:
         await seed.start()
@@ -128,6 +130,8 @@ async def one_run(args: argparse.Namespace, windowed: bool, tmp: Path) -> dict[s
         await recv.downloader.fetch_part(got_env, got, [a.peer_id], "full")  # the chunks only
         c1, wall = time.process_time(), time.monotonic() - t0
         cpu1 = tree_cpu(os.getpid())
+        if recv.direct is not None and recv.direct.direct_calls != len(chunks):
+            raise RuntimeError(f"{recv.direct.direct_calls} of {len(chunks)} chunks came direct")
         p2pd_idle = (cpu0["p2pd"] - idle0["p2pd"]) / idle_s
         gib = size / GIB
         out = {
@@ -152,7 +156,7 @@ async def run(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     for _ in range(args.repeats):
         for mode in args.modes:
             with tempfile.TemporaryDirectory(prefix="bench-bulk-cpu-") as d:
-                r = await one_run(args, mode == "paced", Path(d))
+                r = await one_run(args, mode, Path(d))
             results.setdefault(mode, []).append(r)
             print(f"{mode:8s} " + ", ".join(f"{k} {v:.2f}" for k, v in r.items())
                   + f" (load average {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
@@ -160,6 +164,11 @@ async def run(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
 
 
 KEYS = ["total", "p2pd", "python", "hashing", "framing", "copies", "disk", "python other"]
+LABELS = {
+    "paced": "paced (bulk window)",
+    "unpaced": "unpaced",
+    "direct": "paced, direct TCP connection (swarm.direct)",
+}
 
 
 def report(args: argparse.Namespace, results: dict[str, list[dict[str, float]]]) -> str:
@@ -167,7 +176,10 @@ def report(args: argparse.Namespace, results: dict[str, list[dict[str, float]]])
         "## CPU cost of the chunk data path (`bench/bulk_cpu.py`)",
         "",
         "CPU-seconds per GiB moved one hop (both ends together: seed and receiver, each with "
-        "its p2pd), loopback, no link cap; the components of the Python side timed on the same "
+        'its p2pd), loopback, no link cap; "direct": the chunk answers over a direct TCP '
+        "connection instead of a libp2p stream (the ticket over libp2p; the p2pd figure is "
+        "then the daemons' idle upkeep, less the rate measured at rest); the components of the "
+        "Python side timed on the same "
         f"chunks. M = {args.size_mib:g} MiB, {args.chunk_kib:g} KiB chunks; median of "
         f"{args.repeats} run(s); machine: {os.cpu_count()} CPU cores, load average "
         f"{os.getloadavg()[0]:.1f} at the end.",
@@ -177,7 +189,7 @@ def report(args: argparse.Namespace, results: dict[str, list[dict[str, float]]])
     ]
     for mode, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in [*KEYS, "wall_s"]}
-        label = "paced (bulk window)" if mode == "paced" else "unpaced"
+        label = LABELS[mode]
         lines.append(f"| {label} | " + " | ".join(f"{med[k]:.2f}" for k in KEYS)
                      + f" | {med['wall_s']:.1f} |")  # fmt: skip
     lines += ["", f"Command: `{args.command}`"]
@@ -252,8 +264,8 @@ def main() -> None:
     p.add_argument("--size-mib", type=float, default=256.0)
     p.add_argument("--chunk-kib", type=float, default=1024.0)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--modes", nargs="+", default=["paced", "unpaced"],
-                   choices=["paced", "unpaced"])  # fmt: skip
+    p.add_argument("--modes", nargs="+", default=["paced", "unpaced", "direct"],
+                   choices=["paced", "unpaced", "direct"])  # fmt: skip
     p.add_argument("--no-report", action="store_true", help="print only, leave docs/ alone")
     p.add_argument(
         "--scaling", action="store_true", help="512 to 8,192 chunks of 128 KiB; bookkeeping"

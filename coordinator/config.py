@@ -468,6 +468,14 @@ class NetworkSection(_Section):
     upload_rate_mb_s: float | None = Field(
         default=None, gt=0, description="Cap on this peer's checkpoint upload rate (MB/s)"
     )
+    direct_port: int = Field(
+        default=0,
+        ge=-1,
+        le=65535,
+        description="TCP port for direct chunk connections, which carry checkpoint chunks off "
+        "the libp2p daemon, for less CPU (docs/swarm.md, Direct connections); 0 = any "
+        "free port, -1 = off (chunks only over libp2p)",
+    )
     request_timeout_s: float = Field(
         default=30.0,
         gt=0,

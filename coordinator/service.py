@@ -78,6 +78,7 @@ from swarm.adverts import swarm_validators
 from swarm.broadcast import BroadcastNode
 from swarm.chunks import ChunkStore
 from swarm.dht import PeerConfig, SwarmPeer
+from swarm.direct import settings_for
 from swarm.files import atomic_write_text
 from swarm.holders import DhtHolderDirectory
 from swarm.ratelimit import TokenBucket
@@ -192,8 +193,9 @@ class CoordinatorService:
             io_timeout=cfg.network.request_timeout_s,
         )
         broadcast = BroadcastNode(
-            transport, chunks, DhtHolderDirectory(self.peer), self.identity.public_key
-        )
+            transport, chunks, DhtHolderDirectory(self.peer), self.identity.public_key,
+            direct=settings_for([f"/ip4/{cfg.network.host}/tcp/0"], cfg.network.direct_port),
+        )  # fmt: skip
         running.push_async_callback(_quietly(broadcast.stop))
         await broadcast.start()
         # the versions held (fetched from the trainer, T_bcast, spot-check models preloaded)

@@ -75,6 +75,14 @@ class NodeConfig(BaseModel):
     use_auto_relay: bool = Field(
         default=False, description="Behind NAT: find relays and become reachable through them"
     )
+    direct_port: int = Field(
+        default=0,
+        ge=-1,
+        le=65535,
+        description="TCP port for direct chunk connections, which carry checkpoint chunks off "
+        "the libp2p daemon, for less CPU (docs/swarm.md, Direct connections); 0 = any "
+        "free port, -1 = off (chunks only over libp2p)",
+    )
     # --- inference -------------------------------------------------------------------------------
     backend: Literal["auto", "hf", "vllm", "fake"] = Field(
         default="auto", description="Inference backend: auto, hf, vllm (fake: tests only)"

@@ -136,7 +136,9 @@ class NodeWorker:
         from node.work import WorkLoop
         from swarm.broadcast import BroadcastNode
         from swarm.chunks import ChunkStore
+        from swarm.direct import settings_for
         from swarm.fetcher import DownloadConfig
+        from swarm.transport import P2PTransport
 
         cfg = self.config
         state = Path(cfg.state_dir)
@@ -145,6 +147,7 @@ class NodeWorker:
             await self._start_peer(state)
         assert self._transport is not None and self._directory is not None
         self.advert.peer_id = self._transport.peer_id
+        on_libp2p = isinstance(self._transport, P2PTransport)
         broadcast = self.broadcast = BroadcastNode(
             self._transport,
             ChunkStore(state / "checkpoints", keep_versions=cfg.keep_versions),
@@ -153,6 +156,7 @@ class NodeWorker:
             config=DownloadConfig(
                 deadline=cfg.download_timeout_s, reserve_bytes=cfg.min_free_disk_mb << 20
             ),
+            direct=settings_for(cfg.host_maddrs, cfg.direct_port) if on_libp2p else None,
         )
         if self.peer is not None:  # a real network: holdings announced only once measured
             broadcast.dialable = False

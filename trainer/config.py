@@ -302,6 +302,14 @@ class TrainerConfig(BaseModel):
         "optimizer): bf16 halves the bytes and leaves most weights bit-identical from one "
         "version to the next, so versions travel as small deltas.",
     )
+    direct_port: int = Field(
+        0,
+        ge=-1,
+        le=65535,
+        description="TCP port for direct chunk connections, which carry checkpoint chunks off "
+        "the libp2p daemon, for less CPU (docs/swarm.md, Direct connections); 0 = any "
+        "free port, -1 = off (chunks only over libp2p).",
+    )
     keyframe_every: int = Field(
         0,
         ge=0,

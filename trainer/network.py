@@ -107,6 +107,7 @@ async def run_trainer(
     from swarm.broadcast import BroadcastNode
     from swarm.chunks import ChunkStore
     from swarm.dht import PeerConfig, SwarmPeer
+    from swarm.direct import settings_for
     from swarm.errors import SwarmError
     from swarm.holders import DhtHolderDirectory
     from swarm.transport import P2PTransport
@@ -156,6 +157,7 @@ async def run_trainer(
             ChunkStore(state_dir / "seed", keep_versions=2 * config.max_staleness + 4),
             DhtHolderDirectory(peer),
             pinned_key,
+            direct=settings_for(PeerConfig().host_maddrs, config.direct_port),
         )
         broadcast.dialable = False  # announced as a holder only once a dial-back says so
         await broadcast.start()
