@@ -46,7 +46,6 @@ from msgspec import Meta
 from protocol.codec import decode, encode
 from protocol.errors import ProtocolError
 from protocol.schema import U32, MessageBase
-from swarm.bulkwindow import read_acked
 from swarm.errors import DialFailed, PeerUnreachable, RemoteError, RpcTimeout, TransportError
 from swarm.transport import (
     _HEADER,
@@ -59,6 +58,7 @@ from swarm.transport import (
     ProgressFn,
     _read_exactly,
     decode_error,
+    read_answer,
 )
 
 logger = logging.getLogger(__name__)
@@ -354,14 +354,11 @@ class DirectTransport:
             await asyncio.wait_for(writer.drain(), max(deadline - loop.time(), 0.001))
             (size,) = _HEADER.unpack(await _read_exactly(reader, _HEADER.size, **rk))
             got_answer = True
-            if size == 0 or size > kw["max_response_bytes"] + 1:
-                raise PeerUnreachable(f"{name}: bad response size {size} from {peer_id[:16]}...")
-            status = (await _read_exactly(reader, 1, **rk))[0]
-            if status == _OK:
-                body = await read_acked(reader, writer, size - 1, on_progress=kw["on_progress"],
-                                        settle=self.settle, **rk)  # fmt: skip
-            else:
-                body = await _read_exactly(reader, size - 1, **rk)
+            status, body = await read_answer(
+                reader, writer, size, f"{name} from {peer_id[:16]}... (direct)",
+                max_response_bytes=kw["max_response_bytes"], windowed=True,
+                on_progress=kw["on_progress"], settle=self.settle, **rk,
+            )  # fmt: skip
             keep = True
         except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
             if not got_answer and reused:

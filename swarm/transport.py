@@ -234,6 +234,34 @@ async def write_sliced(
             raise TimeoutError(f"the reader took {len(data)} bytes slower than {MIN_READ_BPS} B/s")
 
 
+async def read_answer(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    size: int,
+    what: str,
+    *,
+    max_response_bytes: int,
+    windowed: bool,
+    on_progress: ProgressFn | None,
+    stall_timeout: float,
+    deadline: float,
+    settle: float = 0.0,
+) -> tuple[int, bytes]:
+    """(status, body) of an answer frame whose length prefix ``size`` the caller read; a
+    windowed OK body is acknowledged as it arrives (``read_acked``, with its ``settle``)."""
+    kw: dict[str, Any] = {"stall_timeout": stall_timeout, "deadline": deadline}
+    if size == 0 or size > max_response_bytes + 1:
+        raise PeerUnreachable(f"bad response size {size}: {what}")
+    status = (await _read_exactly(reader, 1, **kw))[0]
+    if status == _OK and windowed:
+        body = await read_acked(reader, writer, size - 1, on_progress=on_progress,
+                                settle=settle, **kw)  # fmt: skip
+    else:
+        prog = on_progress if status == _OK else None
+        body = await _read_exactly(reader, size - 1, on_progress=prog, **kw)
+    return status, body
+
+
 class P2PTransport:
     """RPC over a hivemind ``P2P`` handle (see :attr:`swarm.dht.SwarmPeer.p2p`)."""
 
@@ -434,14 +462,11 @@ class P2PTransport:
             stage = "read"
             kw: dict[str, Any] = {"stall_timeout": stall, "deadline": deadline}
             (size,) = _HEADER.unpack(await _read_exactly(reader, _HEADER.size, **kw))
-            if size == 0 or size > max_response_bytes + 1:
-                raise PeerUnreachable(f"{name}: bad response size {size} from {peer_id[:16]}...")
-            status = (await _read_exactly(reader, 1, **kw))[0]
-            if status == _OK and windowed:
-                body = await read_acked(reader, writer, size - 1, on_progress=on_progress, **kw)
-            else:
-                prog = on_progress if status == _OK else None
-                body = await _read_exactly(reader, size - 1, on_progress=prog, **kw)
+            status, body = await read_answer(
+                reader, writer, size, f"{name} from {peer_id[:16]}...",
+                max_response_bytes=max_response_bytes, windowed=windowed,
+                on_progress=on_progress, **kw,
+            )  # fmt: skip
         except Exception as exc:
             raise _translate(exc, peer_id, name, stage) from exc
         finally:
