@@ -364,8 +364,12 @@ class DirectTransport:
             if not got_answer and reused:
                 # the holder closed an idle connection as we took it: not the request's fault
                 writer.close()
-                fresh = await self._connection(peer_id, kw["timeout"], kw["connect_timeout"])
-                return await self._call_direct(peer_id, fresh, name, request, **kw)
+                try:
+                    fresh = await self._connection(peer_id, kw["timeout"], kw["connect_timeout"])
+                except (TransportError, ProtocolError):
+                    pass  # no direct path any more: over libp2p, below
+                else:
+                    return await self._call_direct(peer_id, fresh, name, request, **kw)
             if not got_answer:  # the ticket or the dial failed: not a direct path
                 self.fallbacks += 1
                 self._tickets.pop(peer_id, None)
@@ -450,8 +454,9 @@ class DirectTransport:
             self.refused += 1
             logger.debug("direct connection without a ticket (%r): closed", exc)
             return
-        self._expire(self.clock())
         issued = self._issued.get(ticket)
+        if issued is not None and issued[1] <= self.clock():  # expired (dropped on the next ask)
+            issued = None
         if issued is None:
             self.refused += 1
             logger.debug("direct connection with an unknown or expired ticket: closed")

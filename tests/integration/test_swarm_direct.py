@@ -20,7 +20,7 @@ from swarm import keys
 from swarm.broadcast import EXCHANGE_WINDOWED_RPC, BroadcastNode
 from swarm.chunks import ChunkStore
 from swarm.dht import SwarmPeer
-from swarm.direct import TICKET_BYTES, DirectSettings
+from swarm.direct import TICKET_BYTES, DirectSettings, _Pool
 from swarm.holders import MemoryHolderDirectory
 from swarm.testing import start_loopback_peer
 from swarm.transport import _HEADER, P2PTransport
@@ -239,3 +239,44 @@ async def test_stopping_with_connections_open_logs_no_error(
         await asyncio.sleep(0.2)  # the stream protocol's callbacks run
     await recv.stop()
     assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+
+
+async def test_a_closed_connection_whose_port_is_gone_falls_back_to_libp2p(
+    tmp_path: Path, peers: tuple[SwarmPeer, SwarmPeer]
+) -> None:
+    """A kept connection that turns out closed at its first read (the holder closed it as the
+    asker took it), and the holder's direct port is gone too: the asker cannot dial a new one
+    and asks over libp2p instead of failing the request."""
+    a, _b = peers
+    seed, recv, files, chunks = await broadcast(tmp_path, peers)
+    seed_t, recv_t = seed.direct, recv.direct
+    assert seed_t is not None and recv_t is not None and seed_t._server is not None
+    try:
+        assert await recv.download(1, [a.peer_id]) == files
+        seed_t._server.close()  # no new direct connections
+        await seed_t._server.wait_closed()
+        dead = asyncio.StreamReader()  # alive when taken, end of stream at the first read
+
+        class ClosedByTheHolder:
+            def write(self, data: bytes) -> None:
+                asyncio.get_running_loop().call_soon(dead.feed_eof)
+
+            async def drain(self) -> None:
+                return None
+
+            def close(self) -> None:
+                return None
+
+            def is_closing(self) -> bool:
+                return False
+
+        recv_t._pools[a.peer_id] = _Pool(idle=[(dead, ClosedByTheHolder(), recv_t.clock())])  # type: ignore[list-item]
+        request = ExchangeRequest(version=1, wanted=keys.bitmap_from_indices({5}, len(chunks)),
+                                  have=b"", dialable=True)  # fmt: skip
+        raw = await recv_t.call(a.peer_id, EXCHANGE_WINDOWED_RPC, encode(request), windowed=True,
+                                max_response_bytes=1 << 20)  # fmt: skip
+        assert decode(raw, ExchangeReply).data == chunks[5]
+        assert recv_t.direct_calls == len(chunks) and recv_t.fallbacks == 1
+    finally:
+        for n in (recv, seed):
+            await n.stop()
