@@ -199,10 +199,6 @@ class DirectTransport:
     def peer_id(self) -> str:
         return self.inner.peer_id
 
-    @property
-    def bulk_window(self) -> Any:
-        return self.inner.bulk_window
-
     async def start(self) -> None:
         """Listen on the direct port and answer ticket requests (when serving)."""
         if not self.serve or self._server is not None:
